@@ -1,0 +1,97 @@
+"""OrthrosAttention: shared Q/K/V/O projections, per-stream scale-offset (SO).
+
+The base stream (every position) makes queries, keys and values and attends
+with a sliding window (`attention="orthros"` / `"swa"`) or causally
+(`"full"`). The output stream (output positions only) makes queries only and
+attends to the whole KV cache. Both streams go through one `q_proj` and one
+`o_proj` call (rows concatenated), as one batched GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import attention
+from .mlp import RMSNorm
+from .rope import apply_rope
+
+
+def rows(fn, a: torch.Tensor | None, b: torch.Tensor | None):
+    """Apply a row-wise `fn` to two [B, *, C] tensors in one call (concatenated on dim 1)."""
+    if a is None or b is None:
+        return (None if a is None else fn(a)), (None if b is None else fn(b))
+    out = fn(torch.cat([a, b], dim=1))
+    return out[:, : a.shape[1]], out[:, a.shape[1]:]
+
+
+class OrthrosAttention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.backend = c.attn_backend
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        # SO exists only where there are two streams to tell apart.
+        self.scale_offset = c.attention == "orthros" and c.scale_offset
+        if self.scale_offset:
+            n = self.n_heads * self.head_dim
+            self.so_alpha = nn.Parameter(torch.ones(n))
+            self.so_beta = nn.Parameter(torch.zeros(n))
+            self.so_alpha_out = nn.Parameter(torch.ones(n))
+            self.so_beta_out = nn.Parameter(torch.zeros(n))
+        self.base_window = None if c.attention == "full" else c.window_size
+        self.out_window = c.window_size if c.attention == "swa" else None
+
+    def _queries(self, q, stream: str, cos, sin):
+        """q: [B, M, H*D] raw projection -> SO -> heads -> q-norm -> RoPE: [B, M, H, D]."""
+        if self.scale_offset:
+            if stream == "base":
+                q = q * self.so_alpha + self.so_beta
+            else:
+                q = q * self.so_alpha_out + self.so_beta_out
+        q = q.unflatten(-1, (self.n_heads, self.head_dim))
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False):
+        """
+        Args:
+            xb: [B, T, C] normed base stream (always needed: it makes K/V).
+            xo: [B, N, C] normed output stream, or None.
+            layout: the batch's `Layout` (slots, documents, positions).
+            rope_base / rope_out: (cos, sin) at base / output positions.
+            cache: an `OrthrosCache` to append K/V to and read the past from.
+            skip_base: compute K/V only (the last layer's base stream is never read).
+        Returns:
+            (ob [B, T, C] or None, oo [B, N, C] or None)
+        """
+        B, T, _ = xb.shape
+        qb, qo = rows(self.q_proj, None if skip_base else xb, xo)
+        k = self.k_proj(xb).unflatten(-1, (self.n_kv, self.head_dim))
+        v = self.v_proj(xb).unflatten(-1, (self.n_kv, self.head_dim))
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, *rope_base)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        ob = oo = None
+        if qb is not None:
+            qb = self._queries(qb, "base", *rope_base)
+            ob = attention(qb, k, v, layout.base_slot, layout.base_doc, layout.key_doc,
+                           window=self.base_window, backend=self.backend).flatten(2)
+        if qo is not None:
+            qo = self._queries(qo, "out", *rope_out)
+            oo = attention(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
+                           window=self.out_window, backend=self.backend).flatten(2)
+        return rows(self.o_proj, ob, oo)

@@ -1,0 +1,89 @@
+"""Layout: where every token of a forward call sits.
+
+Computed once per forward from the inputs and the cache, then read by every
+layer. Slots index the key axis (the cache), positions drive RoPE,
+documents stop attention across packed sequences and padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.masks import NO_QUERY_DOC, PAD_DOC
+
+
+@dataclass
+class Layout:
+    base_slot: torch.Tensor  # [1, T] key-axis index of each new token
+    base_pos: torch.Tensor  # [B, T] RoPE position
+    base_doc: torch.Tensor  # [B, T] document id (PAD_DOC for padding)
+    key_doc: torch.Tensor  # [B, S] document id of every key (cache + new)
+    out_idx: torch.Tensor  # [B, N] output positions, indices into 0..T-1 (0 where invalid)
+    out_valid: torch.Tensor  # [B, N] bool
+    out_slot: torch.Tensor  # [B, N]
+    out_pos: torch.Tensor  # [B, N]
+    out_doc: torch.Tensor  # [B, N] (NO_QUERY_DOC where invalid: sees nothing)
+    count: torch.Tensor  # [B] real tokens seen after this call
+    last_doc: torch.Tensor  # [B] current document after this call
+
+
+def pad_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool [B, T] -> (idx [B, N], valid [B, N]): each row's True positions, left-aligned."""
+    B, T = mask.shape
+    n = int(mask.sum(1).max()) if mask.numel() else 0
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices[:, :n]
+    valid = torch.arange(n, device=mask.device)[None, :] < mask.sum(1, keepdim=True)
+    return torch.where(valid, order, torch.zeros_like(order)), valid
+
+
+def build_layout(
+    B: int,
+    T: int,
+    device: torch.device,
+    out_idx: torch.Tensor,
+    out_valid: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cache=None,
+) -> Layout:
+    """See `Layout`. `attention_mask` is [B, T] or [B, past + T] (1 = real token).
+
+    Packed sequences follow transformers' flattening convention: a position
+    id of 0 starts a new document.
+    """
+    past = 0 if cache is None else cache.get_seq_length()
+    valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask[:, -T:].bool()
+    if past:
+        count0, doc0 = cache.count, cache.last_doc
+    else:
+        count0 = torch.zeros(B, dtype=torch.long, device=device)
+        doc0 = torch.full((B,), -1, dtype=torch.long, device=device)
+    if position_ids is None:
+        pos = (count0[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
+        doc = torch.where(valid, doc0.clamp_min(0)[:, None].expand(B, T), PAD_DOC)
+    else:
+        pos = position_ids.long().expand(B, T)
+        starts = pos == 0
+        if not past:
+            starts[:, 0] = True
+        doc = doc0[:, None] + starts.long().cumsum(1)
+        doc = torch.where(valid, doc, PAD_DOC)
+    real_docs = torch.where(valid, doc, -1)
+    last_doc = torch.maximum(doc0, real_docs.amax(1)) if T else doc0
+    key_doc = doc if not past else torch.cat([cache.key_doc, doc], dim=1)
+    base_slot = (past + torch.arange(T, device=device))[None, :]
+    return Layout(
+        base_slot=base_slot,
+        base_pos=pos,
+        base_doc=doc,
+        key_doc=key_doc,
+        out_idx=out_idx,
+        out_valid=out_valid,
+        out_slot=past + out_idx,
+        out_pos=pos.gather(1, out_idx),
+        out_doc=torch.where(out_valid, doc.gather(1, out_idx), NO_QUERY_DOC),
+        count=count0 + valid.long().sum(1),
+        last_doc=last_doc,
+    )

@@ -1,0 +1,254 @@
+"""OrthrosForCausalLM: two residual streams through one stack of blocks.
+
+    embeddings ──► base stream  x_1..x_T   (SWA; makes each layer's K/V)
+               └─► output stream x'_t      (t in output positions; queries only,
+                                            full causal cross-attention to K/V)
+    final norm + LM head on the output stream only.
+
+The same code builds the paper's baselines: `attention="full"` (causal
+transformer) and `"swa"` (sliding window only). For those the "output
+stream" is just the last layer evaluated at the output positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..layers.attention import OrthrosAttention, rows
+from ..layers.mlp import RMSNorm, SwiGLU
+from ..layers.rope import RotaryEmbedding, rope_inv_freq
+from .cache import OrthrosCache
+from .config import OrthrosConfig
+from .layout import Layout, build_layout, pad_rows
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class OrthrosOutput(CausalLMOutputWithPast):
+    """`logits` are [B, N, V] at the output positions; `output_positions` [B, N]
+    gives each one's index in the input (-1 where a row has fewer than N)."""
+
+    output_positions: torch.LongTensor | None = None
+
+
+class OrthrosBlock(nn.Module):
+    def __init__(self, config: OrthrosConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = OrthrosAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hb, ho, layout, rope_base, rope_out, cache=None, last: bool = False):
+        """hb: [B, T, C] base stream; ho: [B, N, C] output stream or None.
+        In the last layer the base stream only makes K/V; its output is None."""
+        xb = self.input_layernorm(hb)
+        xo = None if ho is None else self.input_layernorm(ho)
+        ab, ao = self.self_attn(xb, xo, layout, rope_base, rope_out, cache, skip_base=last)
+        hb = None if last else hb + ab
+        ho = None if ho is None else ho + ao
+        mb, mo = rows(lambda x: self.mlp(self.post_attention_layernorm(x)), hb, ho)
+        return (None if hb is None else hb + mb), (None if ho is None else ho + mo)
+
+
+class OrthrosPreTrainedModel(PreTrainedModel):
+    config_class = OrthrosConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["OrthrosBlock"]
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)  # Linear / Embedding normal(0, std), norms to 1
+        if isinstance(module, OrthrosAttention) and module.scale_offset:
+            for name in ("so_alpha", "so_alpha_out"):
+                init.ones_(getattr(module, name))
+            for name in ("so_beta", "so_beta_out"):
+                init.zeros_(getattr(module, name))
+        elif isinstance(module, RotaryEmbedding):  # a non-persistent buffer: rebuilt after meta init
+            init.copy_(module.inv_freq, rope_inv_freq(*module.spec))
+
+
+class OrthrosModel(OrthrosPreTrainedModel):
+    """Embeddings and blocks; returns the final-normed output stream [B, N, C]."""
+
+    def __init__(self, config: OrthrosConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(OrthrosBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        rs = config.rope_scaling
+        if rs is not None and rs.get("rope_type", rs.get("type", "default")) == "default":
+            rs = None
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, rs)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, inputs_embeds: torch.Tensor, layout: Layout, cache: OrthrosCache | None = None):
+        """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C]."""
+        dtype = inputs_embeds.dtype
+        rope_base = self.rotary(layout.base_pos, dtype)
+        rope_out = self.rotary(layout.out_pos, dtype)
+        hb = inputs_embeds
+        gather = lambda h: h.gather(1, layout.out_idx[..., None].expand(-1, -1, h.shape[-1]))
+        two_streams = self.config.has_output_stream
+        ho = gather(hb) if two_streams else None
+        L = len(self.layers)
+        for i, block in enumerate(self.layers):
+            last = i == L - 1
+            if last and not two_streams:
+                ho = gather(hb)  # baselines: the last layer runs at the output positions only
+            args = (hb, ho, layout, rope_base, rope_out, cache, last)
+            if self.gradient_checkpointing and self.training and cache is None:
+                hb, ho = checkpoint(block, *args, use_reentrant=False)
+            else:
+                hb, ho = block(*args)
+        return self.norm(ho)
+
+
+class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: OrthrosConfig):
+        super().__init__(config)
+        self.model = OrthrosModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def new_cache(self) -> OrthrosCache:
+        return OrthrosCache(self.config.num_hidden_layers)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: OrthrosCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        **unused,
+    ) -> OrthrosOutput:
+        """
+        Args:
+            input_ids: [B, T] token ids (or `inputs_embeds` [B, T, C]).
+            attention_mask: [B, T] or [B, past + T]; 0 marks padding (left or right).
+            position_ids: [B, T]; a 0 inside a row starts a new packed document.
+            past_key_values: an `OrthrosCache` (created when `use_cache` and absent).
+            labels: [B, T] next-token targets, shifted inside; -100 = no loss.
+            logits_to_keep: which positions are output positions —
+                0: all (pre-training), or, when `labels` are given, those whose
+                next-token label is not -100 (SFT); k > 0: the last k (k=1 is
+                prefill); a 1-D index tensor; a [B, T] bool mask; or a [B, N]
+                index tensor padded with -1.
+        """
+        ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
+        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels, past_key_values)
+        B, T = ids_or_embeds.shape[:2]
+        device = ids_or_embeds.device
+        cache = past_key_values
+        if cache is None and (use_cache if use_cache is not None else (self.config.use_cache and not self.training)):
+            cache = self.new_cache()
+        out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)
+        layout = build_layout(B, T, device, out_idx, out_valid, attention_mask, position_ids, cache)
+        if cache is not None:
+            cache.append_tokens(layout.base_doc, layout.count, layout.last_doc)
+        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = self.model(embeds, layout, cache)
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            nxt = (out_idx + 1).clamp_max(T - 1)
+            target = torch.where(out_valid & (out_idx + 1 < T), labels.gather(1, nxt), IGNORE_INDEX)
+            loss = lm_loss(logits, target, num_items_in_batch)
+        positions = torch.where(out_valid, out_idx, -1)
+        return OrthrosOutput(loss=loss, logits=logits, past_key_values=cache, output_positions=positions)
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor, num_items: int | torch.Tensor | None = None):
+    """Mean cross-entropy over targets != -100; 0 (with a graph) when there are none."""
+    total = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    n = (target != IGNORE_INDEX).sum() if num_items is None else num_items
+    return total / (n.clamp_min(1) if torch.is_tensor(n) else max(n, 1))
+
+
+def select_outputs(B: int, T: int, device, labels=None, logits_to_keep: int | torch.Tensor = 0):
+    """The output positions of a call as (idx [B, N], valid [B, N]); see `forward`."""
+    if torch.is_tensor(logits_to_keep):
+        sel = logits_to_keep.to(device)
+        if sel.dtype == torch.bool:
+            if sel.shape != (B, T):
+                raise ValueError(f"logits_to_keep as a bool mask must have shape {(B, T)}, got {tuple(sel.shape)}")
+            return pad_rows(sel)
+        sel = sel.long()
+        if sel.dim() == 1:
+            sel = sel[None].expand(B, -1)
+        if sel.dim() != 2 or sel.shape[0] != B:
+            raise ValueError(f"logits_to_keep index tensor must be [N] or [{B}, N], got {tuple(sel.shape)}")
+        if sel.numel() and (sel.max() >= T or sel.min() < -1):
+            raise ValueError(f"logits_to_keep indices must lie in [0, {T}) (-1 = none); got {sel.min()}..{sel.max()}")
+        valid = sel >= 0
+        return sel.clamp_min(0), valid
+    k = int(logits_to_keep)
+    if k < 0:
+        raise ValueError(f"logits_to_keep must be >= 0, got {k}")
+    if k == 0 and labels is not None:
+        nxt = torch.zeros(B, T, dtype=torch.bool, device=device)
+        nxt[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+        return pad_rows(nxt)
+    k = T if k == 0 else min(k, T)
+    idx = torch.arange(T - k, T, device=device)[None].expand(B, -1)
+    return idx, torch.ones_like(idx, dtype=torch.bool)
+
+
+def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, labels, cache):
+    """Clear errors for user mistakes instead of an index error deep in a kernel."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    x = input_ids if input_ids is not None else inputs_embeds
+    if input_ids is not None:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
+    elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+        raise ValueError(f"inputs_embeds must be [batch, seq, {config.hidden_size}], got {tuple(inputs_embeds.shape)}")
+    B, T = x.shape[:2]
+    if B == 0 or T == 0:
+        raise ValueError(f"empty input: shape {tuple(x.shape)}; need at least one sequence of one token")
+    if input_ids is not None and not torch.compiler.is_compiling():
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {config.vocab_size}); got range [{lo}, {hi}]")
+    past = 0 if cache is None else cache.get_seq_length()
+    if cache is not None and past and cache.batch_size != B:
+        raise ValueError(f"batch size {B} does not match the cache's {cache.batch_size}")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
+                                       or attention_mask.shape[1] not in (T, past + T)):
+        want = f"[{B}, {T}]" + (f" or [{B}, {past + T}]" if past else "")
+        raise ValueError(f"attention_mask must be {want}, got {tuple(attention_mask.shape)}")
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != T
+                                     or position_ids.shape[0] not in (1, B)):
+        raise ValueError(f"position_ids must be [{B}, {T}], got {tuple(position_ids.shape)}")
+    if labels is not None and tuple(labels.shape) != (B, T):
+        raise ValueError(f"labels must be [{B}, {T}] like input_ids, got {tuple(labels.shape)}")
