@@ -2,8 +2,8 @@
 
 Sliding-window caches evict old keys; Orthros cannot, because each output
 token reads the whole cache. Besides K/V the cache keeps, per slot, the
-document id of the token (padding = -1) and, per row, the count of real
-tokens seen (the next RoPE position) and the current document id.
+document id of the token (padding = -1) and, per row, the next RoPE
+position and the current document id.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class OrthrosCache:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.key_doc: torch.Tensor | None = None  # [B, S]
-        self.count: torch.Tensor | None = None  # [B] real tokens seen
+        self.next_pos: torch.Tensor | None = None  # [B] RoPE position of the next token
         self.last_doc: torch.Tensor | None = None  # [B]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -27,10 +27,10 @@ class OrthrosCache:
     def batch_size(self) -> int | None:
         return None if self.key_doc is None else self.key_doc.shape[0]
 
-    def append_tokens(self, doc: torch.Tensor, count: torch.Tensor, last_doc: torch.Tensor) -> None:
+    def append_tokens(self, doc: torch.Tensor, next_pos: torch.Tensor, last_doc: torch.Tensor) -> None:
         """Record the new slots' documents [B, T] and the rows' running state."""
         self.key_doc = doc if self.key_doc is None else torch.cat([self.key_doc, doc], dim=1)
-        self.count, self.last_doc = count, last_doc
+        self.next_pos, self.last_doc = next_pos, last_doc
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
         """Append k, v [B, T, Hkv, D]; return the layer's whole cache [B, S, Hkv, D]."""
@@ -45,7 +45,7 @@ class OrthrosCache:
         for i, k in enumerate(self.keys):
             if k is not None:
                 self.keys[i], self.values[i] = k[index], self.values[i][index]
-        for name in ("key_doc", "count", "last_doc"):
+        for name in ("key_doc", "next_pos", "last_doc"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t[index])

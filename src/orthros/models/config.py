@@ -84,6 +84,7 @@ class OrthrosConfig(PreTrainedConfig):
         self.scale_offset = scale_offset
         self.attn_backend = attn_backend
         self.use_cache = use_cache
+        self.validate()  # before transformers' own checks, so errors name our fields
         super().__init__(
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
@@ -91,7 +92,6 @@ class OrthrosConfig(PreTrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.validate()
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:

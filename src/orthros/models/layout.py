@@ -25,7 +25,7 @@ class Layout:
     out_slot: torch.Tensor  # [B, N]
     out_pos: torch.Tensor  # [B, N]
     out_doc: torch.Tensor  # [B, N] (NO_QUERY_DOC where invalid: sees nothing)
-    count: torch.Tensor  # [B] real tokens seen after this call
+    next_pos: torch.Tensor  # [B] RoPE position of the next token after this call
     last_doc: torch.Tensor  # [B] current document after this call
 
 
@@ -56,12 +56,12 @@ def build_layout(
     past = 0 if cache is None else cache.get_seq_length()
     valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask[:, -T:].bool()
     if past:
-        count0, doc0 = cache.count, cache.last_doc
+        pos0, doc0 = cache.next_pos, cache.last_doc
     else:
-        count0 = torch.zeros(B, dtype=torch.long, device=device)
+        pos0 = torch.zeros(B, dtype=torch.long, device=device)
         doc0 = torch.full((B,), -1, dtype=torch.long, device=device)
     if position_ids is None:
-        pos = (count0[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
+        pos = (pos0[:, None] + valid.long().cumsum(1) - 1).clamp_min(0)
         doc = torch.where(valid, doc0.clamp_min(0)[:, None].expand(B, T), PAD_DOC)
     else:
         pos = position_ids.long().expand(B, T)
@@ -70,6 +70,8 @@ def build_layout(
             starts[:, 0] = True
         doc = doc0[:, None] + starts.long().cumsum(1)
         doc = torch.where(valid, doc, PAD_DOC)
+    last_real = T - 1 - valid.flip(1).int().argmax(1)  # index of each row's last real token
+    next_pos = torch.where(valid.any(1), pos.gather(1, last_real[:, None]).squeeze(1) + 1, pos0)
     real_docs = torch.where(valid, doc, -1)
     last_doc = torch.maximum(doc0, real_docs.amax(1)) if T else doc0
     key_doc = doc if not past else torch.cat([cache.key_doc, doc], dim=1)
@@ -84,6 +86,6 @@ def build_layout(
         out_slot=past + out_idx,
         out_pos=pos.gather(1, out_idx),
         out_doc=torch.where(out_valid, doc.gather(1, out_idx), NO_QUERY_DOC),
-        count=count0 + valid.long().sum(1),
+        next_pos=next_pos,
         last_doc=last_doc,
     )

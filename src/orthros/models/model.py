@@ -172,7 +172,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)
         layout = build_layout(B, T, device, out_idx, out_valid, attention_mask, position_ids, cache)
         if cache is not None:
-            cache.append_tokens(layout.base_doc, layout.count, layout.last_doc)
+            cache.append_tokens(layout.base_doc, layout.next_pos, layout.last_doc)
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         h = self.model(embeds, layout, cache)
         logits = self.lm_head(h)

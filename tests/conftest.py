@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from orthros import OrthrosConfig, OrthrosForCausalLM
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def make_model(attention="orthros", window=16, perturb_so=True, seed=0, **overrides) -> OrthrosForCausalLM:
+    """A tiny fp32 model on the test device; SO moved off identity so it is exercised."""
+    torch.manual_seed(seed)
+    cfg = OrthrosConfig.from_name("tiny", attention=attention, window_size=window, **overrides)
+    model = OrthrosForCausalLM(cfg).to(DEVICE).eval()
+    if perturb_so and attention == "orthros" and cfg.scale_offset:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "so_" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """fla-style relative RMS error; NaN never passes."""
+    a, b = a.double(), b.double()
+    err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert err == err, "NaN in comparison"
+    return err

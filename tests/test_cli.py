@@ -1,0 +1,25 @@
+"""The command line: the demo trains, saves and generates; user mistakes are one-line errors."""
+
+import subprocess
+import sys
+
+
+def orthros(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "orthros", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_demo_then_generate_from_saved_model(tmp_path):
+    out = tmp_path / "demo"
+    r = orthros("demo", "--seconds", "3", "--seq-len", "64", "--batch-size", "2", "--max-new-tokens", "5",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    r = orthros("generate", str(out), "--prompt", "import os", "--max-new-tokens", "4", "--seed", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("import os")
+
+
+def test_generate_from_missing_directory_is_a_clear_error(tmp_path):
+    r = orthros("generate", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2
+    assert "not a model directory" in r.stderr and "Traceback" not in r.stderr
