@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -136,6 +136,18 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
     def new_cache(self) -> OrthrosCache:
         return OrthrosCache(self.config.num_hidden_layers)
 
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """transformers' `generate()` hook: give it an `OrthrosCache` (every position of
+        every layer) instead of its default DynamicCache / sliding / static caches."""
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            impl = generation_config.cache_implementation
+            if impl not in (None, "dynamic"):
+                raise ValueError(f"cache_implementation={impl!r} is not supported: Orthros generates with an "
+                                 "OrthrosCache, which keeps every position (leave cache_implementation unset)")
+            model_kwargs["past_key_values"] = self.new_cache()
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -163,6 +175,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
                 index tensor padded with -1.
         """
         ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
+        past_key_values = _own_cache(past_key_values, self)
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels, past_key_values)
         B, T = ids_or_embeds.shape[:2]
         device = ids_or_embeds.device
@@ -219,6 +232,16 @@ def select_outputs(B: int, T: int, device, labels=None, logits_to_keep: int | to
     k = T if k == 0 else min(k, T)
     idx = torch.arange(T - k, T, device=device)[None].expand(B, -1)
     return idx, torch.ones_like(idx, dtype=torch.bool)
+
+
+def _own_cache(cache, model):
+    """An empty transformers Cache of another kind (e.g. a DynamicCache made by a
+    transformers utility) becomes an OrthrosCache; a filled one is an error."""
+    if cache is None or isinstance(cache, OrthrosCache):
+        return cache
+    if isinstance(cache, Cache) and cache.get_seq_length() == 0:
+        return model.new_cache()
+    raise ValueError(f"past_key_values must be an OrthrosCache (model.new_cache()), got {type(cache).__name__}")
 
 
 def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, labels, cache):
