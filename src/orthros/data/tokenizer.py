@@ -33,3 +33,52 @@ def load_tokenizer(model_dir: str | Path, vocab_size: int | None = None):
     if vocab_size == 256:
         return ByteTokenizer()
     raise FileNotFoundError(f"no tokenizer files in {d} and the vocabulary ({vocab_size}) is not byte-level")
+
+
+# ---------------------------------------------------------------- trained BPE
+EOS, PAD, IM_START, IM_END = "<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [EOS, PAD, IM_START, IM_END]
+# ChatML: the template saved with every BPE trained here, so SFT on `messages` works out of the box.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_bpe(texts, vocab_size: int):
+    """A byte-level BPE trained on `texts` (an iterable of str), as an HF fast tokenizer.
+
+    Byte-level: every string encodes (no unknown token). Saved with
+    `save_pretrained`, it loads with `AutoTokenizer.from_pretrained`.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    floor = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < floor:
+        raise ValueError(f"data.vocab_size must be >= {floor} for a byte-level BPE, got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=[IM_START, IM_END], chat_template=CHATML_TEMPLATE)
+
+
+def encode(tok, text: str) -> list[int]:
+    """Token ids of `text` without special tokens added (BOS/EOS are placed by the caller)."""
+    if isinstance(tok, ByteTokenizer):
+        return tok.encode(text)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_batch(tok, texts: list[str]) -> list[list[int]]:
+    if isinstance(tok, ByteTokenizer):
+        return [tok.encode(t) for t in texts]
+    return tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def vocab_size_of(tok) -> int:
+    return tok.vocab_size if isinstance(tok, ByteTokenizer) else len(tok)
