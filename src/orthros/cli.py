@@ -13,6 +13,8 @@ import sys
 COMMANDS = {
     "demo": "orthros.demo",
     "generate": "orthros.generate_cli",
+    "convert": "orthros.convert.cli",
+    "train": "orthros.train.cli",
 }
 
 
