@@ -1,0 +1,34 @@
+"""Convert a Llama 3.x / Qwen3 checkpoint directory into an Orthros one.
+
+    orthros convert Meta-Llama-3.1-8B llama-3.1-8b-orthros --window-size 128
+    orthros convert Qwen3-8B qwen3-8b-orthros --dtype bf16
+
+Every weight is reused; each layer gains the query scale-offset at identity,
+so with a window >= the sequence length the result computes exactly the
+source model. Continued pre-training (configs/cpt-*.yaml) adapts it to the
+window. Streams tensor by tensor: memory stays far below the checkpoint size.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .hf import OUT_DTYPES, convert_checkpoint
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("dst", help="output directory (must not exist, or be empty)")
+    p.add_argument("--window-size", type=int, default=128, help="sliding window W of the base stream (default 128)")
+    p.add_argument("--no-scale-offset", dest="scale_offset", action="store_false",
+                   help="no query scale-offset (the paper's w/o-SO ablation)")
+    p.add_argument("--dtype", choices=sorted(OUT_DTYPES), default=None,
+                   help="output dtype (default: fp32 for an all-fp32 checkpoint, else bf16)")
+    p.add_argument("--max-shard-size", default="5GB", help="output shard size, e.g. 5GB, 500MB (default 5GB)")
+
+
+def run(args) -> int:
+    out = convert_checkpoint(args.src, args.dst, window_size=args.window_size, scale_offset=args.scale_offset,
+                             dtype=args.dtype, max_shard_size=args.max_shard_size)
+    print(f"wrote {out}")
+    return 0

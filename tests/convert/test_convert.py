@@ -1,0 +1,208 @@
+"""`orthros convert`: Llama 3 / Qwen3 checkpoints -> Orthros.
+
+The reference is the source model itself, run by transformers: with W >= T
+and SO at identity the converted model must give its logits at every
+position (SPEC invariant 2); with a small W it must agree before position W
+and differ after.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from orthros import OrthrosForCausalLM, cli
+from orthros.convert import convert_checkpoint
+from orthros.convert.tiny import make_tiny_checkpoint, tiny_tokenizer
+
+from ..conftest import DEVICE, rel_err
+
+TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\nclass Point:\n    x: int = 0\n"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def source(request, tmp_path_factory, tok):
+    """(arch, checkpoint dir, the transformers model it holds)."""
+    d = tmp_path_factory.mktemp(request.param) / "src"
+    hf = make_tiny_checkpoint(d, request.param, tokenizer=tok)
+    assert len(list(d.glob("*.safetensors"))) > 1, "want a sharded source"
+    return request.param, d, hf.to(DEVICE)
+
+
+def ids_of(tok, n_rows=2):
+    ids = torch.tensor([tok.encode(TEXT)] * n_rows)
+    ids[1:] = ids[1:].roll(7, dims=1)
+    return ids.to(DEVICE)
+
+
+def load(d):
+    return AutoModelForCausalLM.from_pretrained(d).to(DEVICE).eval()
+
+
+def no_leftovers(dst):
+    assert not dst.exists()
+    assert not [p for p in dst.parent.iterdir() if p.name.startswith(f".{dst.name}.partial")]
+
+
+def test_converted_logits_equal_the_source_model_at_every_position(source, tmp_path, tok):
+    arch, src, hf = source
+    dst = convert_checkpoint(src, tmp_path / "out", window_size=4096, dtype="fp32", progress=False)
+    model = load(dst)
+    assert type(model) is OrthrosForCausalLM and model.config.attention == "orthros"
+    assert model.config.qk_norm == (arch == "qwen3") and model.config.tie_word_embeddings == (arch == "qwen3")
+    ids = ids_of(tok)
+    with torch.no_grad():
+        ref, out = hf(ids).logits, model(ids).logits
+    assert out.shape == ref.shape
+    assert rel_err(out, ref) < 1e-5
+    # The tokenizer travelled with the weights.
+    assert AutoTokenizer.from_pretrained(dst).encode(TEXT) == tok.encode(TEXT)
+
+
+def test_small_window_runs_and_differs_after_the_window(source, tmp_path, tok):
+    _, src, hf = source
+    W = 4
+    model = load(convert_checkpoint(src, tmp_path / "out", window_size=W, dtype="fp32", progress=False))
+    ids = ids_of(tok)
+    with torch.no_grad():
+        ref, out = hf(ids).logits, model(ids).logits
+    assert torch.isfinite(out).all()
+    assert rel_err(out[:, :W], ref[:, :W]) < 1e-5  # the window still covers the whole prefix
+    assert rel_err(out[:, W + 4:], ref[:, W + 4:]) > 1e-3
+
+
+def test_bf16_output_is_the_source_rounded_and_so_is_at_identity(source, tmp_path):
+    _, src, hf = source
+    dst = convert_checkpoint(src, tmp_path / "out", window_size=8, dtype="bf16", progress=False)
+    files = list(dst.glob("*.safetensors"))
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+    ref = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    seen = set()
+    for f in files:
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                t = st.get_tensor(k)
+                seen.add(k)
+                assert t.dtype == torch.bfloat16, k
+                if ".so_" in k:
+                    assert torch.equal(t, torch.ones_like(t) if "alpha" in k else torch.zeros_like(t)), k
+                else:
+                    assert torch.equal(t, ref[k].to(torch.bfloat16)), k
+    model = load(dst)
+    assert model.dtype == torch.bfloat16
+    assert seen == set(model.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+
+
+def test_no_scale_offset_sharding_and_small_blocks(source, tmp_path, tok):
+    """The w/o-SO ablation; output split into shards; tensors streamed in tiny blocks."""
+    _, src, hf = source
+    dst = convert_checkpoint(src, tmp_path / "out", window_size=4096, scale_offset=False, dtype="fp32",
+                             max_shard_size="100KB", block_bytes=999, progress=False)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    assert not any(".so_" in k for k in index["weight_map"])
+    model = load(dst)
+    assert model.config.scale_offset is False
+    ids = ids_of(tok)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, hf(ids).logits) < 1e-5
+
+
+def test_converted_model_generates_like_the_source_model(source, tmp_path, tok):
+    _, src, hf = source
+    model = load(convert_checkpoint(src, tmp_path / "out", window_size=4096, dtype="fp32", progress=False))
+    ids = ids_of(tok, 1)[:, :12]
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
+    assert model.generate(ids, **kw).tolist() == hf.generate(ids, **kw).tolist()
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.fixture
+def llama_src(tmp_path, tok):
+    d = tmp_path / "src"
+    make_tiny_checkpoint(d, "llama", tokenizer=tok)
+    return d
+
+
+def edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(changes)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "unsupported architecture.*mistral"),
+    (dict(intermediate_size=96), r"shape mismatch for model.layers.0.mlp.\w+_proj.weight"),
+    (dict(num_hidden_layers=3), "lacks .*model.layers.2"),
+    (dict(num_hidden_layers=1), "has 9 tensor.*model.layers.1"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(attention_bias=True), "attention_bias"),
+])
+def test_bad_config_is_a_clear_error_and_leaves_nothing(llama_src, tmp_path, change, match):
+    edit_config(llama_src, **change)
+    dst = tmp_path / "out"
+    with pytest.raises(ValueError, match=match):
+        convert_checkpoint(llama_src, dst, progress=False)
+    no_leftovers(dst)
+
+
+def test_missing_and_truncated_shards(llama_src, tmp_path):
+    dst = tmp_path / "out"
+    shards = sorted(llama_src.glob("model-*.safetensors"))
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[: len(data) - 100])
+    with pytest.raises(ValueError, match=f"{shards[-1].name}: truncated"):
+        convert_checkpoint(llama_src, dst, progress=False)
+    no_leftovers(dst)
+    shards[1].unlink()
+    with pytest.raises(FileNotFoundError, match=f"missing shard.*{shards[1].name}"):
+        convert_checkpoint(llama_src, dst, progress=False)
+    no_leftovers(dst)
+
+
+def test_failure_while_writing_leaves_nothing(llama_src, tmp_path, monkeypatch):
+    import orthros.convert.hf as conv
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(conv, "_carry_files", boom)  # after every shard is written
+    dst = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        convert_checkpoint(llama_src, dst, progress=False)
+    no_leftovers(dst)
+
+
+def test_existing_destination(llama_src, tmp_path):
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="already exists and is not an empty directory"):
+        convert_checkpoint(llama_src, dst, progress=False)
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    (dst / "keep.txt").unlink()  # an empty directory is fine
+    convert_checkpoint(llama_src, dst, progress=False)
+    assert (dst / "config.json").exists()
+
+
+def test_cli(llama_src, tmp_path, capsys):
+    dst = tmp_path / "out"
+    assert cli.main(["convert", str(llama_src), str(dst), "--window-size", "8", "--dtype", "fp32"]) == 0
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["window_size"] == 8 and cfg["model_type"] == "orthros" and cfg["dtype"] == "float32"
+    assert cli.main(["convert", str(llama_src), str(dst)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert cli.main(["convert", str(tmp_path / "nope"), str(tmp_path / "o2")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    shutil.rmtree(dst)
+    assert cli.main(["convert", str(llama_src), str(dst), "--window-size", "0"]) == 2
+    assert "--window-size" in capsys.readouterr().err
+    no_leftovers(dst)
