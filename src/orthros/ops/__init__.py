@@ -1,22 +1,90 @@
 """Attention ops and the dispatcher that picks one per call.
 
-`attention(...)` has the signature of `naive_attention`; the backend is
-chosen by name ("naive", "flex", "triton") or "auto". Optional kernels are
-imported lazily so that `import orthros` never needs Triton.
+`attention(...)` has the contract of `naive_attention` (the reference);
+the fast paths below compute the same function:
+
+    chunked — blocked PyTorch: each query chunk reads only the keys it can
+              see (O(T·W) scores for the base stream). CPU default, and the
+              fallback wherever nothing faster applies.
+    sdpa    — F.scaled_dot_product_attention (cuDNN first), only for a plain
+              causal batch whose queries are slots 0..M-1 and no window.
+    flex    — compiled FlexAttention with a block mask built from tile
+              metadata: many queries, forward and backward, any mask.
+    triton  — split-KV (flash-decoding) kernel: a few queries over a long
+              cache, inference only.
+
+`backend="auto"` picks, on CUDA: split-KV for few queries without autograd,
+SDPA for a plain causal prefix, FlexAttention otherwise; on CPU: chunked.
+A named backend is used where it applies and falls back (in the order
+above) where it does not, e.g. "triton" with autograd runs FlexAttention.
+Kernels are imported lazily: `import orthros` never needs Triton.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
+from .chunked import chunked_attention
 from .masks import NO_QUERY_DOC, PAD_DOC, visible
 from .naive import naive_attention
 
-__all__ = ["attention", "naive_attention", "visible", "PAD_DOC", "NO_QUERY_DOC"]
+__all__ = ["attention", "naive_attention", "chunked_attention", "visible", "PAD_DOC", "NO_QUERY_DOC", "BACKENDS"]
+
+BACKENDS = ("auto", "naive", "chunked", "sdpa", "flex", "triton")
 
 
-def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto"):
-    """Orthros attention for either stream; see `naive_attention` for shapes."""
-    if backend in ("auto", "naive"):
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto",
+              dense_start: int | None = None):
+    """Orthros attention for either stream; see `naive_attention` for shapes.
+
+    dense_start: an optional promise by the caller that every row is one
+        document without padding and q_slot[:, i] == dense_start + i. It
+        changes no result; it lets kernels skip the document lookups.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "naive":
         return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
-    raise ValueError(f"attention backend {backend!r} is not available in this build")
+    B, M, H, D = q.shape
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    few = (H // k.shape[2]) * M <= 64
+    gpu = q.is_cuda or (_interpreting() and backend == "triton")
+    if gpu and not needs_grad and triton_available() and ((backend == "auto" and few) or backend == "triton"):
+        from .splitkv import MAX_ROWS, splitkv_attention
+
+        if (H // k.shape[2]) * M <= MAX_ROWS:
+            if dense_start is not None and window is not None:  # only the last W keys can be seen
+                a = max(0, dense_start - window + 1)
+                k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
+            return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
+    if not q.is_cuda or backend == "chunked":
+        if backend == "flex":  # uncompiled FlexAttention on CPU: for tests of the mask logic
+            from .flex import flex_attention_op
+
+            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)
+        return chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, dense_start=dense_start)
+    if dense_start is not None and window is not None and window >= dense_start + M:
+        window = None  # the window covers every key of every query
+    if dense_start == 0 and window is None and backend in ("auto", "sdpa"):
+        from .dense import sdpa_causal
+
+        return sdpa_causal(q, k, v, scale=scale)
+    from .flex import flex_attention_op
+
+    return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)

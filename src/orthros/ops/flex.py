@@ -1,0 +1,140 @@
+"""FlexAttention for many queries, forward and backward.
+
+The mask is `masks.visible` written as a FlexAttention `mask_mod` over the
+query's slot and document and the key's document (captured index tensors).
+The block mask is never derived from a T x T evaluation: `block_states`
+classifies 128 x 128 tiles from per-tile summaries of the key ranges, and
+`BlockMask.from_kv_blocks` takes the result directly. For a plain causal
+batch (`dense_start` given) the mask needs no index tensors at all.
+
+FlexAttention's generated kernels index with 32-bit integers, so a tensor
+of 2^31 elements or more (a 1M-token, 32-head query) breaks them: queries
+are cut into chunks that stay under the limit, and each chunk gets only the
+keys it can see.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import PAD_K_DOC, PAD_Q_DOC, block_states, dense_bounds, key_bounds
+from .masks import visible
+
+BQ = BK = 128  # FlexAttention's tile sizes
+INT32_LIMIT = 2**31 - 1
+
+
+@functools.cache
+def _flex(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Uncompiled FlexAttention is the eager reference (it builds the dense
+    # score matrix); only the compiled one runs the block-sparse kernel.
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def _ordered(sel: torch.Tensor):
+    """bool [B, Qb, Kb] -> (count int32 [B, 1, Qb], column order int32 [B, 1, Qb, Kb])."""
+    num = sel.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None].contiguous(), idx[:, None].contiguous()
+
+
+def make_block_mask(states: torch.Tensor, mask_mod, M: int, S: int, need_backward: bool = True):
+    """A FlexAttention BlockMask from tile states [B, Qb, Kb] (see `block_states`)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    pn, pi = _ordered(states == 1)
+    fn, fi = _ordered(states == 2)
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=(BQ, BK), mask_mod=mask_mod,
+                                    seq_lengths=(M, S), compute_q_blocks=need_backward)
+
+
+def _pad_to(x: torch.Tensor, n: int, value) -> torch.Tensor:
+    return x if x.shape[1] == n else F.pad(x, (0, n - x.shape[1]), value=value)
+
+
+def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
+    """One FlexAttention call, all tensors already under the int32 limit."""
+    B, M, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    need_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if dense_start is not None:
+        lo, hi = dense_bounds(dense_start, M, window, q.device)
+        states = block_states(lo, hi, S, BQ, BK)  # [1, Qb, Kb]: broadcast over the batch
+        q_off = torch.full((), dense_start, dtype=torch.long, device=q.device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            qs = q_idx + q_off
+            m = kv_idx <= qs
+            if window is not None:
+                m = m & (qs - kv_idx < window)
+            return m
+    else:
+        lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
+        states = block_states(lo, hi, S, BQ, BK, q_doc, k_doc)
+        nq, nk = states.shape[1] * BQ, states.shape[2] * BK
+        # Index tensors padded to whole tiles, so that the kernel's tail rows read valid memory.
+        slot = _pad_to(q_slot.long().expand(B, M), nq, 0).contiguous()
+        qdoc = _pad_to(q_doc.long(), nq, PAD_Q_DOC).contiguous()
+        kdoc = _pad_to(k_doc.long(), nk, PAD_K_DOC).contiguous()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window)
+
+    block_mask = make_block_mask(states, mask_mod, M, S, need_backward)
+    Dp = max(16, 1 << (D - 1).bit_length())  # the kernels want a power-of-two head dim
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if Dp != D:  # zero columns change no score and add zero output columns
+        qt, kt, vt = (F.pad(x, (0, Dp - D)) for x in (qt, kt, vt))
+    o = _flex(q.is_cuda)(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=H != Hkv)
+    return o[..., :D].transpose(1, 2)
+
+
+def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None,
+                      limit: int = INT32_LIMIT):
+    """Same contract as `naive_attention`. `dense_start`: the caller guarantees
+    q_slot[:, i] == dense_start + i and one document per row, no padding."""
+    B, M, H, D = q.shape
+    S = k.shape[1]
+    scale = D ** -0.5 if scale is None else scale
+    if M == 0:
+        return q.new_zeros(B, 0, H, D)
+    Dp = max(16, 1 << (D - 1).bit_length())
+    chunk = M
+    if max(B * M * H * Dp, B * S * k.shape[2] * Dp) > limit:
+        chunk = max(BQ, (limit // (B * H * Dp)) // BQ * BQ)
+    if dense_start is not None:
+        # Keys are visible only in [dense_start - window + 1, dense_start + M): slice them.
+        outs = []
+        for s in range(0, M, chunk):
+            e = min(M, s + chunk)
+            a = 0 if window is None else max(0, dense_start + s - window + 1)
+            b = min(S, dense_start + e)
+            ks, vs = k[:, a:b], v[:, a:b]
+            if ks.numel() // D * Dp > limit:
+                raise ValueError(f"{b - a} keys x {k.shape[2]} heads exceed FlexAttention's 32-bit indexing; "
+                                 "use the split-KV op or a shorter call")
+            outs.append(_one_call(q[:, s:e], ks, vs, None, None, None, window, scale, dense_start + s - a))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    if chunk == M:
+        return _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, None)
+    lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
+    outs = []
+    slot = q_slot.expand(B, M)
+    for s in range(0, M, chunk):
+        e = min(M, s + chunk)
+        a, b = int(lo[:, s:e].min().clamp(0, S)), int(hi[:, s:e].max()) + 1
+        b = max(a, b)
+        if (b - a) * B * k.shape[2] * Dp > limit:
+            raise ValueError(f"{b - a} keys x {k.shape[2]} heads exceed FlexAttention's 32-bit indexing; "
+                             "use the split-KV op or a shorter call")
+        if b == a:
+            outs.append(q.new_zeros(B, e - s, H, D))
+            continue
+        outs.append(_one_call(q[:, s:e], k[:, a:b], v[:, a:b], slot[:, s:e] - a, q_doc[:, s:e], k_doc[:, a:b],
+                              window, scale, None))
+    return torch.cat(outs, 1)

@@ -1,0 +1,157 @@
+"""Split-KV (flash-decoding) attention for a few queries over a long cache.
+
+Prefill's single output query and every decoding step read the whole KV
+cache with a handful of queries: one program per (row, KV head) would leave
+most of the GPU idle. The key axis is cut into P splits, one program per
+(row, KV head, split) computes a partial softmax over its keys for all the
+queries of that head group (the G query heads of a KV head and the M
+queries stacked as G*M rows of one tile), and a log-sum-exp merge combines
+the P partial results:
+
+    lse = logsumexp_p lse_p,    o = sum_p exp(lse_p - lse) * o_p
+
+Each program also clips its keys to the queries' visible range (their
+slots, and slot - window + 1 with a window), so a windowed query over a 1M
+cache only touches W keys. Offsets are 64-bit: a 1M x 8 x 128 cache has
+2^30 elements and rows of a batch lie beyond 2^31.
+
+Forward only (inference). Triton is imported on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MAX_ROWS = 64  # G * M queries per program tile
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
+                    sqb, sqm, sqh, skb, sks, skh, svb, svs, svh,
+                    s_slot_b, s_qdoc_b, s_kdoc_b,
+                    sob, sop, som, soh, slb, slp, slm,
+                    M, S, Hkv, scale, window, keys_per_split,
+                    G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = (pid // Hkv).to(tl.int64)
+        kvh = pid % Hkv
+        r = tl.arange(0, BLOCK_R)
+        m = r // G
+        h = kvh * G + r % G
+        rvalid = m < M
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
+                    mask=rvalid[:, None] & dmask[None, :], other=0.0)
+        slot = tl.load(SLOT + b * s_slot_b + m, mask=rvalid, other=-1).to(tl.int64)
+        qdoc = tl.load(QDOC + b * s_qdoc_b + m, mask=rvalid, other=-3).to(tl.int64)
+        # This split's keys, clipped to what the queries can see.
+        start = split.to(tl.int64) * keys_per_split
+        end = tl.minimum(start + keys_per_split, S)
+        end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
+        if HAS_WINDOW:
+            start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for j0 in range(start, end, BLOCK_N):
+            j = j0 + n
+            jvalid = j < end
+            kv_mask = jvalid[:, None] & dmask[None, :]
+            k = tl.load(K + b * skb + j[:, None] * sks + kvh * skh + d[None, :], mask=kv_mask, other=0.0)
+            kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
+            if HAS_WINDOW:
+                vis = vis & (slot[:, None] - j[None, :] < window)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * svb + j[:, None] * svs + kvh * svh + d[None, :], mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + d[None, :], o,
+                 mask=rvalid[:, None] & dmask[None, :])
+        tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
+
+    return splitkv_fwd
+
+
+def _num_sms(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def merge_splits(o: torch.Tensor, lse: torch.Tensor):
+    """o [B, P, M, H, D], lse [B, P, M, H] (fp32 partials) -> (o [B, M, H, D], lse [B, M, H])."""
+    top = lse.amax(1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lse - top)  # 0 for empty splits
+    total = w.sum(1)
+    out = (w[..., None] * o).sum(1) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return out, torch.log(total) + top.squeeze(1)
+
+
+def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, num_splits=None,
+                      block_n: int = 64, return_lse: bool = False):
+    """Same contract as `naive_attention`, for G * M <= MAX_ROWS (no autograd)."""
+    import triton
+
+    B, M, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = H // Hkv
+    if G * M > MAX_ROWS:
+        raise ValueError(f"split-KV takes at most {MAX_ROWS} query rows per KV head, got {G} x {M}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+    scale = D ** -0.5 if scale is None else scale
+    slot = q_slot.expand(B, M)
+    if num_splits is None:
+        want = max(1, 2 * _num_sms(q.device) // max(1, B * Hkv))
+        num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))
+    per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
+    P = max(1, triton.cdiv(S, per))
+    o = torch.empty(B, P, M, H, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
+    ieee = q.dtype == torch.float32
+    _kernel()[(B * Hkv, P)](
+        q, k, v, slot, q_doc, k_doc, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        slot.stride(0), q_doc.stride(0), k_doc.stride(0),
+        o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+        M, S, Hkv, scale, 0 if window is None else window, per,
+        G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=ieee,
+    )
+    if P == 1:
+        out, lse_out = o[:, 0], lse[:, 0]
+    else:
+        out, lse_out = merge_splits(o, lse)
+    out = out.to(q.dtype)
+    return (out, lse_out) if return_lse else out
