@@ -1,0 +1,41 @@
+"""Process bodies for the context-parallel tests (importable by spawned children).
+
+The parent builds the models and the single-process references; each case
+ships (config, weights, prompt, tokens) to the ranks, which run the sharded
+prefill + decoding and save their logits for the parent to compare.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from orthros import OrthrosForCausalLM
+from orthros.parallel import CPGroup, cp_decode_one_token, cp_prefill
+
+
+def run_case(case: dict, cp: CPGroup) -> torch.Tensor:
+    """Sharded prefill, then decode the case's tokens: logits [steps + 1, B, V]."""
+    model = OrthrosForCausalLM(case["config"]).eval()
+    model.load_state_dict(case["state"])
+    logits, cache = cp_prefill(model, case["ids"], case.get("mask"), cp=cp, shard_sizes=case.get("sizes"))
+    out = [logits]
+    for tok in case["tokens"]:
+        out.append(cp_decode_one_token(model, tok, cache))
+    assert cache.get_seq_length() == case["ids"].shape[1] + len(case["tokens"])
+    return torch.stack(out)
+
+
+def cases_worker(rank: int, world: int, cases: list, out_dir: str):
+    """Each case runs on the first `case['world']` ranks (a subgroup when smaller than the world)."""
+    torch.set_num_threads(1)
+    groups = {w: (None if w == world else dist.new_group(list(range(w)))) for w in sorted({c["world"] for c in cases})}
+    for i, case in enumerate(cases):
+        w = case["world"]
+        if rank < w:
+            logits = run_case(case, CPGroup(groups[w]))
+            torch.save(logits, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
+    if world > 1:
+        dist.barrier()
