@@ -13,13 +13,22 @@ import torch
 import torch.distributed as dist
 
 from orthros import OrthrosForCausalLM
-from orthros.parallel import CPGroup, cp_decode_one_token, cp_prefill
+from orthros.parallel import CPGroup, cp_decode_one_token, cp_generate, cp_prefill
 
 
-def run_case(case: dict, cp: CPGroup) -> torch.Tensor:
-    """Sharded prefill, then decode the case's tokens: logits [steps + 1, B, V]."""
+def run_case(case: dict, cp: CPGroup):
+    """Sharded prefill, then decode the case's tokens: logits [steps + 1, B, V].
+    (`generate` cases: the generated ids; `mismatch` cases: the error message.)"""
     model = OrthrosForCausalLM(case["config"]).eval()
     model.load_state_dict(case["state"])
+    if "generate" in case:
+        return cp_generate(model, case["ids"], case["generate"], cp=cp, shard_sizes=case.get("sizes"))
+    if case.get("mismatch"):  # each rank holds a different prompt
+        try:
+            cp_prefill(model, case["ids"] + cp.rank, cp=cp)
+        except ValueError as e:
+            return str(e)
+        return "no error"
     logits, cache = cp_prefill(model, case["ids"], case.get("mask"), cp=cp, shard_sizes=case.get("sizes"))
     out = [logits]
     for tok in case["tokens"]:

@@ -1,0 +1,184 @@
+"""Context-parallel prefill + decoding == the single process, on 2 and 4 gloo ranks.
+
+All cases run in one group of 4 forked CPU processes (2-rank cases on a
+subgroup), so the file pays the process start-up once. The parent builds each
+tiny model and its single-process reference (`generate.prefill` then 8
+`decode_one_token` steps); the ranks run `cp_prefill` + `cp_decode_one_token`
+and save their logits; each test compares one case, on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from orthros.generate import decode_one_token, generate, prefill
+from orthros.ops.naive import naive_attention
+from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, lse_merge, partial_attention, shard_bounds
+from orthros.parallel import spawn
+
+from ..conftest import make_model, rel_err
+from .workers import cases_worker
+
+TOL = 1e-5
+STEPS = 8
+
+# name: world size, attention kind, window, prompt length, shard sizes (None = even), batch, left padding per row
+CASES = {
+    "w2-orthros-even": dict(world=2, attention="orthros", W=16, T=67),
+    "w2-orthros-last-shard-shorter-than-window": dict(world=2, attention="orthros", W=16, T=37, sizes=[30, 7]),
+    "w2-orthros-window-larger-than-prompt": dict(world=2, attention="orthros", W=50, T=40, sizes=[25, 15]),
+    "w2-orthros-qk-norm": dict(world=2, attention="orthros", W=9, T=31, qk_norm=True),
+    "w2-full-uneven": dict(world=2, attention="full", W=16, T=45, sizes=[20, 25]),
+    "w2-swa": dict(world=2, attention="swa", W=8, T=45),
+    "w2-padded-batch": dict(world=2, attention="orthros", W=6, T=30, B=2, pad=[0, 11]),
+    "w4-orthros-halo-spans-ranks": dict(world=4, attention="orthros", W=16, T=50, sizes=[5, 20, 3, 22]),
+    "w4-orthros-window-covers-all-shards": dict(world=4, attention="orthros", W=40, T=30, sizes=[10, 7, 8, 5]),
+    "w4-orthros-window-1": dict(world=4, attention="orthros", W=1, T=21),
+    "w4-full-uneven": dict(world=4, attention="full", W=16, T=29, sizes=[3, 12, 6, 8]),
+    "w4-swa-one-token-shards": dict(world=4, attention="swa", W=5, T=23, sizes=[1, 1, 1, 20]),
+    "w4-padded-batch-shard-of-padding": dict(world=4, attention="orthros", W=7, T=33, B=2, pad=[9, 2]),
+}
+GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)
+
+
+def build_case(spec: dict, seed: int):
+    """(case for the ranks, single-process reference logits [STEPS + 1, B, V])."""
+    extra = {"qk_norm": True} if spec.get("qk_norm") else {}
+    model = make_model(spec["attention"], window=spec["W"], seed=seed, **extra).cpu()
+    g = torch.Generator().manual_seed(seed)
+    B, T = spec.get("B", 1), spec["T"]
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    mask = None
+    if "pad" in spec:
+        mask = torch.ones(B, T, dtype=torch.long)
+        for row, p in enumerate(spec["pad"]):
+            mask[row, :p] = 0
+    tokens = [torch.randint(0, 256, (B,), generator=g) for _ in range(STEPS)]
+    logits, cache = prefill(model, ids, mask)
+    ref = [logits]
+    for tok in tokens:
+        mask = None if mask is None else torch.cat([mask, mask.new_ones(B, 1)], 1)
+        ref.append(decode_one_token(model, tok, mask, cache))
+    case = dict(world=spec["world"], config=model.config, state=model.state_dict(), ids=ids,
+                mask=None if "pad" not in spec else mask[:, :T], tokens=tokens, sizes=spec.get("sizes"))
+    return case, torch.stack(ref)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Run every case on the ranks once; {name: (reference, [logits of each rank])}."""
+    out = tmp_path_factory.mktemp("cp")
+    names = list(CASES)
+    built = [build_case(CASES[n], seed=i) for i, n in enumerate(names)]
+    gen_case, _ = build_case(GENERATE, seed=99)
+    gen_case["generate"] = GENERATE["new"]
+    bad_case = dict(built[0][0], world=2, mismatch=True)
+    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), start_method="fork")
+    res = {}
+    for i, (name, (case, ref)) in enumerate(zip(names, built)):
+        res[name] = ref, [torch.load(out / f"case{i}_rank{r}.pt") for r in range(case["world"])]
+    model = make_model("orthros", window=GENERATE["W"], seed=99).cpu()
+    want = generate(model, gen_case["ids"], max_new_tokens=GENERATE["new"])
+    got = [torch.load(out / f"case{len(names)}_rank{r}.pt") for r in range(GENERATE["world"])]
+    res["generate"] = want, got
+    res["mismatch"] = [torch.load(out / f"case{len(names) + 1}_rank{r}.pt") for r in range(2)]
+    return res
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_prefill_and_decode_match_single_process(results, name):
+    ref, ranks = results[name]
+    assert len(ranks) == CASES[name]["world"]
+    for r, got in enumerate(ranks):
+        assert got.shape == ref.shape
+        for step in range(STEPS + 1):  # step 0: the prefill's logits; then each decoded token
+            assert rel_err(got[step], ref[step]) < TOL, (name, r, step)
+    # every rank holds the same logits (the output stream is replicated)
+    for got in ranks[1:]:
+        assert torch.equal(got, ranks[0])
+
+
+def test_cp_generate_matches_generate(results):
+    want, got = results["generate"]
+    for tokens in got:
+        assert torch.equal(tokens, want)
+
+
+def test_different_prompts_on_ranks_are_an_error(results):
+    for msg in results["mismatch"]:
+        assert "same whole prompt on every rank" in msg
+
+
+# ------------------------------------------------------- single-process pieces
+def test_shard_bounds():
+    assert shard_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert shard_bounds(5, 2, [1, 4]) == [(0, 1), (1, 5)]
+    with pytest.raises(ValueError, match="cannot be split over 4 ranks"):
+        shard_bounds(3, 4)
+    with pytest.raises(ValueError, match="shard_sizes"):
+        shard_bounds(10, 2, [3, 6])
+    with pytest.raises(ValueError, match="shard_sizes"):
+        shard_bounds(10, 2, [0, 10])
+
+
+def test_balanced_bounds_equalise_causal_cost():
+    T, world, k = 100_000, 8, 20_000.0
+    bounds = balanced_bounds(T, world, k)
+    sizes = [b - a for a, b in bounds]
+    assert bounds[0][0] == 0 and bounds[-1][1] == T and sizes == sorted(sizes, reverse=True)
+    costs = [(b - a) + (b * b - a * a) / (2 * k) for a, b in bounds]
+    assert max(costs) / min(costs) < 1.001
+    assert balanced_bounds(T, world, float("inf")) == shard_bounds(T, world)
+    assert balanced_bounds(9, 4, 1.0) == shard_bounds(9, 4, [b - a for a, b in balanced_bounds(9, 4, 1.0)])
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_partial_attention_over_key_shards_merges_to_the_full_op(window):
+    """Splitting the keys into shards (and each shard into key chunks) and merging by lse
+    is exact, including shards that see nothing (lse = -inf)."""
+    g = torch.Generator().manual_seed(0)
+    B, M, H, Hkv, D, S = 2, 3, 4, 2, 16, 41
+    q = torch.randn(B, M, H, D, generator=g)
+    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
+    q_slot = torch.tensor([[40, 25, 3]])
+    q_doc = torch.tensor([[0, 0, 0], [1, 1, -2]])  # row 1: one query sees nothing
+    k_doc = torch.zeros(B, S, dtype=torch.long)
+    k_doc[1] = 1
+    k_doc[1, 30:] = -1  # padding
+    ref, ref_lse = naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
+    parts = []
+    for a, b in [(0, 5), (5, 22), (22, 23), (23, 41)]:
+        parts.append(partial_attention(q, k[:, a:b], v[:, a:b], q_slot - a, q_doc, k_doc[:, a:b], window, key_chunk=4))
+    o, lse = lse_merge(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert rel_err(o, ref) < 1e-6
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(seen, torch.isfinite(lse)) and rel_err(lse[seen], ref_lse[seen]) < 1e-6
+    assert (o[1, 2] == 0).all()
+
+
+def test_one_process_is_plain_prefill():
+    """Without a process group the same code runs one shard: equals `prefill`."""
+    model = make_model("orthros", window=5).cpu()
+    ids = torch.randint(0, 256, (1, 19), generator=torch.Generator().manual_seed(1))
+    ref, cache = prefill(model, ids)
+    got, sharded = cp_prefill(model, ids)
+    assert rel_err(got, ref) < TOL
+    tok = torch.tensor([3])
+    assert rel_err(cp_decode_one_token(model, tok, sharded), decode_one_token(model, tok, None, cache)) < TOL
+
+
+def test_errors_name_the_mistake():
+    model = make_model("orthros", window=5).cpu()
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="shard_sizes"):
+        cp_prefill(model, ids, shard_sizes=[3, 4])
+    with pytest.raises(ValueError, match="attention_mask"):
+        cp_prefill(model, ids, attention_mask=torch.ones(1, 7))
+    with pytest.raises(ValueError, match="input_ids"):
+        cp_prefill(model, ids[0])
+    model.train()
+    with pytest.raises(ValueError, match="model.eval"):
+        cp_prefill(model, ids)
