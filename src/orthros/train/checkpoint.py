@@ -29,8 +29,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from . import dist as D
 
 PREFIX = "step_"
-# Test hook: seconds to sleep between writing the weights and the training state.
-PAUSE_ENV = "ORTHROS_SAVE_PAUSE_S"
+# Test hook, "STEP:SECONDS": while saving checkpoint STEP, sleep between the weights and the
+# training state (the kill-during-save test SIGKILLs the process there).
+PAUSE_ENV = "ORTHROS_SAVE_PAUSE"
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -106,8 +107,9 @@ def save(root: Path, step: int, model, optimizer, scheduler, loader, tokenizer, 
         model.save_pretrained(tmp, state_dict=weights)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
-        if os.environ.get(PAUSE_ENV):
-            time.sleep(float(os.environ[PAUSE_ENV]))
+        pause = os.environ.get(PAUSE_ENV, "").split(":")
+        if len(pause) == 2 and int(pause[0]) == step:
+            time.sleep(float(pause[1]))
         torch.save({"step": step, "optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng,
                     "data": loader.state_dict(), "world_size": d.world}, tmp / "train_state.pt")
         (tmp / "train_config.yaml").write_text(config_yaml)
@@ -128,7 +130,10 @@ def load_train_state(ckpt: Path, model, optimizer, scheduler, loader, d: D.Dist)
     """Restore optimizer, scheduler, RNG and data position from `ckpt`; returns its step.
     The weights were loaded with the model (`from_pretrained(ckpt)`)."""
     state = torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    # strict=False: a parameter that never gets a gradient (the last layer's base-stream SO,
+    # whose output is never read) has no optimizer state to restore.
+    set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True, strict=False))
     scheduler.load_state_dict(state["scheduler"])
     loader.load_state_dict(state["data"])
     rngs = state["rng"]

@@ -106,6 +106,8 @@ class TrainArgs:
     """torch.compile each block"""
     max_seconds: float | None = None
     """stop (and save) after this much training time"""
+    stop_at: int | None = None
+    """stop (and save) after this step, keeping the schedule of train.steps (run a job in parts)"""
     log_every: int = 10
     """steps between metrics records"""
     eval_every: int = 200

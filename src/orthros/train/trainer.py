@@ -294,6 +294,7 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
             if tc.max_seconds is not None:
                 flag = torch.tensor([float(time.perf_counter() - t_train > tc.max_seconds)], device=d.device)
                 stop_early = D.all_sum(d, flag).item() > 0
+            stop_early = stop_early or done == tc.stop_at
             last = done == tc.steps or stop_early
             if done % tc.log_every == 0 or last:
                 rec = {"step": done, "loss": win["loss"] / win["n"], "lr": lr, "grad_norm": gnorm,
@@ -312,7 +313,7 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
                 last_ckpt = save(done)
             summary["steps"] = done
             if stop_early:
-                log(d, f"train.max_seconds={tc.max_seconds} reached at step {done}")
+                log(d, f"stopped at step {done} (train.stop_at / train.max_seconds)")
                 break
     finally:
         bar.close()

@@ -1,0 +1,3 @@
+import pytest
+
+from .train_helpers import tiny_cfg  # noqa: F401  (fixture)
