@@ -89,9 +89,9 @@ class OrthrosAttention(nn.Module):
         if qb is not None:
             qb = self._queries(qb, "base", *rope_base)
             ob = attention(qb, k, v, layout.base_slot, layout.base_doc, layout.key_doc,
-                           window=self.base_window, backend=self.backend).flatten(2)
+                           window=self.base_window, backend=self.backend, dense_start=layout.base_dense).flatten(2)
         if qo is not None:
             qo = self._queries(qo, "out", *rope_out)
             oo = attention(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
-                           window=self.out_window, backend=self.backend).flatten(2)
+                           window=self.out_window, backend=self.backend, dense_start=layout.out_dense).flatten(2)
         return rows(self.o_proj, ob, oo)

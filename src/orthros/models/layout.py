@@ -27,6 +27,11 @@ class Layout:
     out_doc: torch.Tensor  # [B, N] (NO_QUERY_DOC where invalid: sees nothing)
     next_pos: torch.Tensor  # [B] RoPE position of the next token after this call
     last_doc: torch.Tensor  # [B] current document after this call
+    # Kernel hints (`ops.attention(dense_start=...)`); they change no result. Set when every
+    # row is one document without padding: the slot of each stream's first query (its
+    # queries then sit at consecutive slots), or None.
+    base_dense: int | None = None
+    out_dense: int | None = None
 
 
 def pad_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +81,7 @@ def build_layout(
     last_doc = torch.maximum(doc0, real_docs.amax(1)) if T else doc0
     key_doc = doc if not past else torch.cat([cache.key_doc, doc], dim=1)
     base_slot = (past + torch.arange(T, device=device))[None, :]
+    base_dense, out_dense = dense_hints(key_doc, out_idx, out_valid, past)
     return Layout(
         base_slot=base_slot,
         base_pos=pos,
@@ -88,4 +94,21 @@ def build_layout(
         out_doc=torch.where(out_valid, doc.gather(1, out_idx), NO_QUERY_DOC),
         next_pos=next_pos,
         last_doc=last_doc,
+        base_dense=base_dense,
+        out_dense=out_dense,
     )
+
+
+def dense_hints(key_doc, out_idx, out_valid, past: int) -> tuple[int | None, int | None]:
+    """(base_dense, out_dense) for `Layout`, with one host sync."""
+    B, N = out_idx.shape
+    if key_doc.numel() == 0:
+        return None, None
+    one_doc = (key_doc == key_doc[:, :1]).all() & (key_doc[:, 0] >= 0).all()
+    if N == 0:
+        return (past if bool(one_doc) else None), None
+    run = out_valid.all() & (out_idx == out_idx[:1, :1] + torch.arange(N, device=out_idx.device)).all()
+    flags = torch.stack([one_doc.long(), run.long(), out_idx[0, 0]]).tolist()
+    if not flags[0]:
+        return None, None
+    return past, (past + flags[2] if flags[1] else None)
