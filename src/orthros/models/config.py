@@ -14,7 +14,7 @@ except ImportError:  # pragma: no cover - transformers 4.x
     from transformers import PretrainedConfig as PreTrainedConfig
 
 ATTENTION_KINDS = ("orthros", "full", "swa")
-BACKENDS = ("auto", "naive", "flex", "triton")
+BACKENDS = ("auto", "naive", "chunked", "sdpa", "flex", "triton")  # see orthros.ops
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
