@@ -20,7 +20,7 @@ from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, l
 from orthros.parallel import spawn
 
 from ..conftest import make_model, rel_err
-from .workers import cases_worker
+from .workers import cases_worker, load_bench
 
 TOL = 1e-5
 STEPS = 8
@@ -42,6 +42,8 @@ CASES = {
     "w4-padded-batch-shard-of-padding": dict(world=4, attention="orthros", W=7, T=33, B=2, pad=[9, 2]),
 }
 GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)
+BENCH = ["--preset", "tiny", "--window", "8", "--lengths", "37,64", "--attention", "orthros,full", "--device", "cpu",
+         "--warmup", "0", "--repeats", "1", "--crossover", "20"]
 
 
 def build_case(spec: dict, seed: int):
@@ -76,7 +78,8 @@ def results(tmp_path_factory):
     gen_case, _ = build_case(GENERATE, seed=99)
     gen_case["generate"] = GENERATE["new"]
     bad_case = dict(built[0][0], world=2, mismatch=True)
-    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), start_method="fork")
+    bench = BENCH + ["--out", str(out / "bench.jsonl")]
+    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), bench, start_method="fork")
     res = {}
     for i, (name, (case, ref)) in enumerate(zip(names, built)):
         res[name] = ref, [torch.load(out / f"case{i}_rank{r}.pt") for r in range(case["world"])]
@@ -85,6 +88,7 @@ def results(tmp_path_factory):
     got = [torch.load(out / f"case{len(names)}_rank{r}.pt") for r in range(GENERATE["world"])]
     res["generate"] = want, got
     res["mismatch"] = [torch.load(out / f"case{len(names) + 1}_rank{r}.pt") for r in range(2)]
+    res["bench"] = out / "bench.jsonl"
     return res
 
 
@@ -110,6 +114,32 @@ def test_cp_generate_matches_generate(results):
 def test_different_prompts_on_ranks_are_an_error(results):
     for msg in results["mismatch"]:
         assert "same whole prompt on every rank" in msg
+
+
+def test_benchmark_script_runs_and_reports(results, tmp_path):
+    """benchmarks/cp_prefill.py on 4 gloo ranks (in the group above) and on one process;
+    the report turns both into speedup / efficiency rows and a plot."""
+    bench = load_bench()
+    path = results["bench"]
+    four = bench.load_rows([path])
+    assert {(r["attention"], r["T"]) for r in four} == {(k, t) for k in ("orthros", "full") for t in (37, 64)}
+    for r in four:
+        assert r["world"] == 4 and r["status"] == "ok" and r["seconds"] > 0 and sum(r["shards"]) == r["T"]
+        if r["attention"] == "full":  # causal cost grows along the prompt: later shards are shorter
+            assert r["shards"][0] > r["shards"][-1]
+        else:
+            assert max(r["shards"]) - min(r["shards"]) <= 1
+    assert bench.main(BENCH + ["--out", str(path), "--lengths", "37"]) == 0  # one process, appended
+    rows = bench.load_rows([path])
+    assert {r["attention"] for r in rows if r["world"] == 1} == {"orthros", "orthros/model", "full", "full/model"}
+    plot = tmp_path / "cp.png"
+    table = bench.report(rows, str(plot))
+    assert plot.stat().st_size > 0
+    lines = [line for line in table.splitlines() if line.startswith("| orthros | 37 |")]
+    assert [line.split("|")[3].strip() for line in lines] == ["1", "4"]
+    assert "100%" in lines[0] and lines[1].split("|")[8].strip().endswith("x")  # efficiency, vs full
+    with pytest.raises(ValueError, match="--attention"):
+        bench.parse_args(["--attention", "ring"])
 
 
 # ------------------------------------------------------- single-process pieces

@@ -37,8 +37,21 @@ def run_case(case: dict, cp: CPGroup):
     return torch.stack(out)
 
 
-def cases_worker(rank: int, world: int, cases: list, out_dir: str):
-    """Each case runs on the first `case['world']` ranks (a subgroup when smaller than the world)."""
+def load_bench():
+    """benchmarks/cp_prefill.py as a module (the benchmarks folder is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_prefill.py"
+    spec = importlib.util.spec_from_file_location("cp_prefill_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def cases_worker(rank: int, world: int, cases: list, out_dir: str, bench_argv: list | None = None):
+    """Each case runs on the first `case['world']` ranks (a subgroup when smaller than the world);
+    then, with `bench_argv`, the benchmark script runs on the whole world."""
     torch.set_num_threads(1)
     groups = {w: (None if w == world else dist.new_group(list(range(w)))) for w in sorted({c["world"] for c in cases})}
     for i, case in enumerate(cases):
@@ -46,5 +59,7 @@ def cases_worker(rank: int, world: int, cases: list, out_dir: str):
         if rank < w:
             logits = run_case(case, CPGroup(groups[w]))
             torch.save(logits, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
+    if bench_argv is not None:
+        load_bench().main(bench_argv)
     if world > 1:
         dist.barrier()
