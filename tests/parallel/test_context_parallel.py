@@ -42,6 +42,7 @@ CASES = {
     "w4-padded-batch-shard-of-padding": dict(world=4, attention="orthros", W=7, T=33, B=2, pad=[9, 2]),
 }
 GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)
+CLI_PROMPT = "def main():\n    return sum(range(10))\n"
 BENCH = ["--preset", "tiny", "--window", "8", "--lengths", "37,64", "--attention", "orthros,full", "--device", "cpu",
          "--warmup", "0", "--repeats", "1", "--crossover", "20"]
 
@@ -79,7 +80,10 @@ def results(tmp_path_factory):
     gen_case["generate"] = GENERATE["new"]
     bad_case = dict(built[0][0], world=2, mismatch=True)
     bench = BENCH + ["--out", str(out / "bench.jsonl")]
-    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), bench, start_method="fork")
+    model_dir = out / "model"
+    make_model("orthros", window=5, seed=7).cpu().save_pretrained(model_dir)
+    cli = [str(model_dir), "--prompt", CLI_PROMPT, "--max-new-tokens", "12", "--device", "cpu"]
+    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), bench, cli, start_method="fork")
     res = {}
     for i, (name, (case, ref)) in enumerate(zip(names, built)):
         res[name] = ref, [torch.load(out / f"case{i}_rank{r}.pt") for r in range(case["world"])]
@@ -89,6 +93,7 @@ def results(tmp_path_factory):
     res["generate"] = want, got
     res["mismatch"] = [torch.load(out / f"case{len(names) + 1}_rank{r}.pt") for r in range(2)]
     res["bench"] = out / "bench.jsonl"
+    res["cli"] = model_dir, cli, [(out / f"cli_rank{r}.txt").read_text() for r in range(4)]
     return res
 
 
@@ -140,6 +145,25 @@ def test_benchmark_script_runs_and_reports(results, tmp_path):
     assert "100%" in lines[0] and lines[1].split("|")[8].strip().endswith("x")  # efficiency, vs full
     with pytest.raises(ValueError, match="--attention"):
         bench.parse_args(["--attention", "ring"])
+
+
+def test_module_entry_point_generates_like_one_process(results, capsys):
+    """`python -m orthros.parallel MODEL --prompt ...` on 4 ranks prints (on rank 0 only)
+    the greedy continuation of the single-process `generate`."""
+    from orthros.data.tokenizer import ByteTokenizer
+    from orthros.parallel.__main__ import main
+
+    model_dir, argv, outputs = results["cli"]
+    model = make_model("orthros", window=5, seed=7).cpu()
+    tok = ByteTokenizer()
+    prompt = tok.encode(CLI_PROMPT)
+    want = tok.decode(generate(model, [prompt], max_new_tokens=12, stop_tokens=tok.eos_token_id)[0, len(prompt):].tolist())
+    assert outputs[0] == f"0\n{want}\n"
+    assert all(o == "0\n" for o in outputs[1:])
+    assert main(argv) == 0  # one process, same code
+    assert capsys.readouterr().out == f"{want}\n"
+    assert main([str(model_dir / "missing"), "--prompt", "x"]) == 2
+    assert "not a model directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- single-process pieces

@@ -49,9 +49,11 @@ def load_bench():
     return mod
 
 
-def cases_worker(rank: int, world: int, cases: list, out_dir: str, bench_argv: list | None = None):
+def cases_worker(rank: int, world: int, cases: list, out_dir: str, bench_argv: list | None = None,
+                 cli_argv: list | None = None):
     """Each case runs on the first `case['world']` ranks (a subgroup when smaller than the world);
-    then, with `bench_argv`, the benchmark script runs on the whole world."""
+    then, on the whole world, the benchmark script (`bench_argv`) and `python -m orthros.parallel`
+    (`cli_argv`, stdout saved per rank)."""
     torch.set_num_threads(1)
     groups = {w: (None if w == world else dist.new_group(list(range(w)))) for w in sorted({c["world"] for c in cases})}
     for i, case in enumerate(cases):
@@ -61,5 +63,16 @@ def cases_worker(rank: int, world: int, cases: list, out_dir: str, bench_argv: l
             torch.save(logits, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
     if bench_argv is not None:
         load_bench().main(bench_argv)
+    if cli_argv is not None:
+        import contextlib
+        import io
+
+        from orthros.parallel.__main__ import main
+
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = main(cli_argv)
+        with open(os.path.join(out_dir, f"cli_rank{rank}.txt"), "w") as f:
+            f.write(f"{code}\n{buf.getvalue()}")
     if world > 1:
         dist.barrier()

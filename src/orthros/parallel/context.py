@@ -287,27 +287,36 @@ def cp_decode_one_token(model, token: torch.Tensor, cache: ShardedCache) -> torc
 
 @torch.no_grad()
 def cp_generate(model, input_ids: torch.Tensor, max_new_tokens: int = 32, cp: CPGroup | None = None,
-                shard_sizes=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                seed: int | None = None):
+                attention_mask: torch.Tensor | None = None, shard_sizes=None, temperature: float = 0.0,
+                top_k: int | None = None, top_p: float | None = None, stop_tokens: list[int] | int | None = None,
+                seed: int | None = None, pad_token_id: int | None = None):
     """Context-parallel prefill, then decoding on the sharded cache; the same call on every rank.
 
-    Sampling happens on rank 0 and the token is broadcast, so every rank
-    continues the same sequence. Returns [B, T + max_new_tokens] on every rank."""
+    Like `generate.generate` (left-padded [B, T] prompts with `attention_mask`,
+    greedy or sampled, stop tokens). Rank 0 samples and broadcasts each token,
+    so every rank continues the same sequence. Returns [B, T + n] on every rank.
+    """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     cfg = SamplingConfig(temperature, top_k, top_p)
     cp = cp or CPGroup()
+    dev = input_ids.device
+    pad = pad_token_id if pad_token_id is not None else (model.config.pad_token_id or 0)
+    stops = torch.tensor([stop_tokens] if isinstance(stop_tokens, int) else (stop_tokens or []), device=dev)
     gen = None
     if seed is not None:
-        gen = torch.Generator(device=input_ids.device)
+        gen = torch.Generator(device=dev)
         gen.manual_seed(seed)
-    logits, cache = cp_prefill(model, input_ids, cp=cp, shard_sizes=shard_sizes)
+    logits, cache = cp_prefill(model, input_ids, attention_mask, cp=cp, shard_sizes=shard_sizes)
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=dev)
     out = []
     for step in range(max_new_tokens):
-        tok = sample(logits, cfg, gen)
+        tok = torch.where(done, pad, sample(logits, cfg, gen))
         if cp.world > 1:
             dist.broadcast(tok, cp.global_rank(0), group=cp.group)
         out.append(tok)
-        if step < max_new_tokens - 1:
-            logits = cp_decode_one_token(model, tok, cache)
+        done = done | torch.isin(tok, stops)
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        logits = cp_decode_one_token(model, tok, cache)
     return torch.cat([input_ids, torch.stack(out, 1)], 1) if out else input_ids
