@@ -99,37 +99,43 @@ def balanced_bounds(T: int, world: int, crossover: float) -> list[tuple[int, int
     return shard_bounds(T, world, [b - a for a, b in zip(cuts, cuts[1:])])
 
 
-def halo_exchange(x: torch.Tensor, cp: CPGroup, span: int | None) -> torch.Tensor:
+def halo_exchange(xs, cp: CPGroup, span: int | None):
     """The `span` slots before this rank's shard (all earlier slots if None).
 
-    x: [B, n, *] this rank's shard (n = its shard length).
-    Returns [B, h, *] with h = min(span, start): the keys of global slots
+    xs: tensors [B, n, *, d_i] of this rank's shard (n = its shard length), e.g. (k, v);
+        they travel packed in one message per pair of ranks.
+    Returns the same tuple of [B, h, *, d_i] with h = min(span, start): global slots
     [start - h, start), gathered from as many earlier ranks as they span.
     """
+    xs = tuple(xs)
     bounds, r = cp.bounds, cp.rank
-    if cp.world == 1:
-        return x[:, :0]
-    ops, recvs = [], []
     a, b = bounds[r]
-    # what this rank sends: to each later rank q, the part of [a, b) inside q's halo
-    for q in range(r + 1, cp.world):
-        lo = 0 if span is None else max(0, bounds[q][0] - span)
-        s = max(lo, a)
-        if s < b:
-            ops.append(dist.P2POp(dist.isend, x[:, s - a:].contiguous(), cp.global_rank(q), cp.group))
-    # what it receives: from each earlier rank p, the part of p's shard inside this halo
+    splits = [x.shape[-1] for x in xs]
     lo = 0 if span is None else max(0, a - span)
-    for p in range(r):
-        pa, pb = bounds[p]
-        s = max(lo, pa)
-        if s < pb:
-            buf = x.new_empty((x.shape[0], pb - s, *x.shape[2:]))
-            recvs.append(buf)
-            ops.append(dist.P2POp(dist.irecv, buf, cp.global_rank(p), cp.group))
+    sends = []  # (later rank, first global slot it needs from this shard)
+    for q in range(r + 1, cp.world):
+        s = max(0 if span is None else bounds[q][0] - span, a)
+        if s < b:
+            sends.append((q, s))
+    recvs = [(p, max(lo, bounds[p][0]), bounds[p][1]) for p in range(r) if max(lo, bounds[p][0]) < bounds[p][1]]
+    ops, bufs = [], []
+    if sends:
+        first = min(s for _, s in sends)
+        packed = torch.cat([x[:, first - a:] for x in xs], dim=-1)  # only the tail anyone needs
+        for q, s in sends:
+            ops.append(dist.P2POp(dist.isend, packed[:, s - first:].contiguous(), cp.global_rank(q), cp.group))
+    ref = xs[0]
+    for p, s, e in recvs:
+        buf = ref.new_empty((ref.shape[0], e - s, *ref.shape[2:-1], sum(splits)))
+        bufs.append(buf)
+        ops.append(dist.P2POp(dist.irecv, buf, cp.global_rank(p), cp.group))
     if ops:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
-    return torch.cat(recvs, dim=1) if recvs else x[:, :0]
+    if not bufs:
+        return tuple(x[:, :0] for x in xs)
+    halo = torch.cat(bufs, dim=1) if len(bufs) > 1 else bufs[0]
+    return tuple(halo.split(splits, dim=-1))
 
 
 def lse_merge(o: torch.Tensor, lse: torch.Tensor):

@@ -211,13 +211,12 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         cache.append(i, k, v)
         if not last:
             qb = attn._queries(attn.q_proj(xb), "base", *rope_b)
-            halo = halo_exchange(torch.cat([k, v], dim=-1), cp, span)
-            kx = torch.cat([halo[..., :attn.head_dim], k], dim=1)
-            vx = torch.cat([halo[..., attn.head_dim:], v], dim=1)
+            hk, hv = halo_exchange((k, v), cp, span)
+            kx, vx = torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1)
             ob = attention(qb, kx, vx, q_slot_b, doc_b, kdoc_ext, window=base_window, backend=attn.backend,
                            dense_start=h if dense else None)
             hb = _mlp_residual(block, hb + attn.o_proj(ob.flatten(2)), mlp_chunk)
-            del qb, halo, kx, vx, ob
+            del qb, hk, hv, kx, vx, ob
         if last and not two_streams:  # baselines: the last layer at the last token, owned by the last rank
             ho = hb[:, -1:].contiguous() if cp.last else hb.new_empty(B, 1, hb.shape[-1])
             if cp.world > 1:
