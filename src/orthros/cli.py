@@ -14,7 +14,9 @@ COMMANDS = {
     "demo": "orthros.demo",
     "generate": "orthros.generate_cli",
     "convert": "orthros.convert.cli",
+    "eval-harness": "orthros.eval.lm_eval_cli",
     "train": "orthros.train.cli",
+    "bench": "orthros.bench.cli",
 }
 
 

@@ -1,0 +1,58 @@
+"""lm-evaluation-harness adapter (needs the `eval` extra: `pip install orthros[eval]`).
+
+An Orthros checkpoint is a plain transformers directory, so lm-eval's own
+`hf` model evaluates it once `import orthros` has registered the Auto
+classes. This module registers that as lm-eval model `orthros` too:
+
+    import orthros.eval.lm_eval_adapter  # noqa: F401  (registers "orthros")
+    lm_eval.simple_evaluate(model="orthros", model_args="pretrained=runs/demo", tasks=["arc_easy"])
+
+What lm-eval asks of the model, and what it gets:
+  * loglikelihood / multiple choice: `model(input_ids).logits`, right-padded,
+    no mask, no `logits_to_keep` -> every position is an output position
+    (logits [B, T, V]); lm-eval reads the continuation's slice.
+  * generate_until: `model.generate(..., attention_mask)` on left-padded
+    prompts -> transformers' generate with an OrthrosCache: one output token
+    in the prefill (linear time), then one (base, output) pair per step.
+"""
+
+from __future__ import annotations
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+import orthros  # noqa: F401  (registers OrthrosConfig / OrthrosForCausalLM with the Auto classes)
+
+
+@register_model("orthros")
+class OrthrosLM(HFLM):
+    """lm-eval's HF causal-LM wrapper, with the Orthros classes registered."""
+
+    def __init__(self, pretrained, **kwargs):
+        kwargs.setdefault("backend", "causal")  # "orthros" is not in transformers' own causal-LM table
+        super().__init__(pretrained=pretrained, **kwargs)
+
+
+def evaluate(model_dir: str, tasks: list[str], *, batch_size: int | str = 1, device: str | None = None,
+             limit: int | float | None = None, num_fewshot: int | None = None, include_path: str | None = None,
+             dtype: str = "auto", seed: int = 0, log_samples: bool = False) -> dict:
+    """Run lm-eval `tasks` on the Orthros checkpoint `model_dir`; return lm-eval's results dict."""
+    import lm_eval
+    import torch
+    from lm_eval.tasks import TaskManager
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    task_manager = None
+    if include_path:  # indexing lm-eval's ~15k built-in tasks takes seconds: skip it when the local ones suffice
+        task_manager = TaskManager(include_path=include_path, include_defaults=False)
+        if not set(tasks) <= set(task_manager.all_tasks):
+            task_manager = None
+    task_manager = task_manager or TaskManager(include_path=include_path)
+    unknown = [t for t in tasks if t not in task_manager.all_tasks]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s): {', '.join(unknown)}"
+                         + ("" if include_path else " (local task YAMLs need --include-path)"))
+    lm = OrthrosLM(pretrained=str(model_dir), device=device, batch_size=batch_size, dtype=dtype)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                   task_manager=task_manager, log_samples=log_samples, random_seed=seed,
+                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
