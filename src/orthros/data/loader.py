@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from .packing import PackedRows, count_targets
+from .packing import PackedRows, count_targets, output_index
 
 
 class BatchLoader:
@@ -52,6 +52,8 @@ class BatchLoader:
         start = k * self.G + self.rank * share
         idx = self._perm(epoch)[start : start + share]
         micro = [self.rows.batch(idx[i * self.B : (i + 1) * self.B]) for i in range(self.A)]
+        for mb in micro:
+            mb["logits_to_keep"] = output_index(mb["labels"])
         if self.pin:
             micro = [{k: v.pin_memory() for k, v in mb.items()} for mb in micro]
         return micro, sum(count_targets(mb["labels"]) for mb in micro)

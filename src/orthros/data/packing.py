@@ -113,3 +113,21 @@ def pack_examples(examples: list[tuple[list[int], list[bool]]], seq_len: int, pa
             val_a[r, o : o + n] = True
             o += n
     return PackedRows(ids=ids_a, pos=pos_a, target=tgt_a, valid=val_a), cut
+
+
+def output_index(labels: torch.Tensor, multiple: int = 128) -> torch.Tensor:
+    """Output positions of a batch as a [B, N] index padded with -1 (`logits_to_keep`).
+
+    Position t is an output when labels[t + 1] counts. N is rounded up to a
+    multiple of `multiple` (at most T) so that compiled attention kernels see
+    few distinct shapes: pre-training rows give N = T every step, SFT rows a
+    handful of sizes.
+    """
+    B, T = labels.shape
+    nxt = torch.zeros(B, T, dtype=torch.bool)
+    nxt[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    counts = nxt.sum(1, keepdim=True)
+    n = int(counts.max()) if B else 0
+    n = min(T, -(-n // multiple) * multiple)
+    order = torch.sort((~nxt).to(torch.int8), dim=1, stable=True).indices[:, :n]
+    return torch.where(torch.arange(n)[None] < counts, order, -1)

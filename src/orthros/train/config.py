@@ -105,7 +105,7 @@ class TrainArgs:
     compile: bool = False
     """torch.compile each block"""
     max_seconds: float | None = None
-    """stop (and save) after this much training time"""
+    """stop (and save) after this many seconds of training (counted after the first step, which compiles)"""
     stop_at: int | None = None
     """stop (and save) after this step, keeping the schedule of train.steps (run a job in parts)"""
     log_every: int = 10

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.loader import BatchLoader
-from ..data.packing import PackedRows, count_targets, pack_documents, pack_examples
+from ..data.packing import PackedRows, count_targets, output_index, pack_documents, pack_examples
 from ..data.sft import render_example
 from ..data.sources import STDLIB, detect_format, read_documents, read_examples
 from ..data.tokenizer import ByteTokenizer, encode_batch, load_tokenizer, train_bpe, vocab_size_of
@@ -163,7 +163,10 @@ def eval_batches(rows: PackedRows | None, cfg: TrainConfig, d: D.Dist) -> list[d
 
     order = np.random.default_rng(0).permutation(len(rows))[d.rank * per : (d.rank + 1) * per]
     B = cfg.train.batch_size
-    return [rows.batch(order[i : i + B]) for i in range(0, per, B)]
+    out = [rows.batch(order[i : i + B]) for i in range(0, per, B)]
+    for mb in out:
+        mb["logits_to_keep"] = output_index(mb["labels"])
+    return out
 
 
 # -------------------------------------------------------------------- loop
@@ -291,8 +294,10 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
             bar.update(1)
             bar.set_postfix_str(f"loss {loss_val:.3f} | {tokens_per_step / dt / 1e3:,.1f}k tok/s | lr {lr:.2e}",
                                 refresh=False)
+            if step == start:  # the time budget starts after the first step (which compiles kernels)
+                t_budget = time.perf_counter()
             if tc.max_seconds is not None:
-                flag = torch.tensor([float(time.perf_counter() - t_train > tc.max_seconds)], device=d.device)
+                flag = torch.tensor([float(time.perf_counter() - t_budget > tc.max_seconds)], device=d.device)
                 stop_early = D.all_sum(d, flag).item() > 0
             stop_early = stop_early or done == tc.stop_at
             last = done == tc.steps or stop_early
