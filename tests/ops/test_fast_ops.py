@@ -146,6 +146,10 @@ def run_splitkv_cases(device):
 def test_splitkv_triton_interpreter():
     """The Triton kernel under TRITON_INTERPRET=1 on CPU, in a subprocess (the flag must precede `import triton`)."""
     pytest.importorskip("triton")
+    import numpy
+
+    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
+        pytest.skip("triton 3.6's interpreter fails under numpy >= 2.4 (triton-lang/triton#9171); constraints.txt pins it")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "tests.ops.test_fast_ops"], env=env, capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=600)
@@ -171,9 +175,9 @@ GPU_CASES = [  # (phase, docs, T, past, D, window, subset)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (the CPU path runs the same cases in test_chunked)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("phase,docs,T,past,D,window,subset", GPU_CASES)
-def test_cuda_auto(phase, docs, T, past, D, window, subset, dtype):
+def test_cuda_auto(phase, docs, T, past, D, window, subset):
+    dtype = torch.float16 if T == 111 else torch.bfloat16
     case = make_case(phase, T=T, past=past, docs=docs, D=D, window=window, subset=subset, dtype=dtype, device="cuda", H=8, Hkv=2)
     check(op("auto", case["dense_start"]), case)  # autograd on: FlexAttention / SDPA
     check(op("auto", case["dense_start"]), case, backward=False)  # inference: split-KV where few queries

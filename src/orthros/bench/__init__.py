@@ -1,0 +1,1 @@
+"""Benchmarks: prefill latency against prompt length, and pre-training step time."""

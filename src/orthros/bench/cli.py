@@ -1,0 +1,29 @@
+"""Benchmark prefill (time to first token vs prompt length) or a training step.
+
+    orthros bench prefill   Orthros vs same-code full attention vs transformers vs the linear floor
+    orthros bench train     pre-training step time, tokens/s and MFU, Orthros vs full attention
+
+Results go to JSON, a Markdown table and (prefill) a log-log plot under --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import prefill, train
+
+SUBCOMMANDS = {"prefill": prefill, "train": train}
+
+
+def add_arguments(parser):
+    sub = parser.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    for name, mod in SUBCOMMANDS.items():
+        doc = (mod.__doc__ or "").strip()
+        p = sub.add_parser(name, help=doc.splitlines()[0], description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(p)
+        p.set_defaults(_bench_run=mod.run)
+
+
+def run(args):
+    return args._bench_run(args)

@@ -1,0 +1,128 @@
+"""What both benchmarks share: random-weight models, timing, memory, the run's environment."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import platform
+import time
+
+import torch
+
+from ..models import OrthrosConfig, OrthrosForCausalLM
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def environment(device: torch.device) -> dict:
+    """Date, GPU, library versions: printed with every table."""
+    import transformers
+
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version())
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    else:
+        env["gpu"] = "none (CPU: " + (platform.processor() or platform.machine()) + ")"
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def free_memory():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_model(config: OrthrosConfig, device, dtype) -> OrthrosForCausalLM:
+    """Random weights (the init's normal draws) made directly on the device in `dtype`."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = OrthrosForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def build_hf_peer(config: OrthrosConfig, device, dtype):
+    """transformers' own Llama / Qwen3 model at the same shapes, SDPA attention."""
+    import transformers
+
+    c = config
+    common = dict(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                  num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                  num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                  max_position_embeddings=max(c.max_position_embeddings, 1 << 21),
+                  tie_word_embeddings=c.tie_word_embeddings)
+    if c.qk_norm:
+        hc = transformers.Qwen3Config(**common, rope_theta=c.rope_theta)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        hc = transformers.LlamaConfig(**common, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
+        cls = transformers.LlamaForCausalLM
+    hc._attn_implementation = "sdpa"
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hc)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+@contextlib.contextmanager
+def truncated(model, n_layers: int):
+    """Temporarily keep only the first `n_layers` blocks (cheap warm-up at the real shapes)."""
+    inner = model.model
+    layers = inner.layers
+    inner.layers = layers[:n_layers]
+    try:
+        yield model
+    finally:
+        inner.layers = layers
+
+
+@contextlib.contextmanager
+def attention_removed():
+    """The linear floor: every attention op returns its queries (same shape, no work)."""
+    import orthros.layers.attention as layer
+
+    real = layer.attention
+    layer.attention = lambda q, *args, **kwargs: q
+    try:
+        yield
+    finally:
+        layer.attention = real
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device):
+    """(seconds, peak GiB allocated during the call (weights included), result) of one call."""
+    free_memory()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    return dt, peak, out
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()

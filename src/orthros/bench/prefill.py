@@ -1,0 +1,323 @@
+"""`orthros bench prefill`: time to first-token logits against prompt length.
+
+For each model shape and prompt length, in one run:
+    orthros — the Orthros model: SWA base stream, one output query (prefill).
+    full    — the same code with `attention="full"` (causal SDPA, cuDNN first).
+    hf      — transformers' own LlamaForCausalLM / Qwen3ForCausalLM, SDPA.
+    floor   — the Orthros model with attention removed: its linear work alone.
+Weights are random (no downloads). Each row is warmed up on the model cut to
+two layers at the same shapes (kernel compilation, cuDNN plans), then timed
+once with the whole model; peak memory is the allocator's high-water mark.
+Orthros and the floor prefill prompts longer than --chunk-size in chunks
+(the SPEC's chunked prefill; it bounds activation memory at 512K). Full
+attention past --max-quadratic and transformers past --max-hf are skipped
+(quadratic time); the table then shows an estimate, marked as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+import torch
+
+from ..generate import prefill
+from ..models import OrthrosConfig
+from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom,
+                     timed, truncated)
+
+VARIANTS = ("orthros", "full", "hf", "floor")
+MARK_BEGIN, MARK_END = "<!-- prefill-table:begin -->", "<!-- prefill-table:end -->"
+
+
+def parse_len(s: str) -> int:
+    s = str(s).strip().upper()
+    mult = {"K": 1024, "M": 1024 * 1024}.get(s[-1:], 1)
+    try:
+        n = int(float(s[:-1] if mult > 1 else s) * mult)
+    except ValueError:
+        raise ValueError(f"not a length: {s!r} (use e.g. 8192, 32K, 1M)") from None
+    if n < 1:
+        raise ValueError(f"lengths must be >= 1, got {s!r}")
+    return n
+
+
+def add_arguments(p):
+    p.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], help="config names (shapes)")
+    p.add_argument("--lengths", nargs="+", type=parse_len, default=[parse_len(x) for x in ("8K", "32K", "128K", "256K", "512K")])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--window", type=int, default=128, help="Orthros window size")
+    p.add_argument("--chunk-size", type=parse_len, default=parse_len("128K"), help="prefill chunk for orthros/floor")
+    p.add_argument("--max-quadratic", type=parse_len, default=parse_len("256K"),
+                   help="longest prompt timed for full (longer ones are estimated)")
+    p.add_argument("--max-hf", type=parse_len, default=parse_len("128K"),
+                   help="longest prompt timed for transformers (longer ones are estimated)")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--profile", type=parse_len, default=None, help="also break the Orthros prefill down by kernel at this length")
+    p.add_argument("--out-dir", default="docs", help="where prefill.json / prefill.png / prefill.md go")
+    p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers), if it exists")
+    p.add_argument("--from-json", default=None, help="only re-render the plot and table from a saved prefill.json")
+
+
+# ------------------------------------------------------------------ measure
+def _config(name, variant, args, T_max):
+    over = dict(window_size=args.window, attention="full" if variant == "full" else "orthros", attn_backend="auto")
+    if args.layers:
+        over["num_hidden_layers"] = args.layers
+    cfg = OrthrosConfig.from_name(name, **over)
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, T_max)
+    return cfg
+
+
+def _call(variant, model, ids, chunk):
+    T = ids.shape[1]
+    with torch.inference_mode():
+        if variant == "hf":
+            return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1]
+        size = chunk if variant in ("orthros", "floor") and T > chunk else None
+        return prefill(model, ids, None, chunk_size=size)[0]
+
+
+def measure(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    rows, breakdown = [], None
+    T_max = max(args.lengths)
+    for name in args.models:
+        for variant in args.variants:
+            cfg = _config(name, variant, args, T_max)
+            model = build_hf_peer(cfg, device, dtype) if variant == "hf" else build_model(cfg, device, dtype)
+            for T in sorted(args.lengths):
+                row = dict(model=name, variant=variant, T=T, layers=cfg.num_hidden_layers)
+                limit = {"full": args.max_quadratic, "hf": args.max_hf}.get(variant)
+                if limit is not None and T > limit:
+                    rows.append({**row, "status": "skipped", "note": f"quadratic time: longer than {limit}"})
+                    continue
+                ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
+                removed = attention_removed() if variant == "floor" else _null()
+                try:
+                    with removed:
+                        with truncated(model, min(2, cfg.num_hidden_layers)):
+                            _call(variant, model, ids, args.chunk_size)
+                        dt, peak, logits = timed(lambda: _call(variant, model, ids, args.chunk_size), device)
+                    if not torch.isfinite(logits.float()).all():
+                        raise RuntimeError(f"non-finite logits: {name} {variant} T={T}")
+                    rows.append({**row, "status": "ok", "time_s": dt, "peak_gib": peak})
+                except Exception as e:  # noqa: BLE001 - OOM is a result, anything else is re-raised
+                    if not is_oom(e):
+                        raise
+                    rows.append({**row, "status": "oom", "note": str(e).splitlines()[0][:120]})
+                free_memory()
+                r = rows[-1]
+                print(f"{name:>14} {variant:>8} T={T:>8}  " + (f"{r['time_s']:8.3f} s  {r['peak_gib']:6.1f} GiB"
+                      if r["status"] == "ok" else r["status"]), flush=True)
+            if variant == "orthros" and args.profile and breakdown is None:
+                breakdown = profile_prefill(model, args.profile, args.chunk_size, device)
+                breakdown["model"] = name
+            del model
+            free_memory()
+    return dict(env=environment(device), command="orthros bench prefill " + " ".join(map(shlex.quote, sys.argv[3:])),
+                dtype=args.dtype, window=args.window, chunk_size=args.chunk_size, rows=rows, breakdown=breakdown)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
+    ("split-KV attention", ("splitkv",)),
+    ("FlexAttention (SWA)", ("flex", "triton_tem")),
+    ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
+    ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
+    ("copies / cat", ("copy", "cat", "memcpy", "memset")),
+]
+
+
+def profile_prefill(model, T, chunk, device) -> dict:
+    """Device time of one Orthros prefill by kernel group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
+    _call("orthros", model, ids, chunk)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        _call("orthros", model, ids, chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    groups: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0)
+        if not t or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        key = ev.key.lower()
+        g = next((g for g, subs in KERNEL_GROUPS if any(s in key for s in subs)), "other (norms, RoPE, elementwise)")
+        groups[g] = groups.get(g, 0.0) + t / 1e3  # ms
+    return dict(T=T, groups_ms=dict(sorted(groups.items(), key=lambda kv: -kv[1])))
+
+
+# ------------------------------------------------------------------- render
+def _index(rows):
+    return {(r["model"], r["variant"], r["T"]): r for r in rows}
+
+
+def estimates(rows) -> dict:
+    """Quadratic-attention rows that were skipped: floor(T) + attention(T_ref) * (T / T_ref)^2,
+    with attention(T_ref) = variant(T_ref) - floor(T_ref) at the longest timed length."""
+    idx, est = _index(rows), {}
+    for r in rows:
+        if r["status"] != "skipped":
+            continue
+        m, v, T = r["model"], r["variant"], r["T"]
+        timed_T = [t for (mm, vv, t), x in idx.items() if mm == m and vv == v and x["status"] == "ok"]
+        floor = idx.get((m, "floor", T))
+        if not timed_T or not floor or floor["status"] != "ok":
+            continue
+        ref = max(timed_T)
+        fref = idx.get((m, "floor", ref))
+        if not fref or fref["status"] != "ok":
+            continue
+        attn = idx[(m, v, ref)]["time_s"] - fref["time_s"]
+        est[(m, v, T)] = floor["time_s"] + attn * (T / ref) ** 2
+    return est
+
+
+def _fmt_len(T):
+    if T % 1024:
+        return str(T)
+    return f"{T // 1024}K" if T % (1024 * 1024) else f"{T // (1024 * 1024)}M"
+
+
+def table(result) -> str:
+    rows, env = result["rows"], result["env"]
+    idx, est = _index(rows), estimates(rows)
+
+    def time_of(m, v, T):
+        r = idx.get((m, v, T))
+        if r and r["status"] == "ok":
+            return r["time_s"], False
+        if (m, v, T) in est:
+            return est[(m, v, T)], True
+        return None, False
+
+    def cell(m, v, T):
+        r = idx.get((m, v, T))
+        if r is None:
+            return "–"
+        if r["status"] == "ok":
+            return f"{r['time_s']:.2f} s ({r['peak_gib']:.0f} GiB)"
+        t, _ = time_of(m, v, T)
+        return f"~{t:.0f} s est. ({r['status']})" if t is not None else r["status"]
+
+    def ratio(a, b):
+        (x, ex), (y, ey) = a, b
+        if x is None or y is None:
+            return "–"
+        return f"{'~' if ex or ey else ''}{x / y:.2f}×"
+
+    out = [f"Command: `{result['command']}`  ",
+           f"Date: {env['date']}; GPU: {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}"
+           f"{', triton ' + env['triton'] if 'triton' in env else ''}; {result['dtype']}, batch 1, window {result['window']}, "
+           f"Orthros chunk {_fmt_len(result['chunk_size'])}.", ""]
+    for m in dict.fromkeys(r["model"] for r in rows):
+        Ts = sorted({r["T"] for r in rows if r["model"] == m})
+        layers = next(r["layers"] for r in rows if r["model"] == m)
+        out += [f"**{m}** ({layers} layers): time to first-token logits (peak memory)", "",
+                "| prompt | Orthros | linear floor | full (same code) | HF transformers | Orthros / floor | full / Orthros | HF / Orthros |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for T in Ts:
+            o, f, fu, hf = (time_of(m, v, T) for v in VARIANTS[:1] + ("floor", "full", "hf"))
+            out.append(f"| {_fmt_len(T)} | {cell(m, 'orthros', T)} | {cell(m, 'floor', T)} | {cell(m, 'full', T)} | "
+                       f"{cell(m, 'hf', T)} | {ratio(o, f)} | {ratio(fu, o)} | {ratio(hf, o)} |")
+        out.append("")
+    if est:
+        out.append("`est.`: not timed (quadratic); floor(T) + (time − floor) at the longest timed length × (T / that length)².")
+        out.append("")
+    b = result.get("breakdown")
+    if b:
+        tot = sum(b["groups_ms"].values())
+        out += [f"Orthros prefill at {_fmt_len(b['T'])} ({b['model']}), device time by kernel group (profiler):", "",
+                "| kernels | ms | share |", "| --- | --- | --- |"]
+        out += [f"| {g} | {t:.1f} | {100 * t / tot:.1f}% |" for g, t in b["groups_ms"].items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    est = estimates(rows)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    style = {"orthros": ("C0", "o"), "floor": ("k", "."), "full": ("C3", "s"), "hf": ("C1", "^")}
+    label = {"orthros": "Orthros", "floor": "linear floor", "full": "full attention (same code)", "hf": "HF transformers (SDPA)"}
+    for ax, m in zip(axes[0], models):
+        for v in VARIANTS:
+            pts = sorted((r["T"], r["time_s"]) for r in rows if r["model"] == m and r["variant"] == v and r["status"] == "ok")
+            if not pts:
+                continue
+            c, mk = style[v]
+            ax.plot(*zip(*pts), marker=mk, color=c, label=label[v], linestyle="--" if v == "floor" else "-")
+            ex = sorted((T, t) for (mm, vv, T), t in est.items() if mm == m and vv == v)
+            if ex:
+                ax.plot([pts[-1][0]] + [e[0] for e in ex], [pts[-1][1]] + [e[1] for e in ex], color=c, linestyle=":",
+                        marker=mk, markerfacecolor="none")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("time to first-token logits (s)")
+        ax.set_title(f"{m}, {result['env']['gpu']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def splice(doc_path, text):
+    """Replace the text between the prefill markers of `doc_path` (if the file and markers exist)."""
+    if not os.path.exists(doc_path):
+        return False
+    doc = open(doc_path).read()
+    if MARK_BEGIN not in doc or MARK_END not in doc:
+        return False
+    a, b = doc.index(MARK_BEGIN) + len(MARK_BEGIN), doc.index(MARK_END)
+    open(doc_path, "w").write(doc[:a] + "\n" + text + "\n" + doc[b:])
+    return True
+
+
+def run(args):
+    if args.from_json:
+        if not os.path.exists(args.from_json):
+            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
+        result = json.load(open(args.from_json))
+    else:
+        if args.window < 1:
+            raise ValueError(f"--window must be >= 1, got {args.window}")
+        for m in args.models:
+            OrthrosConfig.from_name(m)  # a clear error for unknown names before any work
+        result = measure(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    if not args.from_json:
+        with open(os.path.join(args.out_dir, "prefill.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    text = table(result)
+    open(os.path.join(args.out_dir, "prefill.md"), "w").write(text + "\n")
+    plot(result, os.path.join(args.out_dir, "prefill.png"))
+    print(text)
+    if splice(args.docs, text):
+        print(f"table written into {args.docs}")
+    return 0
