@@ -16,6 +16,7 @@ COMMANDS = {
     "convert": "orthros.convert.cli",
     "eval-harness": "orthros.eval.lm_eval_cli",
     "train": "orthros.train.cli",
+    "bench": "orthros.bench.cli",
 }
 
 
