@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.generate import prefill
-from orthros.parallel import CPGroup, balanced_bounds, cp_prefill, init_from_env, shard_bounds
+from orthros.parallel import CPGroup, balanced_bounds, cp_prefill, init_from_env
 from orthros.parallel.context import MLP_CHUNK
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -10,17 +10,20 @@ and save their logits; each test compares one case, on every rank.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from orthros.generate import decode_one_token, generate, prefill
 from orthros.ops.naive import naive_attention
-from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, lse_merge, partial_attention, shard_bounds
+from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, shard_bounds
 from orthros.parallel import spawn
 
 from ..conftest import make_model, rel_err
-from .workers import cases_worker, load_bench
+from .workers import cases_worker, load_bench, partials_case, sharded_partials
 
 TOL = 1e-5
 STEPS = 8
@@ -157,7 +160,8 @@ def test_module_entry_point_generates_like_one_process(results, capsys):
     model = make_model("orthros", window=5, seed=7).cpu()
     tok = ByteTokenizer()
     prompt = tok.encode(CLI_PROMPT)
-    want = tok.decode(generate(model, [prompt], max_new_tokens=12, stop_tokens=tok.eos_token_id)[0, len(prompt):].tolist())
+    ids = generate(model, [prompt], max_new_tokens=12, stop_tokens=tok.eos_token_id)
+    want = tok.decode(ids[0, len(prompt):].tolist())
     assert outputs[0] == f"0\n{want}\n"
     assert all(o == "0\n" for o in outputs[1:])
     assert main(argv) == 0  # one process, same code
@@ -193,24 +197,25 @@ def test_balanced_bounds_equalise_causal_cost():
 def test_partial_attention_over_key_shards_merges_to_the_full_op(window):
     """Splitting the keys into shards (and each shard into key chunks) and merging by lse
     is exact, including shards that see nothing (lse = -inf)."""
-    g = torch.Generator().manual_seed(0)
-    B, M, H, Hkv, D, S = 2, 3, 4, 2, 16, 41
-    q = torch.randn(B, M, H, D, generator=g)
-    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, D, generator=g)
-    q_slot = torch.tensor([[40, 25, 3]])
-    q_doc = torch.tensor([[0, 0, 0], [1, 1, -2]])  # row 1: one query sees nothing
-    k_doc = torch.zeros(B, S, dtype=torch.long)
-    k_doc[1] = 1
-    k_doc[1, 30:] = -1  # padding
-    ref, ref_lse = naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
-    parts = []
-    for a, b in [(0, 5), (5, 22), (22, 23), (23, 41)]:
-        parts.append(partial_attention(q, k[:, a:b], v[:, a:b], q_slot - a, q_doc, k_doc[:, a:b], window, key_chunk=4))
-    o, lse = lse_merge(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    args, cuts = partials_case()
+    ref, ref_lse = naive_attention(*args, window=window, return_lse=True)
+    o, lse = sharded_partials(*args, window, cuts)
     assert rel_err(o, ref) < 1e-6
     seen = torch.isfinite(ref_lse)
     assert torch.equal(seen, torch.isfinite(lse)) and rel_err(lse[seen], ref_lse[seen]) < 1e-6
     assert (o[1, 2] == 0).all()
+
+
+def test_partials_from_the_triton_kernel_merge_exactly():
+    """The GPU path of `partial_attention` (split-KV kernel with return_lse) under the Triton
+    interpreter on CPU, in a subprocess (the flag must precede `import triton`)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[2]
+    code = "from tests.parallel.workers import check_triton_partials as c; print(c())"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().split("=")[1]) < 1e-5
 
 
 def test_one_process_is_plain_prefill():
