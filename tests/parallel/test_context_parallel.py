@@ -22,7 +22,7 @@ from orthros.ops.naive import naive_attention
 from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, shard_bounds
 from orthros.parallel import spawn
 
-from ..conftest import make_model, rel_err
+from ..conftest import DEVICE, make_model, rel_err
 from .workers import cases_worker, load_bench, partials_case, sharded_partials
 
 TOL = 1e-5
@@ -111,6 +111,19 @@ def test_sharded_prefill_and_decode_match_single_process(results, name):
     # every rank holds the same logits (the output stream is replicated)
     for got in ranks[1:]:
         assert torch.equal(got, ranks[0])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (the same cases run on gloo above)")
+def test_nccl_on_two_gpus(tmp_path):
+    """The GPU path (NCCL, FlexAttention, split-KV partials) against the fp32 CPU reference."""
+    names = ["w2-orthros-last-shard-shorter-than-window", "w2-full-uneven", "w2-padded-batch"]
+    built = [build_case(CASES[n], seed=list(CASES).index(n)) for n in names]
+    spawn(cases_worker, 2, [dict(c, cuda=True) for c, _ in built], str(tmp_path), backend="nccl")
+    for i, (name, (_, ref)) in enumerate(zip(names, built)):
+        for r in range(2):
+            got = torch.load(tmp_path / f"case{i}_rank{r}.pt")
+            for step in range(STEPS + 1):
+                assert rel_err(got[step], ref[step]) < 1e-4, (name, r, step)
 
 
 def test_cp_generate_matches_generate(results):
@@ -218,15 +231,19 @@ def test_partials_from_the_triton_kernel_merge_exactly():
     assert float(out.stdout.strip().split("=")[1]) < 1e-5
 
 
-def test_one_process_is_plain_prefill():
-    """Without a process group the same code runs one shard: equals `prefill`."""
-    model = make_model("orthros", window=5).cpu()
-    ids = torch.randint(0, 256, (1, 19), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+def test_one_process_is_plain_prefill(attention):
+    """Without a process group the same code runs one shard: equals `prefill` (on the test
+    device: on a GPU this is the FlexAttention + split-KV path)."""
+    model = make_model(attention, window=5)
+    ids = torch.randint(0, 256, (1, 19), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     ref, cache = prefill(model, ids)
     got, sharded = cp_prefill(model, ids)
-    assert rel_err(got, ref) < TOL
-    tok = torch.tensor([3])
-    assert rel_err(cp_decode_one_token(model, tok, sharded), decode_one_token(model, tok, None, cache)) < TOL
+    tol = TOL if DEVICE.type == "cpu" else 1e-4
+    assert rel_err(got, ref) < tol
+    for t in (3, 200, 7):
+        tok = torch.tensor([t], device=DEVICE)
+        assert rel_err(cp_decode_one_token(model, tok, sharded), decode_one_token(model, tok, None, cache)) < tol
 
 
 def test_errors_name_the_mistake():

@@ -21,6 +21,11 @@ def run_case(case: dict, cp: CPGroup):
     (`generate` cases: the generated ids; `mismatch` cases: the error message.)"""
     model = OrthrosForCausalLM(case["config"]).eval()
     model.load_state_dict(case["state"])
+    if case.get("cuda"):  # NCCL: one GPU per rank
+        dev = torch.device("cuda", torch.cuda.current_device())
+        model = model.to(dev)
+        case = dict(case, ids=case["ids"].to(dev), tokens=[t.to(dev) for t in case["tokens"]],
+                    mask=None if case.get("mask") is None else case["mask"].to(dev))
     if "generate" in case:
         return cp_generate(model, case["ids"], case["generate"], cp=cp, shard_sizes=case.get("sizes"))
     if case.get("mismatch"):  # each rank holds a different prompt
@@ -60,7 +65,7 @@ def cases_worker(rank: int, world: int, cases: list, out_dir: str, bench_argv: l
         w = case["world"]
         if rank < w:
             logits = run_case(case, CPGroup(groups[w]))
-            torch.save(logits, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
+            torch.save(logits.cpu() if torch.is_tensor(logits) else logits, os.path.join(out_dir, f"case{i}_rank{rank}.pt"))
     if bench_argv is not None:
         load_bench().main(bench_argv)
     if cli_argv is not None:
