@@ -17,6 +17,8 @@ dearer), `orthros` evenly. A configuration whose estimated memory exceeds a
 GPU is recorded as skipped rather than run; an out-of-memory error is
 recorded and ends the run (the rows written before it stay).
 
+After the prefill timings, `--decode-steps` greedy decode steps on the
+sharded cache give the per-token decode latency (median, slowest rank).
 At world size 1 the library's own `generate.prefill` is timed too
 (`attention=<kind>/model`), to show the CP loop loses nothing on one GPU.
 
@@ -42,7 +44,7 @@ import torch.distributed as dist
 
 from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.generate import prefill
-from orthros.parallel import CPGroup, balanced_bounds, cp_prefill, init_from_env
+from orthros.parallel import CPGroup, balanced_bounds, cp_decode_one_token, cp_prefill, init_from_env
 from orthros.parallel.context import MLP_CHUNK
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -60,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: gloo, for checking the script)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=16,
+                   help="after the prefill, time this many greedy decode steps on the sharded cache (0: none)")
     p.add_argument("--crossover", type=float, default=23000.0,
                    help="full-attention sharding: the position at which a token's causal attention costs "
                         "as much as its linear layers (23K: Llama-3.1-8B on an H200, SPEC section 6)")
@@ -136,6 +140,20 @@ def time_call(fn, warmup: int, repeats: int, device) -> list[float]:
     return times
 
 
+def time_decode(model, ids, cp, bounds, steps: int, device) -> float:
+    """Milliseconds per greedy decode step on the sharded cache of one prefill (slowest rank, median)."""
+    logits, cache = cp_prefill(model, ids, cp=cp, bounds=bounds)
+    times = []
+    for _ in range(steps):
+        tok = logits.argmax(-1)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = cp_decode_one_token(model, tok, cache)
+        sync(device)
+        times.append(slowest(time.perf_counter() - t0, device))
+    return 1000 * statistics.median(times[1:] or times)  # the first step may compile
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -194,9 +212,11 @@ def _run(args) -> list[dict]:
                     os._exit(1)
                 torch.cuda.empty_cache()
                 continue
+            decode_ms = time_decode(model, ids, cp, bounds, args.decode_steps, device) if args.decode_steps else None
             peak = torch.cuda.max_memory_allocated(device) / GiB if device.type == "cuda" else 0.0
             rows.append(dict(row, status="ok", seconds=statistics.median(times), all_seconds=times,
-                             tokens_per_s=T / statistics.median(times), peak_gib=round(slowest(peak, device), 1)))
+                             tokens_per_s=T / statistics.median(times), peak_gib=round(slowest(peak, device), 1),
+                             decode_ms_per_token=decode_ms))
             _write(args.out, rows[-1], rank)
             if world == 1:  # the model's own prefill (no MLP chunking), for reference
                 ref = dict(row, attention=f"{kind}/model")
@@ -242,8 +262,8 @@ def report(rows: list[dict], plot: str | None = None) -> str:
         best[(r["attention"], r["T"], r["world"])] = r
     kinds = sorted({k for k, _, _ in best})
     lengths = sorted({t for _, t, _ in best})
-    lines = ["| attention | T | GPUs | seconds | tokens/s | speedup | efficiency | vs full | status |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| attention | T | GPUs | seconds | tokens/s | speedup | efficiency | vs full | decode ms/token | status |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     curves = {}
     for kind in kinds:
         for T in lengths:
@@ -252,14 +272,15 @@ def report(rows: list[dict], plot: str | None = None) -> str:
             n0, t0 = (ok[0][0], ok[0][1]["seconds"]) if ok else (None, None)
             for w, r in runs:
                 if r["status"] != "ok":
-                    lines.append(f"| {kind} | {T} | {w} | | | | | | {r['status']} |")
+                    lines.append(f"| {kind} | {T} | {w} | | | | | | | {r['status']} |")
                     continue
                 s = r["seconds"]
                 base, slash, how = kind.partition("/")  # "orthros/model" compares with "full/model"
                 full = None if base == "full" else best.get(("full" + slash + how, T, w))
                 vs = f"{full['seconds'] / s:.2f}x" if full and full["status"] == "ok" else ""
+                dec = r.get("decode_ms_per_token")
                 lines.append(f"| {kind} | {T} | {w} | {s:.3f} | {T / s:,.0f} | {t0 / s:.2f}x | "
-                             f"{t0 * n0 / (s * w):.0%} | {vs} | ok |")
+                             f"{t0 * n0 / (s * w):.0%} | {vs} | {'' if dec is None else f'{dec:.2f}'} | ok |")
                 curves.setdefault((kind, T), []).append((w, s, t0 * n0 / (s * w)))
     if plot and curves:
         _plot(curves, plot)

@@ -47,7 +47,7 @@ CASES = {
 GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)
 CLI_PROMPT = "def main():\n    return sum(range(10))\n"
 BENCH = ["--preset", "tiny", "--window", "8", "--lengths", "37,64", "--attention", "orthros,full", "--device", "cpu",
-         "--warmup", "0", "--repeats", "1", "--crossover", "20"]
+         "--warmup", "0", "--repeats", "1", "--crossover", "20", "--decode-steps", "2"]
 
 
 def build_case(spec: dict, seed: int):
@@ -146,6 +146,7 @@ def test_benchmark_script_runs_and_reports(results, tmp_path):
     assert {(r["attention"], r["T"]) for r in four} == {(k, t) for k in ("orthros", "full") for t in (37, 64)}
     for r in four:
         assert r["world"] == 4 and r["status"] == "ok" and r["seconds"] > 0 and sum(r["shards"]) == r["T"]
+        assert r["decode_ms_per_token"] > 0
         if r["attention"] == "full":  # causal cost grows along the prompt: later shards are shorter
             assert r["shards"][0] > r["shards"][-1]
         else:
@@ -159,6 +160,7 @@ def test_benchmark_script_runs_and_reports(results, tmp_path):
     lines = [line for line in table.splitlines() if line.startswith("| orthros | 37 |")]
     assert [line.split("|")[3].strip() for line in lines] == ["1", "4"]
     assert "100%" in lines[0] and lines[1].split("|")[8].strip().endswith("x")  # efficiency, vs full
+    assert float(lines[1].split("|")[9]) > 0  # decode ms per token
     with pytest.raises(ValueError, match="--attention"):
         bench.parse_args(["--attention", "ring"])
 
