@@ -33,7 +33,15 @@ def _flex(compiled: bool):
 
     # Uncompiled FlexAttention is the eager reference (it builds the dense
     # score matrix); only the compiled one runs the block-sparse kernel.
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    if not compiled:
+        return flex_attention
+    # One compiled kernel per shape: past dynamo's default of 8 variants a call would
+    # silently run the eager reference, which needs T x T memory (2 TB at 128K).
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 256))
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _ordered(sel: torch.Tensor):
@@ -57,15 +65,17 @@ def _pad_to(x: torch.Tensor, n: int, value) -> torch.Tensor:
     return x if x.shape[1] == n else F.pad(x, (0, n - x.shape[1]), value=value)
 
 
-def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
-    """One FlexAttention call, all tensors already under the int32 limit."""
-    B, M, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    need_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if dense_start is not None:
-        lo, hi = dense_bounds(dense_start, M, window, q.device)
+_DENSE_MASKS: dict = {}
+
+
+def _dense_block_mask(start: int, M: int, S: int, window, device, need_backward: bool):
+    """The block mask of a plain causal batch. Every layer of a forward asks for the
+    same one, so the last few are kept (building one costs ~40 small launches)."""
+    key = (start, M, S, window, str(device), need_backward)
+    if key not in _DENSE_MASKS:
+        lo, hi = dense_bounds(start, M, window, device)
         states = block_states(lo, hi, S, BQ, BK)  # [1, Qb, Kb]: broadcast over the batch
-        q_off = torch.full((), dense_start, dtype=torch.long, device=q.device)
+        q_off = torch.full((), start, dtype=torch.long, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
             qs = q_idx + q_off
@@ -73,6 +83,20 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
             if window is not None:
                 m = m & (qs - kv_idx < window)
             return m
+
+        if len(_DENSE_MASKS) >= 8:
+            _DENSE_MASKS.pop(next(iter(_DENSE_MASKS)))
+        _DENSE_MASKS[key] = make_block_mask(states, mask_mod, M, S, need_backward)
+    return _DENSE_MASKS[key]
+
+
+def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
+    """One FlexAttention call, all tensors already under the int32 limit."""
+    B, M, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    need_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if dense_start is not None:
+        block_mask = _dense_block_mask(dense_start, M, S, window, q.device, need_backward)
     else:
         lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
         states = block_states(lo, hi, S, BQ, BK, q_doc, k_doc)
@@ -85,7 +109,7 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
         def mask_mod(b, h, q_idx, kv_idx):
             return visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window)
 
-    block_mask = make_block_mask(states, mask_mod, M, S, need_backward)
+        block_mask = make_block_mask(states, mask_mod, M, S, need_backward)
     Dp = max(16, 1 << (D - 1).bit_length())  # the kernels want a power-of-two head dim
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if Dp != D:  # zero columns change no score and add zero output columns
