@@ -9,6 +9,8 @@ attends to the whole KV cache. Both streams go through one `q_proj` and one
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -85,13 +87,16 @@ class OrthrosAttention(nn.Module):
         k = apply_rope(k, *rope_base)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
+        attend = attention
+        if hasattr(cache, "attend"):  # a cache with its own storage format (fp8) or capturable kernels
+            attend = functools.partial(cache.attend, self.layer_idx)
         ob = oo = None
         if qb is not None:
             qb = self._queries(qb, "base", *rope_base)
-            ob = attention(qb, k, v, layout.base_slot, layout.base_doc, layout.key_doc,
-                           window=self.base_window, backend=self.backend, dense_start=layout.base_dense).flatten(2)
+            ob = attend(qb, k, v, layout.base_slot, layout.base_doc, layout.key_doc,
+                        window=self.base_window, backend=self.backend, dense_start=layout.base_dense).flatten(2)
         if qo is not None:
             qo = self._queries(qo, "out", *rope_out)
-            oo = attention(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
-                           window=self.out_window, backend=self.backend, dense_start=layout.out_dense).flatten(2)
+            oo = attend(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
+                        window=self.out_window, backend=self.backend, dense_start=layout.out_dense).flatten(2)
         return rows(self.o_proj, ob, oo)

@@ -68,7 +68,7 @@ def _kernel():
             j = j0 + n
             jvalid = j < end
             kv_mask = jvalid[:, None] & dmask[None, :]
-            k = tl.load(K + b * skb + j[:, None] * sks + kvh * skh + d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(K + b * skb + j[:, None] * sks + kvh * skh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -84,7 +84,7 @@ def _kernel():
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * svb + j[:, None] * svs + kvh * svh + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(V + b * svb + j[:, None] * svs + kvh * svh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
