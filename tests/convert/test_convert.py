@@ -122,6 +122,14 @@ def test_converted_model_generates_like_the_source_model(source, tmp_path, tok):
     ids = ids_of(tok, 1)[:, :12]
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=None)
     assert model.generate(ids, **kw).tolist() == hf.generate(ids, **kw).tolist()
+    # Beam search reorders the OrthrosCache rows; several samples per prompt expand them.
+    beams = dict(kw, num_beams=3, num_return_sequences=2)
+    assert model.generate(ids, **beams).tolist() == hf.generate(ids, **beams).tolist()
+    runs = []
+    for m in (model, hf):
+        torch.manual_seed(0)
+        runs.append(m.generate(ids, **dict(kw, do_sample=True, num_return_sequences=3)).tolist())
+    assert runs[0] == runs[1]
 
 
 # ------------------------------------------------------------------ bad input
