@@ -2,6 +2,8 @@
 
     orthros bench prefill   Orthros vs same-code full attention vs transformers vs the linear floor
     orthros bench train     pre-training step time, tokens/s and MFU, Orthros vs full attention
+    orthros bench decode    decode tokens/s and achieved bandwidth against context, Orthros vs full attention
+    orthros bench e2e       time to first token and end-to-end generation time, Orthros vs full attention
 
 Results go to JSON, a Markdown table and (prefill) a log-log plot under --out-dir.
 """
@@ -10,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import prefill, train
+from . import decode, e2e, prefill, train
 
-SUBCOMMANDS = {"prefill": prefill, "train": train}
+SUBCOMMANDS = {"prefill": prefill, "train": train, "decode": decode, "e2e": e2e}
 
 
 def add_arguments(parser):

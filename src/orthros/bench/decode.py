@@ -1,0 +1,248 @@
+"""`orthros bench decode`: decode tokens/s against context length, Orthros vs full attention.
+
+Both models run the same fast path (`orthros.generate`): a preallocated KV
+cache, the sync-free decode step compiled with mode="reduce-overhead" (one
+CUDA graph per step). Weights are random. To save GPU time the KV cache is
+filled with random values up to the context length instead of a real
+prefill (decode cost does not depend on what the cache holds); the table
+says so. Each row: warm-up steps (compilation, graph capture), then
+--steps steps timed with device events.
+
+Achieved bandwidth counts the bytes a step must read: every weight once
+(the embedding table excepted: one row is gathered) plus the K/V each
+query reads (the output query: the whole context; an Orthros base query:
+its window), against the copy bandwidth given by --bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+
+import torch
+
+from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
+from ..models import OrthrosConfig
+from ..models.static_cache import FP8, KV_DTYPES
+from .common import DTYPES, build_model, environment, free_memory, is_oom, sync
+from .prefill import _fmt_len, parse_len
+
+VARIANTS = ("orthros", "full")
+MARKS = ("<!-- decode-table:begin -->", "<!-- decode-table:end -->")
+
+
+def add_arguments(p):
+    p.add_argument("--model", default="llama-3.1-8b", help="config name (shape)")
+    p.add_argument("--contexts", nargs="+", type=parse_len, default=[parse_len(x) for x in ("4K", "32K", "128K")])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--window", type=int, default=128, help="Orthros window size")
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps per row")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, graph capture)")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (measured on the H200)")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--out-dir", default="docs", help="where decode.json / decode.png / decode.md go")
+    p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers)")
+    p.add_argument("--from-json", default=None, help="only re-render the plot and table from a saved decode.json")
+
+
+def fill_random(cache, context: int, seed: int = 0) -> None:
+    """Pretend `context` tokens of one document were prefilled: random K/V (unit normal,
+    fp8 at scale 1), document 0, positions 0..context-1. No real prefill is run."""
+    g = torch.Generator(device=cache.doc.device).manual_seed(seed)
+    for buf in (*cache.k, *cache.v):
+        for a in range(0, context, 1 << 15):  # in slices: bounded temporary memory
+            x = buf[:, a: min(context, a + (1 << 15))]
+            r = torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32)
+            x.copy_(r.clamp(-448, 448).to(buf.dtype) if buf.dtype == FP8 else r.to(buf.dtype))
+    cache.k_scale.fill_(1.0)
+    cache.v_scale.fill_(1.0)
+    cache._scaled = [True] * cache.num_layers
+    cache.doc[:, :context] = 0
+    cache.length = context
+    cache.slot.fill_(context)
+    cache.next_pos.fill_(context)
+    cache.last_doc.fill_(0)
+
+
+def step_bytes(model, batch: int, context: int, kv_bytes: int) -> int:
+    """Bytes one decode step must read: weights (embedding table excepted) + K/V."""
+    c = model.config
+    emb = model.model.embed_tokens.weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    if model.lm_head.weight is emb:  # tied: the LM head still reads the whole table
+        weights += emb.numel() * emb.element_size()
+    per_key = 2 * c.num_key_value_heads * c.head_dim * kv_bytes  # K and V of one slot, one layer
+    keys = c.num_hidden_layers * context  # the output query (full: the token's query) reads every key
+    if c.attention == "orthros":
+        keys += (c.num_hidden_layers - 1) * min(c.window_size, context)  # base queries (last layer skipped)
+    return weights + batch * keys * per_key
+
+
+def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> float:
+    """Seconds per decode step (mean over `steps`, after `warmup`); tokens fed back greedily."""
+    B = cache.batch_size
+    tok = torch.randint(0, model.config.vocab_size, (B,), device=device)
+    for _ in range(warmup):
+        tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        import time
+
+        t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
+    if device.type == "cuda":
+        end.record()
+        sync(device)
+        return start.elapsed_time(end) / 1e3 / steps
+    return (time.perf_counter() - t0) / steps
+
+
+def measure(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
+    rows = []
+    for variant in args.variants:
+        over = dict(window_size=args.window, attention=variant)
+        if args.layers:
+            over["num_hidden_layers"] = args.layers
+        cfg = OrthrosConfig.from_name(args.model, **over)
+        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max(args.contexts) + args.steps + args.warmup + 1)
+        model = build_model(cfg, device, dtype)
+        for B in args.batches:
+            for C in sorted(args.contexts):
+                row = dict(variant=variant, batch=B, context=C, layers=cfg.num_hidden_layers)
+                cache = None
+                try:
+                    cache = new_static_cache(model, B, C + args.warmup + args.steps + 1, args.kv_dtype)
+                    fill_random(cache, C)
+                    with torch.inference_mode():
+                        dt = time_decode(model, cache, args.steps, args.warmup, step_fn, device)
+                    kv_bytes = cache.k[0].element_size()
+                    nbytes = step_bytes(model, B, C + args.warmup + args.steps // 2, kv_bytes)
+                    rows.append({**row, "status": "ok", "step_s": dt, "tokens_per_s": B / dt, "bytes": nbytes,
+                                 "gb_per_s": nbytes / dt / 1e9, "roofline": nbytes / dt / (args.bandwidth * 1e12),
+                                 "cache_gib": 2 * cache.num_layers * cache.k[0].numel() * kv_bytes / 2**30})
+                except Exception as e:  # noqa: BLE001 - OOM is a result, anything else is re-raised
+                    if not is_oom(e):
+                        raise
+                    rows.append({**row, "status": "oom", "note": str(e).splitlines()[0][:120]})
+                del cache
+                free_memory()
+                r = rows[-1]
+                print(f"{variant:>8} B={B} ctx={_fmt_len(C):>6}  " + (
+                    f"{r['step_s'] * 1e3:7.2f} ms/step {r['tokens_per_s']:8.1f} tok/s {r['gb_per_s']:7.0f} GB/s "
+                    f"({100 * r['roofline']:.0f}% of roofline)" if r["status"] == "ok" else r["status"]), flush=True)
+        del model
+        free_memory()
+    return dict(env=environment(device), command="orthros bench decode " + " ".join(map(shlex.quote, sys.argv[3:])),
+                model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, window=args.window, steps=args.steps,
+                compiled=not args.no_compile, bandwidth_tb_s=args.bandwidth, rows=rows)
+
+
+# ------------------------------------------------------------------- render
+def table(result) -> str:
+    rows, env = result["rows"], result["env"]
+    idx = {(r["variant"], r["batch"], r["context"]): r for r in rows}
+    layers = rows[0]["layers"] if rows else "?"
+    out = [f"Command: `{result['command']}`  ",
+           f"Date: {env['date']}; GPU: {env['gpu']}; torch {env['torch']}{', triton ' + env['triton'] if 'triton' in env else ''}; "
+           f"{result['model']} shape ({layers} layers), random {result['dtype']} weights, KV cache {result['kv_dtype']}, "
+           f"window {result['window']}, {'compiled (CUDA graphs)' if result['compiled'] else 'eager'}; "
+           f"mean of {result['steps']} steps. KV cache filled with random values (no real prefill). "
+           f"Roofline: bytes per step (weights + K/V read) at {result['bandwidth_tb_s']} TB/s.", "",
+           "| context | batch | Orthros tok/s | full tok/s | Orthros / full | Orthros GB/s (roofline) | full GB/s (roofline) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+
+    def cell(r):
+        return "–" if r is None else (f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else r["status"])
+
+    def bw(r):
+        return "–" if r is None or r["status"] != "ok" else f"{r['gb_per_s']:.0f} ({100 * r['roofline']:.0f}%)"
+
+    for C in sorted({r["context"] for r in rows}):
+        for B in sorted({r["batch"] for r in rows}):
+            o, f = idx.get(("orthros", B, C)), idx.get(("full", B, C))
+            ok = o and f and o["status"] == f["status"] == "ok"
+            ratio = f"{o['tokens_per_s'] / f['tokens_per_s']:.3f}×" if ok else "–"
+            out.append(f"| {_fmt_len(C)} | {B} | {cell(o)} | {cell(f)} | {ratio} | {bw(o)} | {bw(f)} |")
+    return "\n".join(out) + "\n"
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["status"] == "ok"]
+    batches = sorted({r["batch"] for r in rows}) or [1]
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
+    for ax, B in zip(axes[0], batches):
+        for v, c, mk in (("orthros", "C0", "o"), ("full", "C3", "s")):
+            pts = sorted((r["context"], r["tokens_per_s"], r["bytes"]) for r in rows if r["variant"] == v and r["batch"] == B)
+            if not pts:
+                continue
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=mk, color=c, label=f"{v} (measured)")
+            roof = [B * result["bandwidth_tb_s"] * 1e12 / p[2] for p in pts]
+            ax.plot([p[0] for p in pts], roof, color=c, linestyle=":", label=f"{v} bandwidth roofline")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"batch {B}, {result['env']['gpu']}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def render(result, out_dir, docs, name, table_fn, plot_fn, marks):
+    os.makedirs(out_dir, exist_ok=True)
+    text = table_fn(result)
+    open(os.path.join(out_dir, f"{name}.md"), "w").write(text)
+    plot_fn(result, os.path.join(out_dir, f"{name}.png"))
+    print(text)
+    if splice_marks(docs, text, marks):
+        print(f"table written into {docs}")
+
+
+def splice_marks(doc_path, text, marks) -> bool:
+    """Replace the text between `marks` in `doc_path` (if the file and both marks exist)."""
+    if not os.path.exists(doc_path):
+        return False
+    doc = open(doc_path).read()
+    begin, end = marks
+    if begin not in doc or end not in doc:
+        return False
+    a, b = doc.index(begin) + len(begin), doc.index(end)
+    open(doc_path, "w").write(doc[:a] + "\n" + text + "\n" + doc[b:])
+    return True
+
+
+def run(args):
+    if args.from_json:
+        if not os.path.exists(args.from_json):
+            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
+        result = json.load(open(args.from_json))
+    else:
+        if args.window < 1 or args.steps < 1 or args.warmup < 0 or min(args.batches) < 1:
+            raise ValueError("--window, --steps and --batches must be >= 1, --warmup >= 0")
+        OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
+        result = measure(args)
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "decode.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    render(result, args.out_dir, args.docs, "decode", table, plot, MARKS)
+    return 0
