@@ -1,5 +1,6 @@
 """The command line: the demo trains, saves and generates; user mistakes are one-line errors."""
 
+import json
 import subprocess
 import sys
 
@@ -10,10 +11,16 @@ def orthros(*args, timeout=300):
 
 def test_demo_then_generate_from_saved_model(tmp_path):
     out = tmp_path / "demo"
-    r = orthros("demo", "--seconds", "3", "--seq-len", "64", "--batch-size", "2", "--max-new-tokens", "5",
-                "--out", str(out))
+    r = orthros("demo", "--quick", "--seconds", "3", "--seq-len", "64", "--batch-size", "2", "--max-new-tokens", "5",
+                "--prefill-lengths", "128", "256", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert (out / "demo.png").stat().st_size > 0
+    res = json.loads((out / "demo.json").read_text())
+    assert set(res["recall"]) == {"orthros", "full", "swa"} and set(res["prefill"]) == {"128", "256"}
+    steps = {m["steps"] for m in res["recall"].values()}
+    assert len(steps) == 1  # the three models train for the same number of steps
+    assert "Recall: MQAR accuracy" in r.stdout and "Prefill" in r.stdout
     r = orthros("generate", str(out), "--prompt", "import os", "--max-new-tokens", "4", "--seed", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("import os")

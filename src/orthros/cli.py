@@ -17,6 +17,8 @@ COMMANDS = {
     "eval-harness": "orthros.eval.lm_eval_cli",
     "train": "orthros.train.cli",
     "bench": "orthros.bench.cli",
+    "eval": "orthros.eval.cli",
+    "experiment": "orthros.experiments.cli",
 }
 
 

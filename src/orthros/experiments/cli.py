@@ -1,0 +1,38 @@
+"""Run a named experiment: train the paper's architectures alike, evaluate, tabulate.
+
+    orthros experiment recall --preset cpu            # full / swa / orthros / orthros w/o SO, <= 10 min CPU
+    orthros experiment recall --preset gpu --device cuda
+
+Writes results.json, table.md (the paper's layout) and recall.png to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+EXPERIMENTS = ("recall",)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .recall import ARCHS, PRESETS
+
+    p.add_argument("name", choices=EXPERIMENTS, help="which experiment")
+    p.add_argument("--preset", default="cpu", help=f"sizes and steps: {', '.join(PRESETS)} (default cpu)")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), help=f"subset of {', '.join(ARCHS)}")
+    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="output directory (default runs/experiment-NAME-PRESET)")
+
+
+def run(args) -> int:
+    from .recall import run_experiment
+
+    out = args.out or f"runs/experiment-{args.name}-{args.preset}"
+    res = run_experiment(args.preset, args.archs, args.seed, args.device, out, args.steps)
+    print()
+    print(res["table"])
+    print(f"\nsaved {out}/results.json, table.md, recall.png")
+    return 0

@@ -1,0 +1,266 @@
+"""The small-scale paper comparison: recall, retrieval and perplexity.
+
+Trains equal-size `full` (Transformer), `swa`, `orthros` and `orthros`
+without scale-offset on the same data for the same steps, then evaluates
+each on held-out MQAR at lengths up to >= 16 W, on passkey retrieval and on
+stdlib perplexity:
+
+    orthros experiment recall --preset cpu     # <= 10 min on 2 CPU cores
+    orthros experiment recall --preset gpu     # one GPU, a few minutes
+
+Training data, every step (one loss per task, summed, so no task drowns):
+    * MQAR sequences (zoology trains on MQAR directly), loss on the answers
+      only — the SFT phase: output positions at the queried keys;
+    * Python-source text, loss everywhere — so perplexity means something;
+    * passkey samples with a random needle depth, loss on the key's digits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..data.stdlib import stdlib_text
+from ..data.tokenizer import ByteTokenizer
+from ..eval.mqar import MQARConfig, mqar_batch
+from ..eval.passkey import PasskeyConfig, passkey_batch
+from ..eval.tasks import eval_mqar, eval_passkey, eval_perplexity, heldout_tokens
+from ..models import OrthrosConfig, OrthrosForCausalLM
+
+ARCHS = {  # name -> config changes
+    "full": dict(attention="full"),
+    "swa": dict(attention="swa"),
+    "orthros": dict(attention="orthros"),
+    "orthros-noso": dict(attention="orthros", scale_offset=False),
+}
+LABELS = {"full": "Transformer (full)", "swa": "SWA", "orthros": "Orthros", "orthros-noso": "Orthros w/o SO"}
+
+
+@dataclass
+class Preset:
+    """One experiment's sizes; every architecture gets exactly these."""
+
+    hidden_size: int = 128
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    window: int = 16
+    steps: int = 1000
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    mqar_train: MQARConfig = field(default_factory=lambda: MQARConfig(seq_len=256, num_kv_pairs=16, vocab_size=256))
+    mqar_batch: int = 32
+    text_seq_len: int = 256
+    text_batch: int = 8
+    passkey_seq_len: int = 256
+    passkey_batch: int = 8
+    text_bytes: int = 4_000_000
+    # evaluation
+    mqar_eval_lengths: list[int] = field(default_factory=lambda: [128, 256, 512])
+    mqar_eval_samples: int = 128
+    passkey: PasskeyConfig = field(default_factory=lambda: PasskeyConfig([128, 256, 512], [0, 0.25, 0.5, 0.75, 1], 8))
+    ppl_seq_len: int = 512
+    ppl_tokens: int = 32_768
+    batch_size: int = 16
+
+    def model_config(self, arch: str) -> OrthrosConfig:
+        return OrthrosConfig(vocab_size=256, hidden_size=self.hidden_size, intermediate_size=3 * self.hidden_size,
+                             num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                             num_key_value_heads=self.kv_heads, head_dim=self.hidden_size // self.heads,
+                             window_size=self.window, max_position_embeddings=16384, tie_word_embeddings=True,
+                             **ARCHS[arch])
+
+
+PRESETS = {
+    # a few seconds: for the tests
+    "smoke": Preset(hidden_size=32, steps=3, warmup=1, mqar_train=MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=64),
+                    mqar_batch=4, text_seq_len=64, text_batch=2, passkey_seq_len=128, passkey_batch=2,
+                    text_bytes=200_000, mqar_eval_lengths=[64, 128], mqar_eval_samples=8,
+                    passkey=PasskeyConfig([128, 160], [0.0, 1.0], 2), ppl_seq_len=64, ppl_tokens=512),
+    "cpu": Preset(),
+    "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=3000, lr=1e-3,
+                  mqar_train=MQARConfig(seq_len=1024, num_kv_pairs=64, vocab_size=256), mqar_batch=64,
+                  text_seq_len=1024, text_batch=16, passkey_seq_len=1024, passkey_batch=16, text_bytes=20_000_000,
+                  mqar_eval_lengths=[256, 512, 1024, 2048], mqar_eval_samples=256,
+                  passkey=PasskeyConfig([512, 1024, 2048], [0, 0.25, 0.5, 0.75, 1], 20), ppl_seq_len=1024,
+                  ppl_tokens=262_144, batch_size=32),
+}
+
+
+class TrainData:
+    """Endless seeded batches of the three training tasks (byte tokens)."""
+
+    def __init__(self, preset: Preset, seed: int):
+        self.p = preset
+        self.tok = ByteTokenizer()
+        self.text = torch.tensor(self.tok.encode(stdlib_text("train", max_bytes=preset.text_bytes)), dtype=torch.long)
+        self.seed = seed
+
+    def batch(self, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        p, s = self.p, self.seed * 1_000_003 + step
+        out = {"mqar": mqar_batch(p.mqar_batch, p.mqar_train, seed=s)}
+        if p.text_batch:
+            g = torch.Generator().manual_seed(s)
+            idx = torch.randint(0, self.text.numel() - p.text_seq_len, (p.text_batch,), generator=g)
+            x = self.text[idx[:, None] + torch.arange(p.text_seq_len)]
+            out["text"] = (x, x)
+        if p.passkey_batch:
+            ids, labels, _ = passkey_batch(self.text, self.tok.encode, p.passkey_batch, p.passkey_seq_len, None,
+                                           seed=s)
+            out["passkey"] = (ids, labels)
+        return out
+
+
+def train_model(arch: str, preset: Preset, data: TrainData, seed: int = 0, device="cpu", desc: str | None = None,
+                seconds: float | None = None, steps: int | None = None):
+    """Train one architecture for `steps` (default the preset's) or for `seconds` of wall time.
+
+    Returns (model in eval mode, {"loss_<task>": smoothed final losses, "seconds", "steps"}).
+    """
+    torch.manual_seed(seed)
+    model = OrthrosForCausalLM(preset.model_config(arch)).to(device)
+    decay = [q for q in model.parameters() if q.dim() >= 2]
+    other = [q for q in model.parameters() if q.dim() < 2]  # norms and SO vectors: no decay
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
+                             {"params": other, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.95))
+    model.train()
+    total_steps = steps or preset.steps
+    avg: dict[str, float] = {}
+    start, step = time.time(), 0
+    if seconds is not None:
+        bar = tqdm(total=round(seconds), desc=desc or arch, unit="s", leave=False,
+                   bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s {postfix}")
+    else:
+        bar = tqdm(total=total_steps, desc=desc or arch, unit="step", leave=False)
+    while True:
+        elapsed = time.time() - start
+        progress = elapsed / seconds if seconds is not None else step / total_steps
+        if progress >= 1 and step > 0:
+            break
+        # warm-up, then cosine to 10% (by time when the budget is time)
+        f = min(1.0, (step + 1) / preset.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+        for g in opt.param_groups:
+            g["lr"] = preset.lr * f
+        for task, (x, y) in data.batch(step).items():
+            loss = model(x.to(device), labels=y.to(device), use_cache=False).loss
+            loss.backward()
+            avg[task] = loss.item() if task not in avg else 0.95 * avg[task] + 0.05 * loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if seconds is not None:
+            bar.n = min(round(time.time() - start), round(seconds))
+        else:
+            bar.n = step
+        bar.set_postfix_str(f"step {step} " + " ".join(f"{k} {v:.2f}" for k, v in avg.items()))
+        bar.refresh()
+    bar.close()
+    return model.eval(), {**{f"loss_{k}": v for k, v in avg.items()}, "seconds": time.time() - start, "steps": step}
+
+
+def evaluate(model, preset: Preset, seed: int = 1234, device="cpu") -> dict:
+    """Held-out MQAR (every eval length), passkey grid and stdlib perplexity of one model."""
+    tok = ByteTokenizer()
+    mqar_eval = dataclasses.replace(preset.mqar_train, num_queries=None)  # each key asked once, zoology-style
+    res = {"mqar": eval_mqar(model, preset.mqar_eval_lengths, mqar_eval, preset.mqar_eval_samples, seed,
+                             preset.batch_size)}
+    hay = torch.tensor(heldout_tokens(tok, 4 * max(preset.passkey.lengths) + 200_000), dtype=torch.long)
+    res["passkey"] = eval_passkey(model, tok, preset.passkey, seed, preset.batch_size, haystack=hay)
+    res["ppl"] = eval_perplexity(model, tok, preset.ppl_seq_len, None, preset.ppl_tokens, preset.batch_size)
+    return res
+
+
+def format_table(results: dict, preset: Preset) -> str:
+    """One row per architecture, in the paper's layout (markdown)."""
+    W = preset.window
+    Ls = preset.mqar_eval_lengths
+    head = ["architecture", "params"] + [f"MQAR {L} ({L // W}W)" for L in Ls] + ["passkey", "ppl"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arch, r in results.items():
+        cells = [LABELS.get(arch, arch), f"{r['params'] / 1e6:.2f}M"]
+        cells += [f"{100 * r['eval']['mqar']['by_length'][str(L)]:.1f}" for L in Ls]
+        cells += [f"{100 * r['eval']['passkey']['mean']:.1f}", f"{r['eval']['ppl']['ppl']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, preset: Preset, path) -> None:
+    """MQAR accuracy vs length and vs key distance, passkey accuracy vs length: one line per architecture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for arch, r in results.items():
+        ev = r["eval"]
+        Ls = [int(L) for L in ev["mqar"]["by_length"]]
+        axes[0].plot(Ls, [100 * a for a in ev["mqar"]["by_length"].values()], "o-", label=LABELS.get(arch, arch))
+        bins = list(ev["mqar"]["by_distance"])
+        axes[1].plot(range(len(bins)), [100 * a for a in ev["mqar"]["by_distance"].values()], "o-",
+                     label=LABELS.get(arch, arch))
+        axes[1].set_xticks(range(len(bins)), bins, rotation=30, fontsize=8)
+        pk = ev["passkey"]
+        lengths = pk["config"]["lengths"]
+        acc = [sum(pk["grid"][f"{L}/{d:g}"] for d in pk["config"]["depths"]) / len(pk["config"]["depths"])
+               for L in lengths]
+        axes[2].plot(lengths, [100 * a for a in acc], "o-", label=LABELS.get(arch, arch))
+    axes[0].set(xscale="log", xlabel="sequence length (tokens)", ylabel="MQAR accuracy %",
+                title=f"MQAR (window W={preset.window})")
+    axes[1].set(xlabel="key-to-query distance (tokens)", ylabel="MQAR accuracy %", title="MQAR by distance")
+    axes[1].axvline(0.5, color="gray", ls=":")
+    axes[2].set(xscale="log", xlabel="context length (tokens)", ylabel="exact match %", title="passkey retrieval")
+    for ax in axes:
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: str = "cpu",
+                   out: str | Path = "runs/experiment-recall", steps: int | None = None) -> dict:
+    """Train and evaluate every architecture; write results.json, table.md and recall.png to `out`."""
+    if preset_name not in PRESETS:
+        raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
+    bad = [a for a in archs if a not in ARCHS]
+    if bad:
+        raise ValueError(f"unknown architecture(s) {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+    preset = PRESETS[preset_name]
+    if steps is not None:
+        if steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {steps}")
+        preset = dataclasses.replace(preset, steps=steps)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = TrainData(preset, seed)
+    results = {}
+    for i, arch in enumerate(archs):
+        model, stats = train_model(arch, preset, data, seed, device, desc=f"[{i + 1}/{len(archs)}] train {arch}")
+        ev = evaluate(model, preset, device=device)
+        results[arch] = {"params": sum(p.numel() for p in model.parameters()), "train": stats, "eval": ev}
+        print(f"{LABELS[arch]:<20} trained {stats['steps']} steps in {stats['seconds']:.0f}s; "
+              f"MQAR " + " ".join(f"{L}:{100 * a:.0f}%" for L, a in ev["mqar"]["by_length"].items())
+              + f"; passkey {100 * ev['passkey']['mean']:.0f}%; ppl {ev['ppl']['ppl']:.3f}", flush=True)
+        del model
+    table = format_table(results, preset)
+    meta = {"preset": preset_name, "seed": seed, "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "config": _jsonable(dataclasses.asdict(preset)), "torch": torch.__version__}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    (out / "table.md").write_text(table + "\n")
+    plot(results, preset, out / "recall.png")
+    return {"meta": meta, "results": results, "table": table}
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
