@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from orthros import OrthrosCache, OrthrosConfig, OrthrosForCausalLM
-from orthros.generate import generate
+from orthros.generate import generate as _generate
 
 from ..conftest import DEVICE, make_model
 
@@ -29,6 +29,11 @@ def left_padded(B=3, T=9, seed=0):
         mask[b, : 2 * b] = 0  # rows of different lengths, padded on the left
     ids = ids.masked_fill(mask == 0, 0)
     return ids.to(DEVICE), mask.to(DEVICE)
+
+
+def generate(model, *args, **kw):
+    """orthros.generate on the same OrthrosCache path transformers uses (not the static-cache fast path)."""
+    return _generate(model, *args, fast=False, **kw)
 
 
 def hf_generate(model, ids, mask, **kw):
