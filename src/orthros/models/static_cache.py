@@ -211,7 +211,10 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_slot: 
     if _splitkv_takes(q, k, "triton"):
         from ..ops.splitkv import splitkv_attention
 
-        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale).contiguous()
+        # A windowed query reads at most `window` keys: one split, no merge kernels after it
+        # (the per-layer cost Orthros' base query adds to a decode step).
+        splits = 1 if win is not None and win <= 1024 else None
+        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, num_splits=splits).contiguous()
     k, v = k.to(q.dtype), v.to(q.dtype)
     return attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale).contiguous()
 

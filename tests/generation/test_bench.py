@@ -1,0 +1,59 @@
+"""`orthros bench decode` / `orthros bench e2e` at tiny sizes: they run, write JSON, a table
+spliced into the docs page and a plot, and reject bad arguments with clear errors."""
+
+import json
+
+import pytest
+
+from orthros.cli import main
+
+
+def run(tmp_path, *argv):
+    doc = tmp_path / "bench.md"
+    tags = ("decode", "e2e", "fp8")
+    doc.write_text("".join(f"<!-- {t}-table:begin -->\n(pending)\n<!-- {t}-table:end -->\n" for t in tags))
+    assert main(["bench", *argv, "--model", "tiny", "--no-compile", "--out-dir", str(tmp_path), "--docs", str(doc)]) == 0
+    return doc.read_text()
+
+
+def test_bench_decode(tmp_path):
+    doc = run(tmp_path, "decode", "--contexts", "40", "100", "--batches", "1", "2", "--steps", "2", "--warmup", "1",
+              "--window", "8")
+    res = json.loads((tmp_path / "decode.json").read_text())
+    assert {(r["variant"], r["batch"], r["context"]) for r in res["rows"]} == \
+        {(v, b, c) for v in ("orthros", "full") for b in (1, 2) for c in (40, 100)}
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and r["bytes"] > 0 for r in res["rows"])
+    # the full model's step reads fewer K/V bytes than Orthros' (no base-stream window)
+    o = next(r for r in res["rows"] if r["variant"] == "orthros")
+    f = next(r for r in res["rows"] if r["variant"] == "full" and r["batch"] == o["batch"] and r["context"] == o["context"])
+    assert o["bytes"] > f["bytes"]
+    assert "| 100 | 2 |" in doc and "(pending)" in doc.split("decode-table:end")[1]
+    assert (tmp_path / "decode.png").stat().st_size > 0
+
+
+def test_bench_e2e_and_interpolated_long_output(tmp_path):
+    doc = run(tmp_path, "e2e", "--settings", "50/6", "30/20", "--batch", "2", "--max-timed-steps", "6", "--window", "8")
+    res = json.loads((tmp_path / "e2e.json").read_text())
+    rows = {(r["variant"], r["T_in"], r["n_out"]): r for r in res["rows"]}
+    assert len(rows) == 4 and all(r["status"] == "ok" and r["batch"] == 2 for r in rows.values())
+    assert not rows[("orthros", 50, 6)]["extrapolated"] and rows[("orthros", 30, 20)]["extrapolated"]
+    for r in rows.values():
+        assert r["e2e_s"] == pytest.approx(r["ttft_s"] + r["decode_s"])
+    assert "| 30 / 20 † | 2 |" in doc and (tmp_path / "e2e.png").exists()
+
+
+def test_bench_fp8_agreement(tmp_path):
+    doc = run(tmp_path, "e2e", "--agreement", "--settings", "64/12", "--dtype", "fp32", "--tag", "fp8")
+    res = json.loads((tmp_path / "fp8.json").read_text())
+    assert 0 < res["max_abs_logit_diff"] < res["logit_range"] and res["top1_agreement"] >= 0.9
+    assert "top-1 agreement" in doc
+
+
+def test_bench_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:  # argparse: usage + one line, exit 2
+        main(["bench", "e2e", "--settings", "128K"])
+    assert e.value.code == 2
+    assert main(["bench", "decode", "--from-json", str(tmp_path / "nope.json")]) == 2
+    assert main(["bench", "decode", "--model", "no-such-model", "--out-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--from-json" in err and "no-such-model" in err
