@@ -53,7 +53,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
 def test_fsdp_two_processes_match_one(tmp_path):
     """torchrun x2 (FSDP2, gloo) == one process on the same global batch; its checkpoint resumes in one process."""
     kw = dict(train__device="cpu", data__prefetch=0)
-    o2 = tiny_overrides(tmp_path / "fsdp", train__batch_size=2, train__stop_at=4, **kw)
+    o2 = tiny_overrides(tmp_path / "fsdp", train__batch_size=1, train__grad_accum=2, train__stop_at=4, **kw)
     r = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "-m", "orthros", "train", *cli_args(o2)], env=_env(), capture_output=True, text=True,
                        timeout=600)

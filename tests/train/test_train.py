@@ -69,3 +69,48 @@ def test_outputs_checkpoints_and_plot(tiny_cfg, tmp_path):
     m = OrthrosForCausalLM.from_pretrained(s["checkpoint"])
     w = weights(list_checkpoints(run / "checkpoints")[-1])
     assert torch.equal(m.model.embed_tokens.weight, w["model.embed_tokens.weight"])
+
+
+def test_tensorboard_is_optional(tmp_path, capsys):
+    from orthros.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"step": 1, "loss": 2.0})
+    log.close()
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+
+        assert list((tmp_path / "tensorboard").glob("events.*"))
+    except ImportError:
+        assert "tensorboard is not installed" in capsys.readouterr().err
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0}]
+
+
+def test_compare_runs_both_models_on_the_same_schedule(tmp_path):
+    """The paired driver: Orthros, then the baseline stopped at the same step of the same schedule; one plot."""
+    import json
+
+    from orthros.train.compare import main
+
+    from .train_helpers import ROOT, tiny_overrides
+
+    o = tiny_overrides(tmp_path / "unused", train__steps=5, train__stop_at=3, train__device="cpu",
+                       data__tokenizer="bpe", data__vocab_size=300)
+    o.pop("out_dir")
+    args = [str(ROOT / "configs/pretrain-tiny.yaml"), "--out", str(tmp_path / "cmp")]
+    for k, v in o.items():
+        args += ["--set", k, v]
+    assert main(args) == 0
+    s = json.loads((tmp_path / "cmp/curves.json").read_text())
+    assert s["steps"] == 3 and s["full"]["steps"] == 3
+    assert [st for st, _ in s["curves"]["orthros"]["train"]] == [st for st, _ in s["curves"]["full"]["train"]]
+    assert (tmp_path / "cmp/loss.png").is_file()
+    assert (tmp_path / "cmp/full/checkpoints/step_00000003/tokenizer.json").is_file()
+
+
+def test_compiled_blocks_match_eager(tiny_cfg, tmp_path):
+    """train.compile (each block through torch.compile) computes the same losses as eager."""
+    kw = dict(model__overrides="{num_hidden_layers: 1, window_size: 8}", train__steps=2, train__eval_batches=0)
+    train(tiny_cfg("eager", **kw))
+    train(tiny_cfg("compiled", train__compile="true", **kw))
+    assert losses(tmp_path / "compiled") == pytest.approx(losses(tmp_path / "eager"), rel=1e-4, abs=1e-5)

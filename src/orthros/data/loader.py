@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from .packing import PackedRows, count_targets, output_index
+from .packing import PackedRows
 
 
 class BatchLoader:
@@ -45,18 +45,24 @@ class BatchLoader:
             self._epoch_perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)))
         return self._epoch_perm[1]
 
-    def make_step(self, step: int) -> tuple[list[dict[str, torch.Tensor]], int]:
-        """This rank's micro-batches of global batch `step`, and their target count."""
+    def make_step(self, step: int) -> tuple[list[dict[str, np.ndarray]], int]:
+        """This rank's micro-batches of global batch `step` (numpy), and their target count.
+
+        Only numpy here: this runs in the loader thread, which thus never
+        touches torch state; `next` makes the tensors in the caller's thread."""
         epoch, k = divmod(step, self.steps_per_epoch)
         share = self.B * self.A
         start = k * self.G + self.rank * share
         idx = self._perm(epoch)[start : start + share]
-        micro = [self.rows.batch(idx[i * self.B : (i + 1) * self.B]) for i in range(self.A)]
-        for mb in micro:
-            mb["logits_to_keep"] = output_index(mb["labels"])
+        micro = [self.rows.arrays(idx[i * self.B : (i + 1) * self.B]) for i in range(self.A)]
+        return micro, sum(int((mb["labels"][:, 1:] != -100).sum()) for mb in micro)
+
+    def _tensors(self, item):
+        micro, n = item
+        micro = [{k: torch.from_numpy(v) for k, v in mb.items()} for mb in micro]
         if self.pin:
             micro = [{k: v.pin_memory() for k, v in mb.items()} for mb in micro]
-        return micro, sum(count_targets(mb["labels"]) for mb in micro)
+        return micro, n
 
     # ---------------------------------------------------------------- threads
     def _produce(self, first: int) -> None:
@@ -84,7 +90,7 @@ class BatchLoader:
             item = self._q.get()
             self.wait_s += time.perf_counter() - t
         self.step += 1
-        return item
+        return self._tensors(item)
 
     def close(self) -> None:
         if self._thread is not None:

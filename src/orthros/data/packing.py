@@ -37,13 +37,24 @@ class PackedRows:
     def seq_len(self) -> int:
         return self.ids.shape[1]
 
+    def arrays(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """`batch` as int64 numpy arrays (no torch call: safe in a loader thread), with the
+        output positions as `logits_to_keep` (see `output_index`)."""
+        ids = self.ids[rows].astype(np.int64)
+        target = self.target[rows]
+        out = {"input_ids": ids, "position_ids": self.pos[rows].astype(np.int64),
+               "labels": np.where(target, ids, IGNORE_INDEX)}
+        if self.valid is not None:
+            out["attention_mask"] = self.valid[rows].astype(np.int64)
+        nxt = np.zeros_like(target)
+        nxt[:, :-1] = target[:, 1:]
+        out["logits_to_keep"] = _output_index(nxt)
+        return out
+
     def batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         """Model inputs for `rows` ([B] indices): input_ids, position_ids, labels (+ attention_mask)."""
-        ids = torch.from_numpy(self.ids[rows].astype(np.int64))
-        labels = torch.where(torch.from_numpy(self.target[rows]), ids, IGNORE_INDEX)
-        out = {"input_ids": ids, "position_ids": torch.from_numpy(self.pos[rows].astype(np.int64)), "labels": labels}
-        if self.valid is not None:
-            out["attention_mask"] = torch.from_numpy(self.valid[rows].astype(np.int64))
+        out = {k: torch.from_numpy(v) for k, v in self.arrays(rows).items()}
+        del out["logits_to_keep"]
         return out
 
 
@@ -123,11 +134,15 @@ def output_index(labels: torch.Tensor, multiple: int = 128) -> torch.Tensor:
     few distinct shapes: pre-training rows give N = T every step, SFT rows a
     handful of sizes.
     """
-    B, T = labels.shape
-    nxt = torch.zeros(B, T, dtype=torch.bool)
-    nxt[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    counts = nxt.sum(1, keepdim=True)
+    nxt = np.zeros(tuple(labels.shape), dtype=bool)
+    nxt[:, :-1] = (labels[:, 1:] != IGNORE_INDEX).cpu().numpy()
+    return torch.from_numpy(_output_index(nxt, multiple))
+
+
+def _output_index(nxt: np.ndarray, multiple: int = 128) -> np.ndarray:
+    B, T = nxt.shape
+    counts = nxt.sum(1, keepdims=True)
     n = int(counts.max()) if B else 0
     n = min(T, -(-n // multiple) * multiple)
-    order = torch.sort((~nxt).to(torch.int8), dim=1, stable=True).indices[:, :n]
-    return torch.where(torch.arange(n)[None] < counts, order, -1)
+    order = np.argsort(~nxt, axis=1, kind="stable")[:, :n]
+    return np.where(np.arange(n)[None] < counts, order, -1).astype(np.int64)

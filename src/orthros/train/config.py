@@ -113,7 +113,7 @@ class TrainArgs:
     eval_every: int = 200
     """steps between held-out evaluations (and one at the end)"""
     eval_batches: int = 8
-    """held-out micro-batches per process per evaluation"""
+    """held-out global batches (batch_size x grad_accum x processes rows) per evaluation"""
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.loader import BatchLoader
-from ..data.packing import PackedRows, count_targets, output_index, pack_documents, pack_examples
+from ..data.packing import PackedRows, count_targets, pack_documents, pack_examples
 from ..data.sft import render_example
 from ..data.sources import STDLIB, detect_format, read_documents, read_examples
 from ..data.tokenizer import ByteTokenizer, encode_batch, load_tokenizer, train_bpe, vocab_size_of
@@ -152,10 +152,11 @@ def load_data(cfg: TrainConfig, mc: OrthrosConfig, resume, d: D.Dist, out: Path)
 
 
 def eval_batches(rows: PackedRows | None, cfg: TrainConfig, d: D.Dist) -> list[dict]:
-    """This process's share of a fixed held-out sample (the same number of batches on every process)."""
+    """This process's share of a fixed held-out sample (the same number of micro-batches on every process)."""
     if rows is None or cfg.train.eval_batches == 0:
         return []
-    per = min(len(rows) // d.world, cfg.train.eval_batches * cfg.train.batch_size)
+    # eval_batches global batches, split like training batches: the same sample on any number of processes
+    per = min(len(rows) // d.world, cfg.train.eval_batches * cfg.train.batch_size * cfg.train.grad_accum)
     if per == 0:
         raise ValueError(f"the held-out data packs into {len(rows)} rows of {rows.seq_len} tokens, fewer than one "
                          f"per process ({d.world}); add held-out data, lower data.seq_len or set data.heldout: []")
@@ -163,10 +164,7 @@ def eval_batches(rows: PackedRows | None, cfg: TrainConfig, d: D.Dist) -> list[d
 
     order = np.random.default_rng(0).permutation(len(rows))[d.rank * per : (d.rank + 1) * per]
     B = cfg.train.batch_size
-    out = [rows.batch(order[i : i + B]) for i in range(0, per, B)]
-    for mb in out:
-        mb["logits_to_keep"] = output_index(mb["labels"])
-    return out
+    return [{k: torch.from_numpy(v) for k, v in rows.arrays(order[i : i + B]).items()} for i in range(0, per, B)]
 
 
 # -------------------------------------------------------------------- loop
@@ -214,6 +212,12 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
     if tc.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if tc.compile:
+        try:  # aliased outputs of a compiled block (views of one projection) failed view replay on torch 2.13 CPU
+            import torch._functorch.config as functorch_config
+
+            functorch_config.view_replay_for_aliased_outputs = False
+        except (ImportError, AttributeError):
+            pass
         for block in model.model.layers:
             block.compile()
     if d.on:
