@@ -89,10 +89,10 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
 # -------------------------------------------------------------------- data
 def get_tokenizer(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None, texts, d: D.Dist, out: Path):
     kind = cfg.data.tokenizer
-    if resume is not None:
-        return load_tokenizer(resume, mc.vocab_size)
     if kind == "bytes":
         return ByteTokenizer()
+    if resume is not None:
+        return load_tokenizer(resume, mc.vocab_size)
     if kind == "auto" and cfg.model.init_from is not None:
         return load_tokenizer(cfg.model.init_from, mc.vocab_size)
     if kind in ("auto", "bpe"):
