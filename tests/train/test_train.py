@@ -37,7 +37,9 @@ def test_grad_accum_matches_one_big_batch(tiny_cfg, tmp_path):
     """2 micro-batches of 2 rows == 1 batch of 4 rows (losses normalised over the whole step)."""
     train(tiny_cfg("big", train__batch_size=4, train__steps=3))
     train(tiny_cfg("acc", train__batch_size=2, train__grad_accum=2, train__steps=3))
-    assert losses(tmp_path / "big") == pytest.approx(losses(tmp_path / "acc"), rel=1e-5, abs=1e-6)
+    # GPU kernels reduce in a batch-shape-dependent order; Adam amplifies that to ~1e-4 in two steps.
+    rel = 1e-5 if not torch.cuda.is_available() else 3e-4
+    assert losses(tmp_path / "big") == pytest.approx(losses(tmp_path / "acc"), rel=rel, abs=1e-6)
 
 
 def test_gradient_checkpointing_changes_nothing(tiny_cfg, tmp_path):
