@@ -98,24 +98,28 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
     if dense_start is not None:
         block_mask = _dense_block_mask(dense_start, M, S, window, q.device, need_backward)
     else:
-        lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
-        states = block_states(lo, hi, S, BQ, BK, q_doc, k_doc)
-        nq, nk = states.shape[1] * BQ, states.shape[2] * BK
-        # Index tensors padded to whole tiles, so that the kernel's tail rows read valid memory.
+        # Queries padded to whole tiles with queries that see nothing: output stream calls
+        # (SFT) have a different count every batch, and each new shape is a new compile.
+        nq = -(-M // BQ) * BQ
+        if nq != M:
+            q = F.pad(q, (0, 0, 0, 0, 0, nq - M))
         slot = _pad_to(q_slot.long().expand(B, M), nq, 0).contiguous()
         qdoc = _pad_to(q_doc.long(), nq, PAD_Q_DOC).contiguous()
-        kdoc = _pad_to(k_doc.long(), nk, PAD_K_DOC).contiguous()
+        lo, hi = key_bounds(slot, qdoc, k_doc, window)
+        states = block_states(lo, hi, S, BQ, BK, qdoc, k_doc)
+        nk = states.shape[2] * BK
+        kdoc = _pad_to(k_doc.long(), nk, PAD_K_DOC).contiguous()  # the kernel's tail reads stay in bounds
 
         def mask_mod(b, h, q_idx, kv_idx):
             return visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window)
 
-        block_mask = make_block_mask(states, mask_mod, M, S, need_backward)
+        block_mask = make_block_mask(states, mask_mod, nq, S, need_backward)
     Dp = max(16, 1 << (D - 1).bit_length())  # the kernels want a power-of-two head dim
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if Dp != D:  # zero columns change no score and add zero output columns
         qt, kt, vt = (F.pad(x, (0, Dp - D)) for x in (qt, kt, vt))
     o = _flex(q.is_cuda)(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=H != Hkv)
-    return o[..., :D].transpose(1, 2)
+    return o[:, :, :M, :D].transpose(1, 2)
 
 
 def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None,
