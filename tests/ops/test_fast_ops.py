@@ -110,15 +110,20 @@ def test_flex_mask_mod(phase, docs, T, past):
     check(op("flex", case["dense_start"]), case, backward=CUDA)  # no FlexAttention backward on CPU
 
 
-def test_flex_int32_chunking_matches_one_call():
+def test_flex_int32_chunking_matches_one_call(monkeypatch):
     """Cutting queries for the 32-bit limit (forced low here) changes nothing."""
     import orthros.ops.flex as fx
 
+    calls = []
+    real = fx._one_call
+    monkeypatch.setattr(fx, "_one_call", lambda *a: calls.append(a[0].shape[1]) or real(*a))
     for docs in ("packed", "dense"):
-        case = make_case("base", T=300, past=30, docs=docs, window=20, device=DEV)
+        case = make_case("base", T=200, past=30, docs=docs, window=20, device=DEV)
         args = [case[n] for n in ("q", "k", "v", "q_slot", "q_doc", "k_doc")]
         one = fx.flex_attention_op(*args, window=20, dense_start=case["dense_start"])
-        cut = fx.flex_attention_op(*args, window=20, dense_start=case["dense_start"], limit=2 * 300 * 4 * 64 // 3)
+        calls.clear()
+        cut = fx.flex_attention_op(*args, window=20, dense_start=case["dense_start"], limit=70_000)  # q: 102400 elements
+        assert calls == [128, 72]
         torch.testing.assert_close(cut, one, rtol=1e-5, atol=1e-5)
 
 
