@@ -106,12 +106,17 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
         slot = _pad_to(q_slot.long().expand(B, M), nq, 0).contiguous()
         qdoc = _pad_to(q_doc.long(), nq, PAD_Q_DOC).contiguous()
         lo, hi = key_bounds(slot, qdoc, k_doc, window)
+        # Rows that can see no key (invalid output queries, tile padding) are pointed at
+        # key 0 and zeroed afterwards: no softmax over an empty row, in either pass.
+        none = lo > hi
+        lo, hi = torch.where(none, 0, lo), torch.where(none, 0, hi)
         states = block_states(lo, hi, S, BQ, BK, qdoc, k_doc)
         nk = states.shape[2] * BK
         kdoc = _pad_to(k_doc.long(), nk, PAD_K_DOC).contiguous()  # the kernel's tail reads stay in bounds
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window)
+            seen = visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window)
+            return seen | (none[b, q_idx] & (kv_idx == 0))
 
         block_mask = make_block_mask(states, mask_mod, nq, S, need_backward)
     Dp = max(16, 1 << (D - 1).bit_length())  # the kernels want a power-of-two head dim
@@ -119,7 +124,10 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
     if Dp != D:  # zero columns change no score and add zero output columns
         qt, kt, vt = (F.pad(x, (0, Dp - D)) for x in (qt, kt, vt))
     o = _flex(q.is_cuda)(qt, kt, vt, block_mask=block_mask, scale=scale, enable_gqa=H != Hkv)
-    return o[:, :, :M, :D].transpose(1, 2)
+    o = o[:, :, :M, :D].transpose(1, 2)
+    if dense_start is None:
+        o = torch.where(none[:, :M, None, None], 0.0, o)  # zero upstream gradient for those rows too
+    return o
 
 
 def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None,
@@ -129,8 +137,8 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
     B, M, H, D = q.shape
     S = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
-    if M == 0:
-        return q.new_zeros(B, 0, H, D)
+    if M == 0 or S == 0:
+        return q.new_zeros(B, M, H, D)
     Dp = max(16, 1 << (D - 1).bit_length())
     chunk = M
     if max(B * M * H * Dp, B * S * k.shape[2] * Dp) > limit:
