@@ -1,0 +1,101 @@
+"""The `dense_start` kernel hints that `Layout` passes to the dispatcher.
+
+A hint lets kernels drop the document lookups, so it must be given only
+when it is true (one document per row, no padding, consecutive query
+slots), and giving it must change no result.
+"""
+
+import pytest
+import torch
+
+import orthros.layers.attention as layer
+from orthros.generate import decode_one_token, prefill
+
+from ..conftest import DEVICE, make_model, rel_err
+
+
+def hints_of(model, *args, **kwargs):
+    """Run the model and record the dense_start of every attention call with queries."""
+    seen = []
+    real = layer.attention
+
+    def spy(*a, dense_start=None, **kw):
+        if a[0].shape[1]:
+            seen.append(dense_start)
+        return real(*a, dense_start=dense_start, **kw)
+
+    layer.attention = spy
+    try:
+        out = model(*args, **kwargs)
+    finally:
+        layer.attention = real
+    return out, seen
+
+
+def without_hints(model, *args, **kwargs):
+    real = layer.attention
+    layer.attention = lambda *a, dense_start=None, **kw: real(*a, **kw)
+    try:
+        return model(*args, **kwargs)
+    finally:
+        layer.attention = real
+
+
+@pytest.mark.parametrize("case", ["pretrain", "labels", "prefill", "padded", "packed", "sft"])
+def test_hints_are_given_when_true_and_change_nothing(case):
+    model = make_model(window=5)
+    B, T = 2, 37
+    ids = torch.randint(0, 256, (B, T), device=DEVICE)
+    kw, want = {}, None
+    if case == "pretrain":
+        want = {0}  # base stream from slot 0; outputs at every slot
+    elif case == "labels":
+        kw = dict(labels=ids)  # outputs at 0..T-2
+        want = {0}
+    elif case == "prefill":
+        kw = dict(logits_to_keep=1)
+        want = {0, T - 1}
+    elif case == "padded":
+        mask = torch.ones(B, T, dtype=torch.long, device=DEVICE)
+        mask[1, :4] = 0
+        kw = dict(attention_mask=mask)
+        want = {None}
+    elif case == "packed":
+        pos = torch.cat([torch.arange(20), torch.arange(T - 20)]).to(DEVICE)[None].expand(B, T)
+        kw = dict(position_ids=pos)
+        want = {None}
+    elif case == "sft":
+        labels = ids.clone()
+        labels[0, :10] = -100  # rows have different output positions
+        kw = dict(labels=labels)
+        want = {0, None}  # base stream dense; output stream not a common run
+    out, seen = hints_of(model, ids, **kw)
+    assert set(seen) == want
+    ref = without_hints(model, ids, **kw)
+    assert rel_err(out.logits, ref.logits) < 1e-6
+
+
+def test_hints_in_chunked_prefill_and_decode():
+    """With a cache: the base stream starts at the cache length; decoding steps stay dense."""
+    model = make_model(window=4)
+    ids = torch.randint(0, 256, (1, 30), device=DEVICE)
+    cache = model.new_cache()
+    with torch.no_grad():
+        _, seen = hints_of(model, ids[:, :17], past_key_values=cache, use_cache=True,
+                           logits_to_keep=torch.empty(0, dtype=torch.long, device=DEVICE))
+        assert set(seen) == {0}
+        out, seen = hints_of(model, ids[:, 17:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        assert set(seen) == {17, 29}
+    full = model(ids, logits_to_keep=1).logits
+    assert rel_err(out.logits, full) < 1e-5
+    with torch.no_grad():
+        logits, cache = prefill(model, ids)
+        tok = logits.argmax(-1)
+        real = layer.attention
+        seen = []
+        layer.attention = lambda *a, dense_start=None, **kw: seen.append(dense_start) or real(*a, dense_start=dense_start, **kw)
+        try:
+            decode_one_token(model, tok, None, cache)
+        finally:
+            layer.attention = real
+    assert set(seen) == {30}
