@@ -38,12 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=75.0,
                    help="training time of the Orthros model (default 75); the baselines get the same number of steps")
     p.add_argument("--quick", action="store_true", help="a smoke run in seconds (tiny budgets everywhere)")
-    p.add_argument("--window", type=int, default=8, help="sliding window W of the base stream")
+    p.add_argument("--window", type=int, default=32, help="sliding window W of the base stream")
     p.add_argument("--seq-len", type=int, default=128, help="training sequence length (MQAR and text)")
     p.add_argument("--batch-size", type=int, default=8, help="text sequences per step (MQAR uses 4x as many)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--mqar-lengths", type=int, nargs="+", default=None,
-                   help="MQAR evaluation lengths (default: 1x, 2x, 4x the training length)")
+                   help="MQAR evaluation lengths (default: 2x, 4x, 8x the training length)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
                    help="prompt lengths for the prefill timing (default 1024 2048 4096 8192)")
     p.add_argument("--prompt", default="def read_config(path):\n    ", help="text for the Orthros model to continue")
@@ -113,7 +113,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     preset = demo_preset(args)
     W, T = args.window, args.seq_len
-    mqar_lengths = args.mqar_lengths or ([T, 2 * T] if args.quick else [T, 2 * T, 4 * T])
+    mqar_lengths = args.mqar_lengths or ([T, 2 * T] if args.quick else [2 * T, 4 * T, 8 * T])
     prefill_lengths = args.prefill_lengths or ([256, 512] if args.quick else [1024, 2048, 4096, 8192])
     print(f"Orthros demo on {torch.get_num_threads()} CPU thread(s): three models of one size, window W={W}, "
           f"trained on MQAR + Python sources (sequences of {T} tokens), then evaluated at up to "

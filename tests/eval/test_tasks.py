@@ -16,13 +16,14 @@ from ..conftest import DEVICE, make_model
 
 @pytest.mark.parametrize("cfg", [MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=32),
                                  MQARConfig(seq_len=100, num_kv_pairs=8, vocab_size=256, power_a=1.0, min_gap=3),
-                                 MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=32, num_queries=28)])
+                                 MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=32, num_queries=28),
+                                 MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=32, random_filler=False)])
 def test_mqar_is_well_posed(cfg):
     ids, labels = mqar_batch(16, cfg, seed=3)
     P, half = cfg.num_kv_pairs, cfg.vocab_size // 2
     assert ids.shape == labels.shape == (16, cfg.seq_len)
     assert torch.equal(ids, mqar_batch(16, cfg, seed=3)[0]) and not torch.equal(ids, mqar_batch(16, cfg, seed=4)[0])
-    assert ids.min() >= 1 and ids.max() < cfg.vocab_size
+    assert ids.min() >= (1 if cfg.random_filler else 0) and ids.max() < cfg.vocab_size
     ctx_k, ctx_v = ids[:, : 2 * P : 2], ids[:, 1 : 2 * P : 2]
     assert (ctx_k < half).all() and (ctx_v >= half).all()
     for row in range(16):
@@ -35,7 +36,9 @@ def test_mqar_is_well_posed(cfg):
             j = ctx_k[row].tolist().index(key)
             assert labels[row, t] == ids[row, t] == ctx_v[row, j]  # the value of that key
         # a key appears only in the context and where it is asked
-        keys_after = [i for i in range(2 * P, cfg.seq_len) if ids[row, i] < half]
+        keys_after = [i for i in range(2 * P, cfg.seq_len) if 0 < ids[row, i] < half]
+        if not cfg.random_filler:
+            assert (ids[row] == 0).sum() == cfg.seq_len - 2 * P - 2 * len(answers)
         assert sorted(keys_after) == sorted((answers - 1).tolist())
     d = key_distances(ids, labels, P)
     t = (labels[0] != -100).nonzero().flatten()[0].item()

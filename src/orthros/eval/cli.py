@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mqar-vocab", type=int, default=None, help="MQAR token range (default min(model vocab, 256))")
     g.add_argument("--mqar-power-a", type=float, default=0.01, help="query gap power law p(g) ~ g^(a-1)")
     g.add_argument("--mqar-samples", type=int, default=256, help="sequences per length")
+    g.add_argument("--mqar-filler", choices=["random", "zero"], default="random",
+                   help="filler between queries: random value tokens (zoology's default) or token 0")
     g = p.add_argument_group("passkey")
     g.add_argument("--passkey-lengths", type=int, nargs="+", default=[256, 512, 1024])
     g.add_argument("--passkey-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
@@ -83,7 +85,7 @@ def run_tasks(model, tok, args, out: Path) -> dict:
     if "mqar" in args.task:
         vocab = args.mqar_vocab or min(model.config.vocab_size, 256)
         cfg = MQARConfig(seq_len=max(args.mqar_lengths), num_kv_pairs=args.mqar_kv_pairs, vocab_size=vocab,
-                         power_a=args.mqar_power_a)
+                         power_a=args.mqar_power_a, random_filler=args.mqar_filler == "random")
         for L in args.mqar_lengths:
             MQARConfig(**{**cfg.__dict__, "seq_len": L}).validate()
         results["mqar"] = eval_mqar(model, args.mqar_lengths, cfg, args.mqar_samples, args.seed, args.batch_size)

@@ -10,8 +10,8 @@ exactly Orthros' SFT phase (`labels` = -100 everywhere else).
     └──── context ────┘  └──────── queries at gaps ~ g^(a-1) ────────┘
 
 Token ids: keys come from [1, V/2), values from [V/2, V) (V = `vocab_size`);
-filler is drawn from the value range, so a key occurs only in the context
-and at its query and every question has one right answer.
+filler is drawn from the value range (or is token 0), so a key occurs only in
+the context and at its query and every question has one right answer.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class MQARConfig:
     """query gaps g (in pairs) are drawn with p(g) ~ g^(a-1); small a: most queries come early"""
     min_gap: int = 0
     """the first place a query may go, in pairs after the context (0 = right after it)"""
+    random_filler: bool = True
+    """filler between queries: random value tokens (zoology's default), or token 0 (zoology's
+    random_non_queries=False; never a key or value)"""
     num_queries: int | None = None
     """queries per sequence (default: num_kv_pairs, each key asked once); more than
     num_kv_pairs asks keys again, up to every pair slot after the context (dense training data)"""
@@ -82,6 +85,8 @@ def mqar_batch(n: int, cfg: MQARConfig, seed: int | None = None, generator: torc
     reps = -(-Q // P)
     order = torch.cat([torch.rand(n, P, generator=g).argsort(1) for _ in range(reps)], 1)[:, :Q]
     ids = half + torch.randint(0, V - half, (n, T), generator=g)  # filler: value tokens, never keys
+    if not cfg.random_filler:
+        ids.zero_()
     ids[:, : 2 * P] = context
     labels = torch.full((n, T), IGNORE_INDEX, dtype=torch.long)
     kpos = 2 * P + 2 * gap

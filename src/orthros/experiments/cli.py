@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="cpu", help=f"sizes and steps: {', '.join(PRESETS)} (default cpu)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), help=f"subset of {', '.join(ARCHS)}")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="time budget instead: Orthros trains this long, the others the same number of steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="output directory (default runs/experiment-NAME-PRESET)")
@@ -31,7 +33,7 @@ def run(args) -> int:
     from .recall import run_experiment
 
     out = args.out or f"runs/experiment-{args.name}-{args.preset}"
-    res = run_experiment(args.preset, args.archs, args.seed, args.device, out, args.steps)
+    res = run_experiment(args.preset, args.archs, args.seed, args.device, out, args.steps, args.seconds)
     print()
     print(res["table"])
     print(f"\nsaved {out}/results.json, table.md, recall.png")

@@ -51,23 +51,26 @@ class Preset:
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
-    window: int = 16
-    steps: int = 1000
+    window: int = 32
+    steps: int = 500
     lr: float = 1e-3
-    warmup: int = 50
+    warmup: int = 20
     weight_decay: float = 0.1
-    mqar_train: MQARConfig = field(default_factory=lambda: MQARConfig(seq_len=256, num_kv_pairs=16, vocab_size=256))
+    attn_backend: str = "auto"
+    # Training MQAR: few pairs over a small vocabulary — what a tiny model learns in
+    # a few hundred steps (more pairs or a larger vocabulary lengthen the plateau).
+    mqar_train: MQARConfig = field(default_factory=lambda: MQARConfig(seq_len=128, num_kv_pairs=4, vocab_size=32))
     mqar_batch: int = 32
     text_seq_len: int = 256
-    text_batch: int = 8
+    text_batch: int = 4
     passkey_seq_len: int = 256
-    passkey_batch: int = 8
+    passkey_batch: int = 4
     text_bytes: int = 4_000_000
     # evaluation
-    mqar_eval_lengths: list[int] = field(default_factory=lambda: [128, 256, 512])
+    mqar_eval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
     mqar_eval_samples: int = 128
-    passkey: PasskeyConfig = field(default_factory=lambda: PasskeyConfig([128, 256, 512], [0, 0.25, 0.5, 0.75, 1], 8))
-    ppl_seq_len: int = 512
+    passkey: PasskeyConfig = field(default_factory=lambda: PasskeyConfig([256, 512, 1024], [0, 0.25, 0.5, 0.75, 1], 8))
+    ppl_seq_len: int = 256
     ppl_tokens: int = 32_768
     batch_size: int = 16
 
@@ -76,21 +79,25 @@ class Preset:
                              num_hidden_layers=self.layers, num_attention_heads=self.heads,
                              num_key_value_heads=self.kv_heads, head_dim=self.hidden_size // self.heads,
                              window_size=self.window, max_position_embeddings=16384, tie_word_embeddings=True,
-                             **ARCHS[arch])
+                             attn_backend=self.attn_backend, **ARCHS[arch])
 
 
 PRESETS = {
     # a few seconds: for the tests
-    "smoke": Preset(hidden_size=32, steps=3, warmup=1, mqar_train=MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=64),
-                    mqar_batch=4, text_seq_len=64, text_batch=2, passkey_seq_len=128, passkey_batch=2,
-                    text_bytes=200_000, mqar_eval_lengths=[64, 128], mqar_eval_samples=8,
-                    passkey=PasskeyConfig([128, 160], [0.0, 1.0], 2), ppl_seq_len=64, ppl_tokens=512),
+    "smoke": Preset(hidden_size=32, window=16, steps=3, warmup=1,
+                    mqar_train=MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=64), mqar_batch=4, text_seq_len=64,
+                    text_batch=2, passkey_seq_len=128, passkey_batch=2, text_bytes=200_000,
+                    mqar_eval_lengths=[64, 128], mqar_eval_samples=8, passkey=PasskeyConfig([128, 160], [0.0, 1.0], 2),
+                    ppl_seq_len=64, ppl_tokens=512),
+    # <= 10 minutes on 2 CPU cores: W = 32, MQAR trained at 4 W, tested at 8, 16, 32 W
     "cpu": Preset(),
-    "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=3000, lr=1e-3,
-                  mqar_train=MQARConfig(seq_len=1024, num_kv_pairs=64, vocab_size=256), mqar_batch=64,
-                  text_seq_len=1024, text_batch=16, passkey_seq_len=1024, passkey_batch=16, text_bytes=20_000_000,
-                  mqar_eval_lengths=[256, 512, 1024, 2048], mqar_eval_samples=256,
-                  passkey=PasskeyConfig([512, 1024, 2048], [0, 0.25, 0.5, 0.75, 1], 20), ppl_seq_len=1024,
+    # one GPU, a few minutes: a wider, deeper model, 4x the steps, MQAR trained at 8 W, tested up to 64 W.
+    # The naive op: no compilation inside a short run (FlexAttention compiles per shape).
+    "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=2000, lr=1e-3, warmup=50,
+                  attn_backend="naive", mqar_train=MQARConfig(seq_len=256, num_kv_pairs=4, vocab_size=32),
+                  mqar_batch=64, text_seq_len=512, text_batch=16, passkey_seq_len=512, passkey_batch=16,
+                  text_bytes=8_000_000, mqar_eval_lengths=[256, 512, 1024, 2048], mqar_eval_samples=256,
+                  passkey=PasskeyConfig([512, 1024, 2048], [0, 0.25, 0.5, 0.75, 1], 20), ppl_seq_len=512,
                   ppl_tokens=262_144, batch_size=32),
 }
 
@@ -229,8 +236,14 @@ def plot(results: dict, preset: Preset, path) -> None:
 
 
 def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: str = "cpu",
-                   out: str | Path = "runs/experiment-recall", steps: int | None = None) -> dict:
-    """Train and evaluate every architecture; write results.json, table.md and recall.png to `out`."""
+                   out: str | Path = "runs/experiment-recall", steps: int | None = None,
+                   seconds: float | None = None) -> dict:
+    """Train and evaluate every architecture; write results.json, table.md and recall.png to `out`.
+
+    seconds: instead of a step count, train the first architecture for this long
+    and every other one for the same number of steps (Orthros, the costliest per
+    step, goes first), which bounds the whole run's time.
+    """
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     bad = [a for a in archs if a not in ARCHS]
@@ -243,16 +256,25 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: 
         preset = dataclasses.replace(preset, steps=steps)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"--seconds must be > 0, got {seconds}")
     data = TrainData(preset, seed)
     results = {}
-    for i, arch in enumerate(archs):
-        model, stats = train_model(arch, preset, data, seed, device, desc=f"[{i + 1}/{len(archs)}] train {arch}")
+    order = sorted(archs, key=lambda a: a != "orthros") if seconds is not None else list(archs)
+    for i, arch in enumerate(order):
+        desc = f"[{i + 1}/{len(archs)}] train {arch}"
+        if seconds is not None and i == 0:
+            model, stats = train_model(arch, preset, data, seed, device, desc, seconds=seconds)
+            preset = dataclasses.replace(preset, steps=stats["steps"])
+        else:
+            model, stats = train_model(arch, preset, data, seed, device, desc)
         ev = evaluate(model, preset, device=device)
         results[arch] = {"params": sum(p.numel() for p in model.parameters()), "train": stats, "eval": ev}
         print(f"{LABELS[arch]:<20} trained {stats['steps']} steps in {stats['seconds']:.0f}s; "
               f"MQAR " + " ".join(f"{L}:{100 * a:.0f}%" for L, a in ev["mqar"]["by_length"].items())
               + f"; passkey {100 * ev['passkey']['mean']:.0f}%; ppl {ev['ppl']['ppl']:.3f}", flush=True)
         del model
+    results = {a: results[a] for a in archs}  # the table in the order asked for
     table = format_table(results, preset)
     meta = {"preset": preset_name, "seed": seed, "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),
             "config": _jsonable(dataclasses.asdict(preset)), "torch": torch.__version__}
