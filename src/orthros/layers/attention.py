@@ -3,8 +3,10 @@
 The base stream (every position) makes queries, keys and values and attends
 with a sliding window (`attention="orthros"` / `"swa"`) or causally
 (`"full"`). The output stream (output positions only) makes queries only and
-attends to the whole KV cache. Both streams go through one `q_proj` and one
-`o_proj` call (rows concatenated), as one batched GEMM.
+attends to the whole KV cache. When both streams are short (decoding: one
+base and one output row per sequence) they go through `q_proj` / `o_proj`
+as one batched GEMM; long streams are projected separately, which costs the
+same GEMM time and saves copying the base stream.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from .mlp import RMSNorm
 from .rope import apply_rope
 
 
+CONCAT_MAX_ROWS = 64  # above this, a concatenation's copy costs more than a second GEMM launch
+
+
 def rows(fn, a: torch.Tensor | None, b: torch.Tensor | None):
-    """Apply a row-wise `fn` to two [B, *, C] tensors in one call (concatenated on dim 1)."""
-    if a is None or b is None:
+    """Apply a row-wise `fn` to two [B, *, C] tensors; short ones in one call (concatenated on dim 1)."""
+    if a is None or b is None or a.shape[1] + b.shape[1] > CONCAT_MAX_ROWS:
         return (None if a is None else fn(a)), (None if b is None else fn(b))
     out = fn(torch.cat([a, b], dim=1))
     return out[:, : a.shape[1]], out[:, a.shape[1]:]
