@@ -26,6 +26,7 @@ from orthros.ops import attention, chunked_attention
 from orthros.ops.blocks import block_states, key_bounds
 from orthros.ops.masks import visible
 
+from ..conftest import require_triton_interpreter
 from .cases import check, make_case
 
 CUDA = torch.cuda.is_available()
@@ -150,11 +151,7 @@ def run_splitkv_cases(device):
 
 def test_splitkv_triton_interpreter():
     """The Triton kernel under TRITON_INTERPRET=1 on CPU, in a subprocess (the flag must precede `import triton`)."""
-    pytest.importorskip("triton")
-    import numpy
-
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip("triton 3.6's interpreter fails under numpy >= 2.4 (triton-lang/triton#9171); constraints.txt pins it")
+    require_triton_interpreter()
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-m", "tests.ops.test_fast_ops"], env=env, capture_output=True, text=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=600)

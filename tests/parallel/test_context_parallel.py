@@ -22,7 +22,7 @@ from orthros.ops.naive import naive_attention
 from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, shard_bounds
 from orthros.parallel import spawn
 
-from ..conftest import DEVICE, make_model, rel_err
+from ..conftest import DEVICE, make_model, rel_err, require_triton_interpreter
 from .workers import cases_worker, load_bench, partials_case, sharded_partials
 
 TOL = 1e-5
@@ -224,7 +224,7 @@ def test_partial_attention_over_key_shards_merges_to_the_full_op(window):
 def test_partials_from_the_triton_kernel_merge_exactly():
     """The GPU path of `partial_attention` (split-KV kernel with return_lse) under the Triton
     interpreter on CPU, in a subprocess (the flag must precede `import triton`)."""
-    pytest.importorskip("triton")
+    require_triton_interpreter()
     root = Path(__file__).resolve().parents[2]
     code = "from tests.parallel.workers import check_triton_partials as c; print(c())"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
