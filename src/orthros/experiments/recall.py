@@ -6,7 +6,9 @@ each on held-out MQAR at lengths up to >= 16 W, on passkey retrieval and on
 stdlib perplexity:
 
     orthros experiment recall --preset cpu     # <= 10 min on 2 CPU cores
-    orthros experiment recall --preset gpu     # one GPU, a few minutes
+    orthros experiment recall --preset gpu     # zoology-style: MQAR only (no text, no passkey), ~2 min per model on 2 CPU cores
+    "cpu-mqar": Preset(steps=400, text_batch=0, passkey_batch=0, text_bytes=100_000, eval_tasks=("mqar",)),
+    # one GPU, a few minutes
 
 Training data, every step (one loss per task, summed, so no task drowns):
     * MQAR sequences (zoology trains on MQAR directly), loss on the answers
@@ -73,6 +75,7 @@ class Preset:
     ppl_seq_len: int = 256
     ppl_tokens: int = 32_768
     batch_size: int = 16
+    eval_tasks: tuple = ("mqar", "passkey", "ppl")
 
     def model_config(self, arch: str) -> OrthrosConfig:
         return OrthrosConfig(vocab_size=256, hidden_size=self.hidden_size, intermediate_size=3 * self.hidden_size,
@@ -91,6 +94,8 @@ PRESETS = {
                     ppl_seq_len=64, ppl_tokens=512),
     # <= 10 minutes on 2 CPU cores: W = 32, MQAR trained at 4 W, tested at 8, 16, 32 W
     "cpu": Preset(),
+    # zoology-style: MQAR only (no text, no passkey), ~2 min per model on 2 CPU cores
+    "cpu-mqar": Preset(steps=400, text_batch=0, passkey_batch=0, text_bytes=100_000, eval_tasks=("mqar",)),
     # one GPU, a few minutes: a wider, deeper model, 4x the steps, MQAR trained at 8 W, tested up to 64 W.
     # The naive op: no compilation inside a short run (FlexAttention compiles per shape).
     "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=2000, lr=1e-3, warmup=50,
@@ -178,11 +183,15 @@ def evaluate(model, preset: Preset, seed: int = 1234, device="cpu") -> dict:
     """Held-out MQAR (every eval length), passkey grid and stdlib perplexity of one model."""
     tok = ByteTokenizer()
     mqar_eval = dataclasses.replace(preset.mqar_train, num_queries=None)  # each key asked once, zoology-style
-    res = {"mqar": eval_mqar(model, preset.mqar_eval_lengths, mqar_eval, preset.mqar_eval_samples, seed,
-                             preset.batch_size)}
-    hay = torch.tensor(heldout_tokens(tok, 4 * max(preset.passkey.lengths) + 200_000), dtype=torch.long)
-    res["passkey"] = eval_passkey(model, tok, preset.passkey, seed, preset.batch_size, haystack=hay)
-    res["ppl"] = eval_perplexity(model, tok, preset.ppl_seq_len, None, preset.ppl_tokens, preset.batch_size)
+    res = {}
+    if "mqar" in preset.eval_tasks:
+        res["mqar"] = eval_mqar(model, preset.mqar_eval_lengths, mqar_eval, preset.mqar_eval_samples, seed,
+                                preset.batch_size)
+    if "passkey" in preset.eval_tasks:
+        hay = torch.tensor(heldout_tokens(tok, 4 * max(preset.passkey.lengths) + 200_000), dtype=torch.long)
+        res["passkey"] = eval_passkey(model, tok, preset.passkey, seed, preset.batch_size, haystack=hay)
+    if "ppl" in preset.eval_tasks:
+        res["ppl"] = eval_perplexity(model, tok, preset.ppl_seq_len, None, preset.ppl_tokens, preset.batch_size)
     return res
 
 
@@ -190,12 +199,19 @@ def format_table(results: dict, preset: Preset) -> str:
     """One row per architecture, in the paper's layout (markdown)."""
     W = preset.window
     Ls = preset.mqar_eval_lengths
-    head = ["architecture", "params"] + [f"MQAR {L} ({L // W}W)" for L in Ls] + ["passkey", "ppl"]
+    tasks = preset.eval_tasks
+    head = ["architecture", "params"] + ([f"MQAR {L} ({L // W}W)" for L in Ls] if "mqar" in tasks else [])
+    head += (["passkey"] if "passkey" in tasks else []) + (["ppl"] if "ppl" in tasks else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arch, r in results.items():
+        ev = r["eval"]
         cells = [LABELS.get(arch, arch), f"{r['params'] / 1e6:.2f}M"]
-        cells += [f"{100 * r['eval']['mqar']['by_length'][str(L)]:.1f}" for L in Ls]
-        cells += [f"{100 * r['eval']['passkey']['mean']:.1f}", f"{r['eval']['ppl']['ppl']:.3f}"]
+        if "mqar" in ev:
+            cells += [f"{100 * ev['mqar']['by_length'][str(L)]:.1f}" for L in Ls]
+        if "passkey" in ev:
+            cells.append(f"{100 * ev['passkey']['mean']:.1f}")
+        if "ppl" in ev:
+            cells.append(f"{ev['ppl']['ppl']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -210,6 +226,9 @@ def plot(results: dict, preset: Preset, path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for arch, r in results.items():
         ev = r["eval"]
+        if "mqar" not in ev or "passkey" not in ev:
+            ev = {"mqar": ev.get("mqar", {"by_length": {}, "by_distance": {}}),
+                  "passkey": ev.get("passkey", {"config": {"lengths": [], "depths": [1]}, "grid": {}})}
         Ls = [int(L) for L in ev["mqar"]["by_length"]]
         axes[0].plot(Ls, [100 * a for a in ev["mqar"]["by_length"].values()], "o-", label=LABELS.get(arch, arch))
         bins = list(ev["mqar"]["by_distance"])
@@ -270,9 +289,11 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: 
             model, stats = train_model(arch, preset, data, seed, device, desc)
         ev = evaluate(model, preset, device=device)
         results[arch] = {"params": sum(p.numel() for p in model.parameters()), "train": stats, "eval": ev}
-        print(f"{LABELS[arch]:<20} trained {stats['steps']} steps in {stats['seconds']:.0f}s; "
-              f"MQAR " + " ".join(f"{L}:{100 * a:.0f}%" for L, a in ev["mqar"]["by_length"].items())
-              + f"; passkey {100 * ev['passkey']['mean']:.0f}%; ppl {ev['ppl']['ppl']:.3f}", flush=True)
+        print(f"{LABELS[arch]:<20} trained {stats['steps']} steps in {stats['seconds']:.0f}s"
+              + ("; MQAR " + " ".join(f"{L}:{100 * a:.0f}%" for L, a in ev["mqar"]["by_length"].items())
+                 if "mqar" in ev else "")
+              + (f"; passkey {100 * ev['passkey']['mean']:.0f}%" if "passkey" in ev else "")
+              + (f"; ppl {ev['ppl']['ppl']:.3f}" if "ppl" in ev else ""), flush=True)
         del model
     results = {a: results[a] for a in archs}  # the table in the order asked for
     table = format_table(results, preset)
