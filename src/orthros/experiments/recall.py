@@ -243,8 +243,14 @@ def plot(results: dict, preset: Preset, path) -> None:
     axes[0].set(xscale="log", xlabel="sequence length (tokens)", ylabel="MQAR accuracy %",
                 title=f"MQAR (window W={preset.window})")
     axes[1].set(xlabel="key-to-query distance (tokens)", ylabel="MQAR accuracy %", title="MQAR by distance")
-    axes[1].axvline(0.5, color="gray", ls=":")
     axes[2].set(xscale="log", xlabel="context length (tokens)", ylabel="exact match %", title="passkey retrieval")
+    for ax, key in ((axes[0], "mqar"), (axes[2], "passkey")):
+        first = next(iter(results.values()))["eval"]
+        ticks = ([int(L) for L in first["mqar"]["by_length"]] if key == "mqar" and "mqar" in first else
+                 first["passkey"]["config"]["lengths"] if key == "passkey" and "passkey" in first else [])
+        if ticks:
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
     for ax in axes:
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
