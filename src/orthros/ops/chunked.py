@@ -33,6 +33,8 @@ def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
     if chunk is None:
         span = S if window is None else min(S, window + 128)
         chunk = max(16, min(1024, SCORE_BUDGET // max(1, B * H * span)))
+        if window is not None:  # a chunk of C queries reads C + W - 1 keys: keep C near a few W
+            chunk = min(chunk, max(64, 4 * window))
     n = -(-M // chunk)
     # One host sync for every chunk's key range.
     lo_c = torch.nn.functional.pad(lo, (0, n * chunk - M), value=S).view(B, n, chunk).amin((0, 2))
