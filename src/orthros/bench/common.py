@@ -1,10 +1,12 @@
-"""What both benchmarks share: random-weight models, timing, memory, the run's environment."""
+"""What the benchmarks share: random-weight models, timing, memory, the run's environment, output files."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import gc
+import json
+import os
 import platform
 import time
 
@@ -126,3 +128,44 @@ def timed(fn, device):
 
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def result_from(args, name: str, measure) -> dict:
+    """`--from-json FILE` re-renders a saved run; otherwise `measure()` runs and `OUT_DIR/name.json` is written."""
+    if args.from_json:
+        if not os.path.exists(args.from_json):
+            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
+        with open(args.from_json) as f:
+            return json.load(f)
+    result = measure()
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def render(result, out_dir, docs, name, table_fn, plot_fn) -> None:
+    """Write `name.md` and `name.png`, print the table, splice it into `docs` between `name`'s markers."""
+    os.makedirs(out_dir, exist_ok=True)
+    text = table_fn(result)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    plot_fn(result, os.path.join(out_dir, f"{name}.png"))
+    print(text)
+    if splice_marks(docs, text, (f"<!-- {name}-table:begin -->", f"<!-- {name}-table:end -->")):
+        print(f"table written into {docs}")
+
+
+def splice_marks(doc_path, text, marks) -> bool:
+    """Replace the text between `marks` in `doc_path` (if the file and both marks exist)."""
+    if not doc_path or not os.path.exists(doc_path):
+        return False
+    with open(doc_path) as f:
+        doc = f.read()
+    begin, end = marks
+    if begin not in doc or end not in doc:
+        return False
+    a, b = doc.index(begin) + len(begin), doc.index(end)
+    with open(doc_path, "w") as f:
+        f.write(doc[:a] + "\n" + text + "\n" + doc[b:])
+    return True

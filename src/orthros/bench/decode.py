@@ -16,8 +16,6 @@ its window), against the copy bandwidth given by --bandwidth.
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import sys
 
@@ -26,11 +24,10 @@ import torch
 from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..models import OrthrosConfig
 from ..models.static_cache import FP8, KV_DTYPES
-from .common import DTYPES, build_model, environment, free_memory, is_oom, sync
+from .common import DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
-MARKS = ("<!-- decode-table:begin -->", "<!-- decode-table:end -->")
 
 
 def add_arguments(p):
@@ -208,41 +205,12 @@ def plot(result, path):
     plt.close(fig)
 
 
-def render(result, out_dir, docs, name, table_fn, plot_fn, marks):
-    os.makedirs(out_dir, exist_ok=True)
-    text = table_fn(result)
-    open(os.path.join(out_dir, f"{name}.md"), "w").write(text)
-    plot_fn(result, os.path.join(out_dir, f"{name}.png"))
-    print(text)
-    if splice_marks(docs, text, marks):
-        print(f"table written into {docs}")
-
-
-def splice_marks(doc_path, text, marks) -> bool:
-    """Replace the text between `marks` in `doc_path` (if the file and both marks exist)."""
-    if not os.path.exists(doc_path):
-        return False
-    doc = open(doc_path).read()
-    begin, end = marks
-    if begin not in doc or end not in doc:
-        return False
-    a, b = doc.index(begin) + len(begin), doc.index(end)
-    open(doc_path, "w").write(doc[:a] + "\n" + text + "\n" + doc[b:])
-    return True
-
-
 def run(args):
-    if args.from_json:
-        if not os.path.exists(args.from_json):
-            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
-        result = json.load(open(args.from_json))
-    else:
+    def measure_checked():
         if args.window < 1 or args.steps < 1 or args.warmup < 0 or min(args.batches) < 1:
             raise ValueError("--window, --steps and --batches must be >= 1, --warmup >= 0")
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
-        result = measure(args)
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, "decode.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    render(result, args.out_dir, args.docs, "decode", table, plot, MARKS)
+        return measure(args)
+
+    render(result_from(args, "decode", measure_checked), args.out_dir, args.docs, "decode", table, plot)
     return 0

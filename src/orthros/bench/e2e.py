@@ -25,7 +25,6 @@ differences).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shlex
 import sys
@@ -37,8 +36,7 @@ from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_
                         new_static_cache, prefill)
 from ..models import OrthrosConfig, OrthrosForCausalLM
 from ..models.static_cache import FP8, KV_DTYPES, StaticOrthrosCache
-from .common import DTYPES, build_model, environment, free_memory, is_oom, sync, truncated
-from .decode import render
+from .common import DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync, truncated
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -319,20 +317,13 @@ def plot(result, path):
 
 
 def run(args):
-    if args.from_json:
-        if not os.path.exists(args.from_json):
-            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
-        result = json.load(open(args.from_json))
-    else:
+    def measure_checked():
         if args.window < 1 or args.batch < 1 or args.warmup < 0 or args.max_timed_steps < 2:
             raise ValueError("--window and --batch must be >= 1, --warmup >= 0, --max-timed-steps >= 2")
         if any(n < 1 for _, n in args.settings):
             raise ValueError("each setting needs at least one new token")
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
-        result = agreement(args) if args.agreement else measure(args)
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, f"{args.tag}.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    marks = (f"<!-- {args.tag}-table:begin -->", f"<!-- {args.tag}-table:end -->")
-    render(result, args.out_dir, args.docs, args.tag, table, plot, marks)
+        return agreement(args) if args.agreement else measure(args)
+
+    render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
     return 0

@@ -16,8 +16,6 @@ attention past --max-quadratic and transformers past --max-hf are skipped
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import sys
 
@@ -25,11 +23,9 @@ import torch
 
 from ..generate import prefill
 from ..models import OrthrosConfig
-from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom,
-                     timed, truncated)
+from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom, render, result_from, timed, truncated)
 
 VARIANTS = ("orthros", "full", "hf", "floor")
-MARK_BEGIN, MARK_END = "<!-- prefill-table:begin -->", "<!-- prefill-table:end -->"
 
 
 def parse_len(s: str) -> int:
@@ -287,37 +283,13 @@ def plot(result, path):
     plt.close(fig)
 
 
-def splice(doc_path, text):
-    """Replace the text between the prefill markers of `doc_path` (if the file and markers exist)."""
-    if not os.path.exists(doc_path):
-        return False
-    doc = open(doc_path).read()
-    if MARK_BEGIN not in doc or MARK_END not in doc:
-        return False
-    a, b = doc.index(MARK_BEGIN) + len(MARK_BEGIN), doc.index(MARK_END)
-    open(doc_path, "w").write(doc[:a] + "\n" + text + "\n" + doc[b:])
-    return True
-
-
 def run(args):
-    if args.from_json:
-        if not os.path.exists(args.from_json):
-            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
-        result = json.load(open(args.from_json))
-    else:
+    def measure_checked():
         if args.window < 1:
             raise ValueError(f"--window must be >= 1, got {args.window}")
         for m in args.models:
             OrthrosConfig.from_name(m)  # a clear error for unknown names before any work
-        result = measure(args)
-    os.makedirs(args.out_dir, exist_ok=True)
-    if not args.from_json:
-        with open(os.path.join(args.out_dir, "prefill.json"), "w") as f:
-            json.dump(result, f, indent=1)
-    text = table(result)
-    open(os.path.join(args.out_dir, "prefill.md"), "w").write(text + "\n")
-    plot(result, os.path.join(args.out_dir, "prefill.png"))
-    print(text)
-    if splice(args.docs, text):
-        print(f"table written into {args.docs}")
+        return measure(args)
+
+    render(result_from(args, "prefill", measure_checked), args.out_dir, args.docs, "prefill", table, plot)
     return 0
