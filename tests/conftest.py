@@ -1,3 +1,8 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -31,6 +36,15 @@ def require_triton_interpreter():
 
     if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
         pytest.skip("triton 3.6's interpreter fails under numpy >= 2.4 (triton-lang/triton#9171); constraints.txt pins it")
+
+
+def run_triton_interpreted(*python_args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python *python_args` from the repo root with TRITON_INTERPRET=1 (the flag must precede
+    `import triton`, hence a subprocess): Triton kernels checked on the CPU."""
+    require_triton_interpreter()
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    return subprocess.run([sys.executable, *python_args], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=timeout)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

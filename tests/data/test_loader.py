@@ -1,6 +1,5 @@
 """The batch schedule: deterministic, resumable, split across processes without overlap."""
 
-import numpy as np
 import pytest
 import torch
 

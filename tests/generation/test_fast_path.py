@@ -8,7 +8,7 @@ from orthros.generate import (compiled_decode_step, decode_one_token, decode_one
                               generate, left_pad, new_static_cache, prefill)
 from orthros.models.static_cache import FP8_MAX, StaticOrthrosCache
 
-from ..conftest import DEVICE, make_model, rel_err
+from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
 
 ATTENTIONS = ["orthros", "full", "swa"]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -150,17 +150,5 @@ def test_user_errors():
 def test_splitkv_reads_fp8_cache_triton_interpreter():
     """The decode kernel on an fp8 cache (scales folded into q and the output; one split for a
     window) under TRITON_INTERPRET=1 on CPU, in a subprocess (the flag must precede `import triton`)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    import numpy
-
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip("triton 3.6's interpreter fails under numpy >= 2.4 (triton-lang/triton#9171); constraints.txt pins it")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "tests.generation.splitkv_fp8_cases"], env=env, capture_output=True,
-                       text=True, cwd=root, timeout=300)
+    r = run_triton_interpreted("-m", "tests.generation.splitkv_fp8_cases", timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

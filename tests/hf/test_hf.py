@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from orthros import OrthrosCache, OrthrosConfig, OrthrosForCausalLM
+from orthros import OrthrosCache, OrthrosForCausalLM
 from orthros.generate import generate as _generate
 
 from ..conftest import DEVICE, make_model

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.layers.rope import rope_inv_freq
 
 from ..conftest import DEVICE, make_model

@@ -15,18 +15,15 @@ a subprocess. With CUDA the same cases run the compiled kernels.
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from orthros.ops import attention, chunked_attention
+from orthros.ops import attention
 from orthros.ops.blocks import block_states, key_bounds
 from orthros.ops.masks import visible
 
-from ..conftest import require_triton_interpreter
+from ..conftest import run_triton_interpreted
 from .cases import check, make_case
 
 CUDA = torch.cuda.is_available()
@@ -151,10 +148,7 @@ def run_splitkv_cases(device):
 
 def test_splitkv_triton_interpreter():
     """The Triton kernel under TRITON_INTERPRET=1 on CPU, in a subprocess (the flag must precede `import triton`)."""
-    require_triton_interpreter()
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, "-m", "tests.ops.test_fast_ops"], env=env, capture_output=True, text=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=600)
+    r = run_triton_interpreted("-m", "tests.ops.test_fast_ops")
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -9,10 +9,6 @@ and save their logits; each test compares one case, on every rank.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +18,7 @@ from orthros.ops.naive import naive_attention
 from orthros.parallel import balanced_bounds, cp_decode_one_token, cp_prefill, shard_bounds
 from orthros.parallel import spawn
 
-from ..conftest import DEVICE, make_model, rel_err, require_triton_interpreter
+from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
 from .workers import cases_worker, load_bench, partials_case, sharded_partials
 
 TOL = 1e-5
@@ -224,11 +220,8 @@ def test_partial_attention_over_key_shards_merges_to_the_full_op(window):
 def test_partials_from_the_triton_kernel_merge_exactly():
     """The GPU path of `partial_attention` (split-KV kernel with return_lse) under the Triton
     interpreter on CPU, in a subprocess (the flag must precede `import triton`)."""
-    require_triton_interpreter()
-    root = Path(__file__).resolve().parents[2]
     code = "from tests.parallel.workers import check_triton_partials as c; print(c())"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    out = run_triton_interpreted("-c", code, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert float(out.stdout.strip().split("=")[1]) < 1e-5
 

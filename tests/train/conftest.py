@@ -1,3 +1,2 @@
-import pytest
 
 from .train_helpers import tiny_cfg  # noqa: F401  (fixture)

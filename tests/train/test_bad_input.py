@@ -6,7 +6,7 @@ import torch
 import orthros.models.model as modeling
 from orthros import OrthrosForCausalLM
 from orthros.cli import main
-from orthros.train import NonFiniteLossError, train
+from orthros.train import train
 from orthros.train.checkpoint import list_checkpoints
 
 from .train_helpers import cli_args, tiny_overrides

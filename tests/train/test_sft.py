@@ -3,7 +3,6 @@
 import json
 import random
 
-import pytest
 import torch
 
 from orthros import OrthrosForCausalLM

@@ -10,7 +10,6 @@ causal SDPA, for which cuDNN's kernel is the fastest on Hopper
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 # How grouped K/V heads reach SDPA: "native" (enable_gqa=True) or "expand"
