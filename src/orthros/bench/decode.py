@@ -24,7 +24,8 @@ import torch
 from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..models import OrthrosConfig
 from ..models.static_cache import FP8, KV_DTYPES
-from .common import DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync,
+                     variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -111,11 +112,7 @@ def measure(args) -> dict:
     step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
     rows = []
     for variant in args.variants:
-        over = dict(window_size=args.window, attention=variant)
-        if args.layers:
-            over["num_hidden_layers"] = args.layers
-        cfg = OrthrosConfig.from_name(args.model, **over)
-        cfg.max_position_embeddings = max(cfg.max_position_embeddings, max(args.contexts) + args.steps + args.warmup + 1)
+        cfg = variant_config(args, variant, max(args.contexts) + args.steps + args.warmup + 1)
         model = build_model(cfg, device, dtype)
         for B in args.batches:
             for C in sorted(args.contexts):

@@ -36,7 +36,8 @@ from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_
                         new_static_cache, prefill)
 from ..models import OrthrosConfig, OrthrosForCausalLM
 from ..models.static_cache import FP8, KV_DTYPES, StaticOrthrosCache
-from .common import DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync, truncated
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync, truncated,
+                     variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -157,11 +158,7 @@ def measure(args) -> dict:
     T_max = max(a + b for a, b in args.settings)
     rows = []
     for variant in args.variants:
-        over = dict(window_size=args.window, attention=variant)
-        if args.layers:
-            over["num_hidden_layers"] = args.layers
-        cfg = OrthrosConfig.from_name(args.model, **over)
-        cfg.max_position_embeddings = max(cfg.max_position_embeddings, T_max)
+        cfg = variant_config(args, variant, T_max)
         model = build_model(cfg, device, dtype)
         for T_in, n_out in args.settings:
             row = dict(variant=variant, T_in=T_in, n_out=n_out, layers=cfg.num_hidden_layers)
