@@ -18,7 +18,7 @@ from torch import nn
 
 from ..ops import attention
 from .mlp import RMSNorm
-from .rope import apply_rope
+from .fused import fused_heads
 
 
 CONCAT_MAX_ROWS = 64  # above this, a concatenation's copy costs more than a second GEMM launch
@@ -61,15 +61,19 @@ class OrthrosAttention(nn.Module):
 
     def _queries(self, q, stream: str, cos, sin):
         """q: [B, M, H*D] raw projection -> SO -> heads -> q-norm -> RoPE: [B, M, H, D]."""
+        so = (None, None)
         if self.scale_offset:
-            if stream == "base":
-                q = q * self.so_alpha + self.so_beta
-            else:
-                q = q * self.so_alpha_out + self.so_beta_out
-        q = q.unflatten(-1, (self.n_heads, self.head_dim))
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q, cos, sin)
+            so = (self.so_alpha, self.so_beta) if stream == "base" else (self.so_alpha_out, self.so_beta_out)
+        norm = self.q_norm
+        return fused_heads(q, cos, sin, self.n_heads, self.head_dim, *so,
+                           None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+
+    def keys_values(self, x, cos, sin):
+        """x: [B, T, C] normed base stream -> k (k-norm, RoPE), v: [B, T, Hkv, D]."""
+        norm = self.k_norm
+        k = fused_heads(self.k_proj(x), cos, sin, self.n_kv, self.head_dim, None, None,
+                        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+        return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
     def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False):
         """
@@ -85,11 +89,7 @@ class OrthrosAttention(nn.Module):
         """
         B, T, _ = xb.shape
         qb, qo = rows(self.q_proj, None if skip_base else xb, xo)
-        k = self.k_proj(xb).unflatten(-1, (self.n_kv, self.head_dim))
-        v = self.v_proj(xb).unflatten(-1, (self.n_kv, self.head_dim))
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        k = apply_rope(k, *rope_base)
+        k, v = self.keys_values(xb, *rope_base)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         attend = attention

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .fused import fused_rms_norm, fused_silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -14,10 +15,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return fused_rms_norm(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -28,4 +26,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused_silu_mul(self.gate_proj(x), self.up_proj(x)))

@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from ..generate import SamplingConfig, sample
-from ..layers.rope import apply_rope
 from ..models.layout import build_layout
 from ..ops import _interpreting, attention, triton_available
 from ..ops.naive import naive_attention
@@ -85,11 +84,7 @@ class ShardedCache:
 # ------------------------------------------------------------------ pieces
 def _kv(attn, x, rope):
     """Base-stream keys (k-norm, RoPE) and values of x [B, T, C]: [B, T, Hkv, D] each."""
-    k = attn.k_proj(x).unflatten(-1, (attn.n_kv, attn.head_dim))
-    v = attn.v_proj(x).unflatten(-1, (attn.n_kv, attn.head_dim))
-    if attn.k_norm is not None:
-        k = attn.k_norm(k)
-    return apply_rope(k, *rope), v
+    return attn.keys_values(x, *rope)
 
 
 def _mlp_residual(block, h, chunk: int = MLP_CHUNK):
