@@ -203,3 +203,13 @@ def test_cuda_beyond_int32_base_stream():
 if __name__ == "__main__":  # the interpreter subprocess
     run_splitkv_cases("cpu")
     print("ok")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (test_flex_mask_mod runs the mask logic on CPU)")
+@pytest.mark.parametrize("docs", ["dense", "packed"])
+@pytest.mark.parametrize("T,past", [(1, 0), (2, 0), (17, 3), (129, 0), (130, 126)])
+def test_cuda_flex_partial_tiles(docs, T, past):
+    """Compiled FlexAttention, forward and backward, where queries or keys fill less than a tile."""
+    case = make_case("base", T=T, past=past, docs=docs, D=64, window=16, dtype=torch.bfloat16, device="cuda",
+                     H=8, Hkv=2, seed=T)
+    check(op("flex", case["dense_start"]), case)

@@ -133,6 +133,7 @@ KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
     ("FlexAttention (SWA)", ("flex", "triton_tem")),
     ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
     ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
+    ("fused elementwise (compiled norms, RoPE, SwiGLU)", ("triton_poi", "triton_red", "triton_per")),
     ("copies / cat", ("copy", "cat", "memcpy", "memset")),
 ]
 
@@ -149,6 +150,7 @@ def profile_prefill(model, T, chunk, device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
     groups: dict[str, float] = {}
+    kernels: dict[str, float] = {}
     for ev in prof.key_averages():
         t = getattr(ev, "device_time_total", None)
         if t is None:
@@ -158,7 +160,9 @@ def profile_prefill(model, T, chunk, device) -> dict:
         key = ev.key.lower()
         g = next((g for g, subs in KERNEL_GROUPS if any(s in key for s in subs)), "other (norms, RoPE, elementwise)")
         groups[g] = groups.get(g, 0.0) + t / 1e3  # ms
-    return dict(T=T, groups_ms=dict(sorted(groups.items(), key=lambda kv: -kv[1])))
+        kernels[ev.key[:90]] = kernels.get(ev.key[:90], 0.0) + t / 1e3
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return dict(T=T, groups_ms=dict(sorted(groups.items(), key=lambda kv: -kv[1])), top_kernels_ms=dict(top))
 
 
 # ------------------------------------------------------------------- render
