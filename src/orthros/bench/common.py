@@ -134,6 +134,42 @@ def timed(fn, device):
     return dt, peak, out
 
 
+KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
+    ("split-KV attention", ("splitkv",)),
+    ("FlexAttention (SWA)", ("flex", "triton_tem")),
+    ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
+    ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
+    ("fused elementwise (compiled norms, RoPE, SwiGLU)", ("triton_poi", "triton_red", "triton_per")),
+    ("copies / cat", ("copy", "cat", "memcpy", "memset")),
+]
+OTHER_KERNELS = "other (norms, RoPE, elementwise)"
+
+
+def kernel_profile(fn, device, top: int = 15) -> dict:
+    """Device time of `fn()` by kernel group and its `top` kernels, in ms (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    groups: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None)
+        if t is None:
+            t = getattr(ev, "cuda_time_total", 0)
+        if not t or ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        key = ev.key.lower()
+        g = next((g for g, subs in KERNEL_GROUPS if any(s in key for s in subs)), OTHER_KERNELS)
+        groups[g] = groups.get(g, 0.0) + t / 1e3
+        kernels[ev.key[:90]] = kernels.get(ev.key[:90], 0.0) + t / 1e3
+    return {"groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
+            "kernel_count": sum(ev.count for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA)}
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 

@@ -24,8 +24,8 @@ import torch
 from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..models import OrthrosConfig
 from ..models.static_cache import FP8, KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync,
-                     variant_config)
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, render, result_from,
+                     sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -42,6 +42,7 @@ def add_arguments(p):
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (measured on the H200)")
+    p.add_argument("--profile", action="store_true", help="also break one row per variant down by kernel")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
@@ -110,7 +111,8 @@ def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
-    rows = []
+    rows, profiles = [], {}
+    tok = torch.zeros(max(args.batches), dtype=torch.long, device=device)
     for variant in args.variants:
         cfg = variant_config(args, variant, max(args.contexts) + args.steps + args.warmup + 1)
         model = build_model(cfg, device, dtype)
@@ -119,10 +121,13 @@ def measure(args) -> dict:
                 row = dict(variant=variant, batch=B, context=C, layers=cfg.num_hidden_layers)
                 cache = None
                 try:
-                    cache = new_static_cache(model, B, C + args.warmup + args.steps + 1, args.kv_dtype)
+                    cache = new_static_cache(model, B, C + args.warmup + args.steps + 11, args.kv_dtype)
                     fill_random(cache, C)
                     with torch.inference_mode():
                         dt = time_decode(model, cache, args.steps, args.warmup, step_fn, device)
+                        if args.profile and variant not in profiles:
+                            profiles[variant] = {"batch": B, "context": C, "steps": 10, **kernel_profile(
+                                lambda: [decode_one_token_fast(model, tok[:B], cache, step_fn) for _ in range(10)], device)}
                     kv_bytes = cache.k[0].element_size()
                     nbytes = step_bytes(model, B, C + args.warmup + args.steps // 2, kv_bytes)
                     rows.append({**row, "status": "ok", "step_s": dt, "tokens_per_s": B / dt, "bytes": nbytes,
@@ -142,7 +147,7 @@ def measure(args) -> dict:
         free_memory()
     return dict(env=environment(device), command="orthros bench decode " + " ".join(map(shlex.quote, sys.argv[3:])),
                 model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, window=args.window, steps=args.steps,
-                compiled=not args.no_compile, bandwidth_tb_s=args.bandwidth, rows=rows)
+                compiled=not args.no_compile, bandwidth_tb_s=args.bandwidth, rows=rows, profiles=profiles)
 
 
 # ------------------------------------------------------------------- render
@@ -171,6 +176,19 @@ def table(result) -> str:
             ok = o and f and o["status"] == f["status"] == "ok"
             ratio = f"{o['tokens_per_s'] / f['tokens_per_s']:.3f}×" if ok else "–"
             out.append(f"| {_fmt_len(C)} | {B} | {cell(o)} | {cell(f)} | {ratio} | {bw(o)} | {bw(f)} |")
+    prof = result.get("profiles") or {}
+    if prof:
+        first = next(iter(prof.values()))
+        out += ["", f"Device time per decode step by kernel group (profiler, batch {first['batch']}, "
+                f"context {_fmt_len(first['context'])}), µs:", "",
+                "| kernels | " + " | ".join(prof) + " |", "| --- |" + " --- |" * len(prof)]
+        names = list(dict.fromkeys(g for p in prof.values() for g in p["groups_ms"]))
+        for g in names + ["kernel launches"]:
+            cells = []
+            for p in prof.values():
+                v = p["kernel_count"] if g == "kernel launches" else p["groups_ms"].get(g, 0.0) * 1e3
+                cells.append(f"{v / p['steps']:.0f}")
+            out.append(f"| {g} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -23,7 +23,8 @@ import torch
 
 from ..generate import prefill
 from ..models import OrthrosConfig
-from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom, render, result_from, timed, truncated)
+from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom,
+                     kernel_profile, render, result_from, timed, truncated)
 
 VARIANTS = ("orthros", "full", "hf", "floor")
 
@@ -128,41 +129,11 @@ class _null:
         return False
 
 
-KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
-    ("split-KV attention", ("splitkv",)),
-    ("FlexAttention (SWA)", ("flex", "triton_tem")),
-    ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
-    ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
-    ("fused elementwise (compiled norms, RoPE, SwiGLU)", ("triton_poi", "triton_red", "triton_per")),
-    ("copies / cat", ("copy", "cat", "memcpy", "memset")),
-]
-
-
 def profile_prefill(model, T, chunk, device) -> dict:
     """Device time of one Orthros prefill by kernel group."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
     _call("orthros", model, ids, chunk)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        _call("orthros", model, ids, chunk)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    groups: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None)
-        if t is None:
-            t = getattr(ev, "cuda_time_total", 0)
-        if not t or ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        key = ev.key.lower()
-        g = next((g for g, subs in KERNEL_GROUPS if any(s in key for s in subs)), "other (norms, RoPE, elementwise)")
-        groups[g] = groups.get(g, 0.0) + t / 1e3  # ms
-        kernels[ev.key[:90]] = kernels.get(ev.key[:90], 0.0) + t / 1e3
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
-    return dict(T=T, groups_ms=dict(sorted(groups.items(), key=lambda kv: -kv[1])), top_kernels_ms=dict(top))
+    return {"T": T, **kernel_profile(lambda: _call("orthros", model, ids, chunk), device)}
 
 
 # ------------------------------------------------------------------- render
