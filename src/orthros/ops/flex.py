@@ -96,20 +96,14 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
     S, Hkv = k.shape[1], k.shape[2]
     need_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # Queries are padded to whole tiles: torch 2.11's kernels fail to compile for a partial
-    # query tile, and output-stream calls (SFT) would otherwise compile once per count.
-    # Fewer keys than a tile are padded to one (the backward misreads a tiny key tensor);
-    # padded keys match no query (their document / slot is out of reach).
+    # query tile (NoValidChoicesError), and output-stream calls (SFT) would otherwise
+    # compile once per query count. Padded rows are sliced off the output.
     nq = -(-M // BQ) * BQ
     if nq != M:
         q = F.pad(q, (0, 0, 0, 0, 0, nq - M))
-    if S < BK:
-        k, v = (F.pad(x, (0, 0, 0, 0, 0, BK - S)) for x in (k, v))
-        if k_doc is not None:
-            k_doc = _pad_to(k_doc, BK, PAD_K_DOC)
     if dense_start is not None:
-        block_mask = _dense_block_mask(dense_start, nq, k.shape[1], window, q.device, need_backward)
+        block_mask = _dense_block_mask(dense_start, nq, S, window, q.device, need_backward)
     else:
-        S = k.shape[1]
         slot = _pad_to(q_slot.long().expand(B, M), nq, 0).contiguous()
         qdoc = _pad_to(q_doc.long(), nq, PAD_Q_DOC).contiguous()
         lo, hi = key_bounds(slot, qdoc, k_doc, window)
