@@ -19,11 +19,11 @@ import functools
 import pytest
 import torch
 
-from orthros.ops import attention
+from orthros.ops import attention, naive_attention
 from orthros.ops.blocks import block_states, key_bounds
 from orthros.ops.masks import visible
 
-from ..conftest import run_triton_interpreted
+from ..conftest import rel_err, run_triton_interpreted
 from .cases import check, make_case
 
 CUDA = torch.cuda.is_available()
@@ -144,6 +144,24 @@ def run_splitkv_cases(device):
         check(op("triton", case["dense_start"]), case, backward=False)
         # several splits and a forced LSE merge
         check(lambda *a, **kw: splitkv_attention(*a, **kw, num_splits=5, block_n=16), case, backward=False)
+    check_window_rows(device)
+
+
+def check_window_rows(device, W=24):
+    """Base and output rows of a decode step in one call: only the first rows are windowed."""
+    for docs, M, r in (("packed", 2, 1), ("padded", 4, 2), ("dense", 3, 3)):
+        case = make_case("base", T=M, past=190, docs=docs, device=device, window=W, seed=M)
+        q, k, v, slot, qdoc, kdoc = (case[n] for n in ("q", "k", "v", "q_slot", "q_doc", "k_doc"))
+        slot = slot.expand(q.shape[0], -1)
+        ref = torch.cat([naive_attention(q[:, :r], k, v, slot[:, :r], qdoc[:, :r], kdoc, window=W),
+                         naive_attention(q[:, r:], k, v, slot[:, r:], qdoc[:, r:], kdoc, window=None)], 1)
+        for backend in ("triton", "chunked"):
+            out = attention(q, k, v, slot, qdoc, kdoc, window=W, backend=backend, window_rows=r)
+            assert rel_err(out, ref) < 1e-5, (docs, backend)
+
+
+def test_window_rows_chunked():
+    check_window_rows("cpu")
 
 
 def test_splitkv_triton_interpreter():

@@ -75,6 +75,36 @@ class OrthrosAttention(nn.Module):
                         None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
         return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
+    def forward_pair(self, x, T: int, layout, rope, rope_base, cache=None):
+        """Both streams as one tensor x [B, T + N, C], base rows first (a short inference
+        call such as a decode step): one projection, one SO/RoPE kernel and, where the
+        cache's kernel takes both windows, one attention launch for the two. -> [B, T + N, C]."""
+        B, R, _ = x.shape
+        q = self.q_proj(x)
+        k, v = self.keys_values(x[:, :T], *rope_base)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        so = (None, None)
+        if self.scale_offset:
+            so = tuple(torch.cat([p.expand(T, -1), p_out.expand(R - T, -1)])
+                       for p, p_out in ((self.so_alpha, self.so_alpha_out), (self.so_beta, self.so_beta_out)))
+        norm = self.q_norm
+        q = fused_heads(q, *rope, self.n_heads, self.head_dim, *so,
+                        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+        slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)
+        doc = torch.cat([layout.base_doc, layout.out_doc], 1)
+        attend = attention
+        if hasattr(cache, "attend"):
+            attend = functools.partial(cache.attend, self.layer_idx)
+        if self.base_window == self.out_window:
+            o = attend(q, k, v, slot, doc, layout.key_doc, window=self.base_window, backend=self.backend)
+        elif self.out_window is None:
+            o = attend(q, k, v, slot, doc, layout.key_doc, window=self.base_window, backend=self.backend,
+                       window_rows=T)
+        else:
+            raise ValueError("a windowed output stream needs a windowed base stream")
+        return self.o_proj(o.flatten(2))
+
     def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False):
         """
         Args:

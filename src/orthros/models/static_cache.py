@@ -150,7 +150,7 @@ class StaticOrthrosCache(OrthrosCache):
         return kb[:, : self.length], vb[:, : self.length]
 
     def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
-               dense_start=None):
+               dense_start=None, window_rows=None):
         """`ops.attention` over this cache's storage (called by the layers through the cache).
 
         fp8: scales folded into q and the output. Decode: the graph-capturable
@@ -160,7 +160,8 @@ class StaticOrthrosCache(OrthrosCache):
             q = q * self.k_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(q.dtype)
         if self.decoding:
             o = decode_attention(q, k, v, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
-                                 0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale)
+                                 0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale,
+                                 -1 if window_rows is None else int(window_rows))
         else:
             if self.fp8:
                 if dense_start is not None and window is not None:
@@ -169,7 +170,7 @@ class StaticOrthrosCache(OrthrosCache):
                 if not _splitkv_takes(q, k, backend):  # the split-KV kernel reads fp8 itself
                     k, v = k.to(q.dtype), v.to(q.dtype)
             o = attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, backend=backend,
-                          dense_start=dense_start)
+                          dense_start=dense_start, window_rows=window_rows)
         if self.fp8:
             o = o * self.v_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(o.dtype)
         return o
@@ -203,22 +204,25 @@ def _splitkv_takes(q, k, backend) -> bool:
 
 @torch.library.custom_op("orthros::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
-                     k_doc: torch.Tensor, window: int, scale: float) -> torch.Tensor:
-    """A few queries [B, M, H, D] over a whole (possibly fp8) cache buffer; window 0 = none.
+                     k_doc: torch.Tensor, window: int, scale: float, window_rows: int) -> torch.Tensor:
+    """A few queries [B, M, H, D] over a whole (possibly fp8) cache buffer; window 0 = none;
+    window_rows -1 = the window applies to every query (see `ops.attention`).
 
     Opaque to torch.compile (one node in the graph), captured as is in CUDA graphs."""
     win = None if window == 0 else window
+    rows = None if window_rows < 0 else window_rows
     if _splitkv_takes(q, k, "triton"):
         from ..ops.splitkv import splitkv_attention
 
-        # A windowed query reads at most `window` keys: one split, no merge kernels after it
-        # (the per-layer cost Orthros' base query adds to a decode step).
-        splits = 1 if win is not None and win <= 1024 else None
-        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, num_splits=splits).contiguous()
+        # Queries that all have a window read at most `window` keys: one split, no merge
+        # kernels after it.
+        splits = 1 if win is not None and win <= 1024 and (rows is None or rows >= q.shape[1]) else None
+        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, num_splits=splits,
+                                 window_rows=rows).contiguous()
     k, v = k.to(q.dtype), v.to(q.dtype)
-    return attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale).contiguous()
+    return attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, window_rows=rows).contiguous()
 
 
 @decode_attention.register_fake
-def _(q, k, v, q_slot, q_doc, k_doc, window, scale):
+def _(q, k, v, q_slot, q_doc, k_doc, window, scale, window_rows):
     return torch.empty_like(q)

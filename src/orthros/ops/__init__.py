@@ -49,30 +49,52 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _splitkv_applies(q, k, v, backend: str) -> bool:
+    """Few queries, no autograd, Triton on CUDA (or its interpreter when asked for)."""
+    from .splitkv import MAX_ROWS
+
+    rows = (q.shape[2] // k.shape[2]) * q.shape[1]
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    gpu = q.is_cuda or (_interpreting() and backend == "triton")
+    return (gpu and not needs_grad and triton_available() and rows <= MAX_ROWS
+            and ((backend == "auto" and rows <= 64) or backend == "triton"))
+
+
 def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto",
-              dense_start: int | None = None):
+              dense_start: int | None = None, window_rows: int | None = None):
     """Orthros attention for either stream; see `naive_attention` for shapes.
 
     dense_start: an optional promise by the caller that every row is one
         document without padding and q_slot[:, i] == dense_start + i. It
         changes no result; it lets kernels skip the document lookups.
+    window_rows: only the first `window_rows` queries use `window`, the rest
+        see their whole document: both streams of a decode step in one call
+        (base rows first). The split-KV kernel does it in one launch; other
+        paths make one call per group.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    M = q.shape[1]
+    if window is not None and window_rows is not None and window_rows < M:
+        if _splitkv_applies(q, k, v, backend):
+            from .splitkv import splitkv_attention
+
+            return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
+                                     window_rows=window_rows)
+        r = window_rows
+        slot = q_slot.expand(q.shape[0], M)
+        a = attention(q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend)
+        b = attention(q[:, r:], k, v, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend)
+        return torch.cat([a, b], 1)
     if backend == "naive":
         return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
-    B, M, H, D = q.shape
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    few = (H // k.shape[2]) * M <= 64
-    gpu = q.is_cuda or (_interpreting() and backend == "triton")
-    if gpu and not needs_grad and triton_available() and ((backend == "auto" and few) or backend == "triton"):
-        from .splitkv import MAX_ROWS, splitkv_attention
+    if _splitkv_applies(q, k, v, backend):
+        from .splitkv import splitkv_attention
 
-        if (H // k.shape[2]) * M <= MAX_ROWS:
-            if dense_start is not None and window is not None:  # only the last W keys can be seen
-                a = max(0, dense_start - window + 1)
-                k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
-            return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
+        if dense_start is not None and window is not None:  # only the last W keys can be seen
+            a = max(0, dense_start - window + 1)
+            k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
+        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     if not q.is_cuda or backend == "chunked":
         if backend == "flex":  # uncompiled FlexAttention on CPU: for tests of the mask logic
             from .flex import flex_attention_op

@@ -37,7 +37,7 @@ def _kernel():
                     sqb, sqm, sqh, skb, sks, skh, svb, svs, svh,
                     s_slot_b, s_qdoc_b, s_kdoc_b,
                     sob, sop, som, soh, slb, slp, slm,
-                    M, S, Hkv, scale, window, keys_per_split,
+                    M, S, Hkv, scale, window, window_rows, keys_per_split,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
         pid = tl.program_id(0)
@@ -59,7 +59,8 @@ def _kernel():
         end = tl.minimum(start + keys_per_split, S)
         end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
         if HAS_WINDOW:
-            start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
+            if window_rows >= M:  # every row is windowed: skip the keys before the window
+                start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
         m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -77,7 +78,7 @@ def _kernel():
             s = s * scale
             vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
             if HAS_WINDOW:
-                vis = vis & (slot[:, None] - j[None, :] < window)
+                vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))  # rows past window_rows: no window
             s = tl.where(vis, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
@@ -117,8 +118,9 @@ def merge_splits(o: torch.Tensor, lse: torch.Tensor):
 
 
 def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, num_splits=None,
-                      block_n: int = 64, return_lse: bool = False):
-    """Same contract as `naive_attention`, for G * M <= MAX_ROWS (no autograd)."""
+                      block_n: int = 64, return_lse: bool = False, window_rows: int | None = None):
+    """Same contract as `naive_attention`, for G * M <= MAX_ROWS (no autograd).
+    window_rows: only the first `window_rows` queries use `window` (see `ops.attention`)."""
     import triton
 
     B, M, H, D = q.shape
@@ -145,7 +147,7 @@ def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, nu
         v.stride(0), v.stride(1), v.stride(2),
         slot.stride(0), q_doc.stride(0), k_doc.stride(0),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        M, S, Hkv, scale, 0 if window is None else window, per,
+        M, S, Hkv, scale, 0 if window is None else window, M if window_rows is None else window_rows, per,
         G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=ieee,
     )
