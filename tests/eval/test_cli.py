@@ -66,3 +66,21 @@ def test_experiment_smoke_trains_alike_and_tabulates(tmp_path, capsys):
     assert "| Orthros w/o SO |" in table and "MQAR 128 (8W)" in table
     assert (tmp_path / "x" / "recall.png").stat().st_size > 0
     assert main(["experiment", "recall", "--preset", "nope"]) == 2
+
+
+def test_train_data_cycles_passkey_lengths_at_equal_tokens():
+    import dataclasses
+
+    from orthros.experiments.recall import PRESETS, TrainData
+
+    preset = dataclasses.replace(PRESETS["smoke"], passkey_lengths=[128, 256], passkey_batch=4)
+    data = TrainData(preset, seed=0)
+    shapes = [data.batch(step)["passkey"][0].shape for step in range(3)]
+    assert shapes == [(4, 128), (2, 256), (4, 128)]
+    ids, labels = data.batch(0)["passkey"]
+    assert ((labels != -100).sum(1) == 12).all()  # the answer and the needle's second copy (" " + 5 digits each)
+    assert torch.equal(ids, TrainData(preset, seed=0).batch(0)["passkey"][0])
+    assert not torch.equal(ids, TrainData(preset, seed=1).batch(0)["passkey"][0])
+    for name, p in PRESETS.items():  # every preset's training passkeys fit its needle
+        if p.passkey_batch:
+            TrainData(dataclasses.replace(p, text_bytes=50_000), seed=0).batch(0)

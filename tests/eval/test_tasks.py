@@ -75,6 +75,23 @@ def test_passkey_sample_layout():
         passkey_batch(hay, tok.encode, 1, 40, 0.5)
 
 
+def test_passkey_copy_labels_add_the_needles_second_key_only():
+    """Training labels: the answer as in evaluation, plus the key's second copy in the needle."""
+    tok = ByteTokenizer()
+    hay = tok.encode("x = [1, 2, 3]\n" * 40)
+    ids, labels, keys = passkey_batch(hay, tok.encode, 4, 200, None, seed=2)
+    ids2, labels2, keys2 = passkey_batch(hay, tok.encode, 4, 200, None, seed=2, copy_labels=True)
+    assert torch.equal(ids, ids2) and keys == keys2
+    extra = (labels2 != -100) & (labels == -100)
+    assert torch.equal(labels2[labels != -100], labels[labels != -100])
+    for r in range(4):
+        text = tok.decode(ids[r].tolist())
+        start = text.index(NEEDLE.format(key=keys[r])) + NEEDLE.index("{key}. Remember it. ") + len(keys[r]) + 13
+        assert text[start : start + 6] == " " + keys[r]
+        assert extra[r].nonzero().flatten().tolist() == list(range(start, start + 6))
+        assert tok.decode(labels2[r][extra[r]].tolist()) == " " + keys[r]
+
+
 @pytest.mark.parametrize("attention", ["orthros", "full", "swa"])
 def test_answer_hits_equal_full_forward_argmax(attention):
     """Scoring with output positions at the answers only (SFT phase) = argmax of a pre-training forward."""

@@ -45,11 +45,14 @@ class PasskeyConfig:
             raise ValueError(f"passkey samples and digits must be >= 1, got {self.samples}, {self.digits}")
 
 
-def passkey_sample(haystack: list[int], encode, length: int, depth: float, key: str, offset: int = 0):
+def passkey_sample(haystack: list[int], encode, length: int, depth: float, key: str, offset: int = 0,
+                   copy_labels: bool = False):
     """One sample -> (input_ids [length], labels [length]).
 
     haystack: token ids (list or 1-D tensor) to cut the filler from (starting at `offset`, wrapping);
-    encode: str -> list[int] (the model's tokenizer, no special tokens).
+    encode: str -> list[int] (the model's tokenizer, no special tokens);
+    copy_labels: also label the key's second copy inside the needle ("Remember it. 48213 …"),
+    a copy a few tokens from the first: training data only (evaluation scores the answer alone).
     """
     needle, question, answer = encode(NEEDLE.format(key=key)), encode(QUESTION), encode(ANSWER.format(key=key))
     n_fill = length - len(needle) - len(question) - len(answer)
@@ -63,15 +66,27 @@ def passkey_sample(haystack: list[int], encode, length: int, depth: float, key: 
     at = round(depth * n_fill)
     ids = fill[:at] + needle + fill[at:] + question + answer
     labels = [IGNORE_INDEX] * (length - len(answer)) + answer
+    if copy_labels:
+        at += _last_match(needle, answer)
+        labels[at : at + len(answer)] = answer
     return torch.tensor(ids), torch.tensor(labels)
 
 
+def _last_match(seq: list[int], sub: list[int]) -> int:
+    """Start of the last occurrence of `sub` in `seq`."""
+    for i in range(len(seq) - len(sub), -1, -1):
+        if seq[i : i + len(sub)] == sub:
+            return i
+    raise ValueError("the tokenizer splits the pass key differently inside the needle; copy_labels needs it whole")
+
+
 def passkey_batch(haystack: list[int], encode, n: int, length: int, depth: float | None = None,
-                  digits: int = 5, seed: int = 0):
+                  digits: int = 5, seed: int = 0, copy_labels: bool = False):
     """`n` samples of one length -> (input_ids [n, L], labels [n, L], keys).
 
     depth None draws a depth per sample (training data); keys are random
     `digits`-digit numbers, haystack offsets random: deterministic in `seed`.
+    copy_labels: see `passkey_sample` (training data).
     """
     g = torch.Generator().manual_seed(seed)
     rows, labs, keys = [], [], []
@@ -79,7 +94,7 @@ def passkey_batch(haystack: list[int], encode, n: int, length: int, depth: float
         key = str(int(torch.randint(10 ** (digits - 1), 10 ** digits, (1,), generator=g)))
         d = float(torch.rand(1, generator=g)) if depth is None else depth
         off = int(torch.randint(0, max(1, len(haystack)), (1,), generator=g))
-        x, y = passkey_sample(haystack, encode, length, d, key, off)
+        x, y = passkey_sample(haystack, encode, length, d, key, off, copy_labels)
         rows.append(x)
         labs.append(y)
         keys.append(key)

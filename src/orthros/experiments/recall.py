@@ -14,7 +14,8 @@ Training data, every step (one loss per task, summed, so no task drowns):
     * MQAR sequences (zoology trains on MQAR directly), loss on the answers
       only — the SFT phase: output positions at the queried keys;
     * Python-source text, loss everywhere — so perplexity means something;
-    * passkey samples with a random needle depth, loss on the key's digits.
+    * passkey samples with a random needle depth, loss on the key's digits (the
+      answer and, optionally, the key's second copy inside the needle).
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ class Preset:
     mqar_batch: int = 32
     text_seq_len: int = 256
     text_batch: int = 4
-    passkey_seq_len: int = 256
-    passkey_batch: int = 4
+    # Training passkeys: lengths taken in turn, one per step; every step holds
+    # passkey_batch x passkey_lengths[0] tokens (a longer length: fewer samples).
+    passkey_lengths: list[int] = field(default_factory=lambda: [256])
+    passkey_batch: int = 16
+    passkey_copy_labels: bool = True
+    """also train on the key's second copy inside the needle (a local copy: the same
+    copying circuit with a short-range signal); evaluation scores the answer alone"""
     text_bytes: int = 4_000_000
     # evaluation
     mqar_eval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
@@ -89,7 +95,7 @@ PRESETS = {
     # a few seconds: for the tests
     "smoke": Preset(hidden_size=32, window=16, steps=3, warmup=1,
                     mqar_train=MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=64), mqar_batch=4, text_seq_len=64,
-                    text_batch=2, passkey_seq_len=128, passkey_batch=2, text_bytes=200_000,
+                    text_batch=2, passkey_lengths=[128, 160], passkey_batch=2, text_bytes=200_000,
                     mqar_eval_lengths=[64, 128], mqar_eval_samples=8, passkey=PasskeyConfig([128, 160], [0.0, 1.0], 2),
                     ppl_seq_len=64, ppl_tokens=512),
     # <= 10 minutes on 2 CPU cores: W = 32, MQAR trained at 4 W, tested at 8, 16, 32 W
@@ -100,7 +106,7 @@ PRESETS = {
     # The naive op: no compilation inside a short run (FlexAttention compiles per shape).
     "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=2000, lr=1e-3, warmup=50,
                   attn_backend="naive", mqar_train=MQARConfig(seq_len=256, num_kv_pairs=4, vocab_size=32),
-                  mqar_batch=64, text_seq_len=512, text_batch=16, passkey_seq_len=512, passkey_batch=16,
+                  mqar_batch=64, text_seq_len=512, text_batch=16, passkey_lengths=[512], passkey_batch=16,
                   text_bytes=8_000_000, mqar_eval_lengths=[256, 512, 1024, 2048], mqar_eval_samples=256,
                   passkey=PasskeyConfig([512, 1024, 2048], [0, 0.25, 0.5, 0.75, 1], 20), ppl_seq_len=512,
                   ppl_tokens=262_144, batch_size=32),
@@ -125,8 +131,10 @@ class TrainData:
             x = self.text[idx[:, None] + torch.arange(p.text_seq_len)]
             out["text"] = (x, x)
         if p.passkey_batch:
-            ids, labels, _ = passkey_batch(self.text, self.tok.encode, p.passkey_batch, p.passkey_seq_len, None,
-                                           seed=s)
+            L = p.passkey_lengths[step % len(p.passkey_lengths)]
+            n = max(1, p.passkey_batch * p.passkey_lengths[0] // L)
+            ids, labels, _ = passkey_batch(self.text, self.tok.encode, n, L, None, seed=s,
+                                           copy_labels=p.passkey_copy_labels)
             out["passkey"] = (ids, labels)
         return out
 

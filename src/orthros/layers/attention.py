@@ -75,11 +75,12 @@ class OrthrosAttention(nn.Module):
                         None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
         return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
-    def forward_pair(self, x, T: int, layout, rope, rope_base, cache=None):
-        """Both streams as one tensor x [B, T + N, C], base rows first (a short inference
-        call such as a decode step): one projection, one SO/RoPE kernel and, where the
-        cache's kernel takes both windows, one attention launch for the two. -> [B, T + N, C]."""
+    def _forward_pair(self, x, layout, rope, rope_base, cache=None):
+        """Both streams as one tensor x [B, T + N, C], base rows first (a decode step): one
+        projection, one SO/RoPE kernel and, where the cache's kernel takes both windows,
+        one attention launch for the two. -> [B, T + N, C]."""
         B, R, _ = x.shape
+        T = layout.base_slot.shape[1]
         q = self.q_proj(x)
         k, v = self.keys_values(x[:, :T], *rope_base)
         if cache is not None:
@@ -91,21 +92,20 @@ class OrthrosAttention(nn.Module):
         norm = self.q_norm
         q = fused_heads(q, *rope, self.n_heads, self.head_dim, *so,
                         None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
-        slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)
-        doc = torch.cat([layout.base_doc, layout.out_doc], 1)
-        attend = attention
-        if hasattr(cache, "attend"):
-            attend = functools.partial(cache.attend, self.layer_idx)
-        if self.base_window == self.out_window:
-            o = attend(q, k, v, slot, doc, layout.key_doc, window=self.base_window, backend=self.backend)
-        elif self.out_window is None:
-            o = attend(q, k, v, slot, doc, layout.key_doc, window=self.base_window, backend=self.backend,
-                       window_rows=T)
+        if hasattr(cache, "attend") and self.out_window is None:  # one launch (split-KV, window_rows)
+            slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)
+            doc = torch.cat([layout.base_doc, layout.out_doc], 1)
+            o = cache.attend(self.layer_idx, q, k, v, slot, doc, layout.key_doc, window=self.base_window,
+                             backend=self.backend, window_rows=T)
         else:
-            raise ValueError("a windowed output stream needs a windowed base stream")
+            ob = attention(q[:, :T], k, v, layout.base_slot, layout.base_doc, layout.key_doc, window=self.base_window,
+                           backend=self.backend, dense_start=layout.base_dense)
+            oo = attention(q[:, T:], k, v, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
+                           backend=self.backend, dense_start=layout.out_dense)
+            o = torch.cat([ob, oo], 1)
         return self.o_proj(o.flatten(2))
 
-    def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False):
+    def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False, pair_rope=None):
         """
         Args:
             xb: [B, T, C] normed base stream (always needed: it makes K/V).
@@ -114,9 +114,13 @@ class OrthrosAttention(nn.Module):
             rope_base / rope_out: (cos, sin) at base / output positions.
             cache: an `OrthrosCache` to append K/V to and read the past from.
             skip_base: compute K/V only (the last layer's base stream is never read).
+            pair_rope: (cos, sin) of both streams' rows: xb then holds both streams as one
+                tensor [B, T + N, C] (base rows first), xo is None, and so is the second output.
         Returns:
             (ob [B, T, C] or None, oo [B, N, C] or None)
         """
+        if pair_rope is not None:
+            return self._forward_pair(xb, layout, pair_rope, rope_base, cache), None
         B, T, _ = xb.shape
         qb, qo = rows(self.q_proj, None if skip_base else xb, xo)
         k, v = self.keys_values(xb, *rope_base)

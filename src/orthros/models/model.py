@@ -22,7 +22,7 @@ from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..layers.attention import CONCAT_MAX_ROWS, OrthrosAttention, rows
+from ..layers.attention import OrthrosAttention, rows
 from ..layers.mlp import RMSNorm, SwiGLU
 from ..layers.rope import RotaryEmbedding, rope_inv_freq
 from .cache import OrthrosCache
@@ -48,9 +48,15 @@ class OrthrosBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hb, ho, layout, rope_base, rope_out, cache=None, last: bool = False):
+    def forward(self, hb, ho, layout, rope_base, rope_out, cache=None, last: bool = False, pair_rope=None):
         """hb: [B, T, C] base stream; ho: [B, N, C] output stream or None.
-        In the last layer the base stream only makes K/V; its output is None."""
+        In the last layer the base stream only makes K/V; its output is None.
+        pair_rope: hb holds both streams as one [B, T + N, C] tensor (a decode step; see
+        `OrthrosAttention`); returns (that tensor, None)."""
+        if pair_rope is not None:
+            a, _ = self.self_attn(self.input_layernorm(hb), None, layout, rope_base, rope_out, cache, pair_rope=pair_rope)
+            h = hb + a
+            return h + self.mlp(self.post_attention_layernorm(h)), None
         xb = self.input_layernorm(hb)
         xo = None if ho is None else self.input_layernorm(ho)
         ab, ao = self.self_attn(xb, xo, layout, rope_base, rope_out, cache, skip_base=last)
@@ -58,11 +64,6 @@ class OrthrosBlock(nn.Module):
         ho = None if ho is None else ho + ao
         mb, mo = rows(lambda x: self.mlp(self.post_attention_layernorm(x)), hb, ho)
         return (None if hb is None else hb + mb), (None if ho is None else ho + mo)
-
-    def forward_pair(self, h, T: int, layout, rope, rope_base, cache=None):
-        """h: both streams as one [B, T + N, C] tensor (see `OrthrosAttention.forward_pair`)."""
-        h = h + self.self_attn.forward_pair(self.input_layernorm(h), T, layout, rope, rope_base, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class OrthrosPreTrainedModel(PreTrainedModel):
@@ -108,16 +109,15 @@ class OrthrosModel(OrthrosPreTrainedModel):
         two_streams = self.config.has_output_stream
         ho = gather(hb) if two_streams else None
         L = len(self.layers)
-        T = hb.shape[1]
-        if two_streams and T + ho.shape[1] <= CONCAT_MAX_ROWS and not torch.is_grad_enabled():
-            # A short inference call (decoding): both streams travel as one tensor, so each
-            # norm, residual add and projection runs once for the two. The last layer's base
-            # rows are computed too (two rows cost what one does) and dropped.
+        if two_streams and hb.shape[1] == ho.shape[1] == 1 and not torch.is_grad_enabled():
+            # A decode step: the token's base and output rows travel as one [B, 2, C] tensor,
+            # so each norm, residual add and projection runs once for the two. The last
+            # layer's base row is computed too (two rows cost what one does) and dropped.
             h = torch.cat([hb, ho], 1)
             rope = tuple(torch.cat([b, o], 1) for b, o in zip(rope_base, rope_out))
             for block in self.layers:
-                h = block.forward_pair(h, T, layout, rope, rope_base, cache)
-            return self.norm(h[:, T:])
+                h, _ = block(h, None, layout, rope_base, rope_out, cache, pair_rope=rope)
+            return self.norm(h[:, 1:])
         for i, block in enumerate(self.layers):
             last = i == L - 1
             if last and not two_streams:
