@@ -86,7 +86,8 @@ def test_passkey_copy_labels_add_the_needles_second_key_only():
     assert torch.equal(labels2[labels != -100], labels[labels != -100])
     for r in range(4):
         text = tok.decode(ids[r].tolist())
-        start = text.index(NEEDLE.format(key=keys[r])) + NEEDLE.index("{key}. Remember it. ") + len(keys[r]) + 13
+        needle = NEEDLE.format(key=keys[r])
+        start = text.index(needle) + needle.index(". Remember it.") + len(". Remember it.")
         assert text[start : start + 6] == " " + keys[r]
         assert extra[r].nonzero().flatten().tolist() == list(range(start, start + 6))
         assert tok.decode(labels2[r][extra[r]].tolist()) == " " + keys[r]
