@@ -99,14 +99,14 @@ PRESETS = {
                     mqar_eval_lengths=[64, 128], mqar_eval_samples=8, passkey=PasskeyConfig([128, 160], [0.0, 1.0], 2),
                     ppl_seq_len=64, ppl_tokens=512),
     # <= 10 minutes on 2 CPU cores: W = 32, MQAR trained at 4 W, tested at 8, 16, 32 W. Passkey
-    # training at 128-512 tokens, 4096 tokens a step, with the needle-copy labels, lr 2e-3
+    # training at 128-512 tokens, 4096 tokens a step, with the needle-copy labels; 560 steps
     # (see docs/results.md for what else was tried).
-    "cpu": Preset(lr=2e-3, passkey_lengths=[128, 256, 512], passkey_batch=32),
+    "cpu": Preset(steps=560, passkey_lengths=[128, 256, 512], passkey_batch=32),
     # zoology-style: MQAR only (no text, no passkey), ~2 min per model on 2 CPU cores
     "cpu-mqar": Preset(steps=400, text_batch=0, passkey_batch=0, text_bytes=100_000, eval_tasks=("mqar",)),
     # one GPU, a few minutes: a wider, deeper model, 4x the steps, MQAR trained at 8 W, tested up to 64 W.
     # The naive op: no compilation inside a short run (FlexAttention compiles per shape).
-    "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=2000, lr=2e-3, warmup=50,
+    "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=2000, lr=1e-3, warmup=50,
                   attn_backend="naive", mqar_train=MQARConfig(seq_len=256, num_kv_pairs=4, vocab_size=32),
                   mqar_batch=64, text_seq_len=512, text_batch=16, passkey_lengths=[256, 512, 1024],
                   passkey_batch=32,
