@@ -64,15 +64,16 @@ class OrthrosAttention(nn.Module):
         so = (None, None)
         if self.scale_offset:
             so = (self.so_alpha, self.so_beta) if stream == "base" else (self.so_alpha_out, self.so_beta_out)
-        norm = self.q_norm
-        return fused_heads(q, cos, sin, self.n_heads, self.head_dim, *so,
-                           None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+        return self._heads(q, cos, sin, self.n_heads, so, self.q_norm)
+
+    def _heads(self, x, cos, sin, n_heads: int, so=(None, None), norm=None):
+        """[B, M, n_heads * D] projection -> SO -> heads -> head norm -> RoPE, as one fused op."""
+        w, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+        return fused_heads(x, cos, sin, n_heads, self.head_dim, *so, w, eps)
 
     def keys_values(self, x, cos, sin):
         """x: [B, T, C] normed base stream -> k (k-norm, RoPE), v: [B, T, Hkv, D]."""
-        norm = self.k_norm
-        k = fused_heads(self.k_proj(x), cos, sin, self.n_kv, self.head_dim, None, None,
-                        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+        k = self._heads(self.k_proj(x), cos, sin, self.n_kv, norm=self.k_norm)
         return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
     def _forward_pair(self, x, layout, rope, rope_base, cache=None):
@@ -89,9 +90,7 @@ class OrthrosAttention(nn.Module):
         if self.scale_offset:
             so = tuple(torch.cat([p.expand(T, -1), p_out.expand(R - T, -1)])
                        for p, p_out in ((self.so_alpha, self.so_alpha_out), (self.so_beta, self.so_beta_out)))
-        norm = self.q_norm
-        q = fused_heads(q, *rope, self.n_heads, self.head_dim, *so,
-                        None if norm is None else norm.weight, 0.0 if norm is None else norm.eps)
+        q = self._heads(q, *rope, self.n_heads, so, self.q_norm)
         if hasattr(cache, "attend") and self.out_window is None:  # one launch (split-KV, window_rows)
             slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)
             doc = torch.cat([layout.base_doc, layout.out_doc], 1)
