@@ -144,6 +144,12 @@ def run_splitkv_cases(device):
         check(op("triton", case["dense_start"]), case, backward=False)
         # several splits and a forced LSE merge
         check(lambda *a, **kw: splitkv_attention(*a, **kw, num_splits=5, block_n=16), case, backward=False)
+        args = [case[n] for n in ("q", "k", "v", "q_slot", "q_doc", "k_doc")]
+        _, lse = splitkv_attention(*args, window=case["window"], num_splits=5, block_n=16, return_lse=True)
+        _, ref = naive_attention(*(a.float() if a.is_floating_point() else a for a in args), window=case["window"],
+                                 return_lse=True)
+        seen = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(lse), seen) and rel_err(lse[seen], ref[seen]) < 1e-5
     check_window_rows(device)
 
 

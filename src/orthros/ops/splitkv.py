@@ -101,20 +101,48 @@ def _kernel():
     return splitkv_fwd
 
 
+@functools.cache
+def _merge_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitkv_merge(O, LSE, OUT, LSE_OUT, P, M, H,
+                      sob, sop, som, soh, slb, slp, slm, s_out_b, s_out_m, s_out_h, s_lo_b, s_lo_m,
+                      D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)  # one (row, query, head)
+        h = pid % H
+        m = (pid // H) % M
+        b = (pid // (H * M)).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        top = tl.full([], float("-inf"), tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            lse = tl.load(LSE + b * slb + p * slp + m * slm + h, mask=p < P, other=float("-inf"))
+            top = tl.maximum(top, tl.max(lse, 0))
+        top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: the weights below are 0
+        total = tl.zeros([], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            pmask = p < P
+            w = tl.exp(tl.load(LSE + b * slb + p * slp + m * slm + h, mask=pmask, other=float("-inf")) - top)
+            o = tl.load(O + b * sob + p[:, None] * sop + m * som + h * soh + d[None, :],
+                        mask=pmask[:, None] & dmask[None, :], other=0.0)
+            total += tl.sum(w, 0)
+            acc += tl.sum(w[:, None] * o, 0)
+        out = acc / tl.where(total > 0, total, 1.0)
+        tl.store(OUT + b * s_out_b + m * s_out_m + h * s_out_h + d, out.to(OUT.dtype.element_ty), mask=dmask)
+        tl.store(LSE_OUT + b * s_lo_b + m * s_lo_m + h, tl.log(total) + top)
+
+    return splitkv_merge
+
+
 def _num_sms(device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
-
-
-def merge_splits(o: torch.Tensor, lse: torch.Tensor):
-    """o [B, P, M, H, D], lse [B, P, M, H] (fp32 partials) -> (o [B, M, H, D], lse [B, M, H])."""
-    top = lse.amax(1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lse - top)  # 0 for empty splits
-    total = w.sum(1)
-    out = (w[..., None] * o).sum(1) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    return out, torch.log(total) + top.squeeze(1)
 
 
 def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, num_splits=None,
@@ -152,8 +180,14 @@ def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, nu
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=ieee,
     )
     if P == 1:
-        out, lse_out = o[:, 0], lse[:, 0]
-    else:
-        out, lse_out = merge_splits(o, lse)
-    out = out.to(q.dtype)
+        out, lse_out = o[:, 0].to(q.dtype), lse[:, 0]
+    else:  # one merge kernel (the PyTorch `merge_splits` is a dozen launches per call)
+        out = torch.empty(B, M, H, D, device=q.device, dtype=q.dtype)
+        lse_out = torch.empty(B, M, H, device=q.device, dtype=torch.float32)
+        _merge_kernel()[(B * M * H,)](
+            o, lse, out, lse_out, P, M, H,
+            o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2), lse_out.stride(0), lse_out.stride(1),
+            D=D, BLOCK_P=min(64, triton.next_power_of_2(P)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        )
     return (out, lse_out) if return_lse else out
