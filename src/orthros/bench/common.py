@@ -170,6 +170,35 @@ def kernel_profile(fn, device, top: int = 15) -> dict:
             "kernel_count": sum(ev.count for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA)}
 
 
+def subplots(n: int, width: float, height: float):
+    """A row of `n` matplotlib axes (Agg backend): (figure, [axes])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, n, figsize=(width * n, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def log_panel(ax, xlabel: str, ylabel: str, title: str, log_y: bool = False):
+    """Log2 length axis (log y if asked), labels, grid and legend: every length plot's frame."""
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def save_figure(fig, path):
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 

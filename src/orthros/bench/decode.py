@@ -24,8 +24,8 @@ import torch
 from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..models import OrthrosConfig
 from ..models.static_cache import FP8, KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, render, result_from,
-                     sync, variant_config)
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, log_panel, render,
+                     result_from, save_figure, subplots, sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -193,15 +193,10 @@ def table(result) -> str:
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r["status"] == "ok"]
     batches = sorted({r["batch"] for r in rows}) or [1]
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.2), squeeze=False)
-    for ax, B in zip(axes[0], batches):
+    fig, axes = subplots(len(batches), 5.5, 4.2)
+    for ax, B in zip(axes, batches):
         for v, c, mk in (("orthros", "C0", "o"), ("full", "C3", "s")):
             pts = sorted((r["context"], r["tokens_per_s"], r["bytes"]) for r in rows if r["variant"] == v and r["batch"] == B)
             if not pts:
@@ -209,15 +204,8 @@ def plot(result, path):
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=mk, color=c, label=f"{v} (measured)")
             roof = [B * result["bandwidth_tb_s"] * 1e12 / p[2] for p in pts]
             ax.plot([p[0] for p in pts], roof, color=c, linestyle=":", label=f"{v} bandwidth roofline")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"batch {B}, {result['env']['gpu']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        log_panel(ax, "context (tokens)", "decode tokens/s", f"batch {B}, {result['env']['gpu']}")
+    save_figure(fig, path)
 
 
 def run(args):

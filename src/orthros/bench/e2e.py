@@ -36,7 +36,8 @@ from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_
                         new_static_cache, prefill)
 from ..models import OrthrosConfig, OrthrosForCausalLM
 from ..models.static_cache import FP8, KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, sync, variant_config)
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, save_figure, subplots,
+                     sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -284,12 +285,7 @@ def agreement_table(r) -> str:
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax,) = subplots(1, 7, 4.2)
     if "top1_agreement" in result:
         ax.text(0.5, 0.5, f"top-1 agreement {100 * result['top1_agreement']:.2f}%", ha="center")
     else:
@@ -309,9 +305,7 @@ def plot(result, path):
         ax.set_ylabel("seconds (TTFT + decode = end-to-end)")
         ax.legend(fontsize=8)
     ax.set_title(f"{result['model']}, {result['env']['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args):

@@ -24,7 +24,8 @@ import torch
 from ..generate import prefill
 from ..models import OrthrosConfig
 from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom,
-                     kernel_profile, render, result_from, timed, truncated)
+                     kernel_profile, log_panel, render, result_from, save_figure, subplots, timed,
+                     truncated)
 
 VARIANTS = ("orthros", "full", "hf", "floor")
 
@@ -224,18 +225,13 @@ def table(result) -> str:
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     est = estimates(rows)
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    fig, axes = subplots(len(models), 6, 4.5)
     style = {"orthros": ("C0", "o"), "floor": ("k", "."), "full": ("C3", "s"), "hf": ("C1", "^")}
     label = {"orthros": "Orthros", "floor": "linear floor", "full": "full attention (same code)", "hf": "HF transformers (SDPA)"}
-    for ax, m in zip(axes[0], models):
+    for ax, m in zip(axes, models):
         for v in VARIANTS:
             pts = sorted((r["T"], r["time_s"]) for r in rows if r["model"] == m and r["variant"] == v and r["status"] == "ok")
             if not pts:
@@ -246,16 +242,9 @@ def plot(result, path):
             if ex:
                 ax.plot([pts[-1][0]] + [e[0] for e in ex], [pts[-1][1]] + [e[1] for e in ex], color=c, linestyle=":",
                         marker=mk, markerfacecolor="none")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("time to first-token logits (s)")
-        ax.set_title(f"{m}, {result['env']['gpu']}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        log_panel(ax, "prompt length (tokens)", "time to first-token logits (s)", f"{m}, {result['env']['gpu']}",
+                  log_y=True)
+    save_figure(fig, path)
 
 
 def run(args):
