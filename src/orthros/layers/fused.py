@@ -73,7 +73,6 @@ def fused(fn):
             return _compiled(fn)(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
-    call.eager = fn
     return call
 
 
