@@ -115,11 +115,12 @@ def grads(fn, case, do, need_grad=True):
 
 
 def _err(a, r):
-    """Relative RMS error; where the reference is (near) zero, e.g. dq of a query that sees
-    one key, the error is taken against an RMS of 1e-2 (the inputs are O(1)) instead of
-    dividing by ~0."""
+    """Relative RMS error; where the reference is (near) zero, e.g. dq or dk of a query that
+    sees one key (exactly 0), the error is taken against an RMS of 0.1 (inputs and upstream
+    gradient are unit normal, so real gradients are O(0.1-1)) instead of dividing by ~0:
+    FlexAttention's bf16 dk there is ~1e-7, far below bf16 resolution."""
     a, r = a.double(), r.double()
-    den = max(r.norm().item(), 1e-2 * r.numel() ** 0.5)
+    den = max(r.norm().item(), 0.1 * r.numel() ** 0.5)
     err = (a - r).norm().item() / den
     assert err == err, "NaN"
     return err

@@ -1,16 +1,20 @@
-"""Fused elementwise work of a layer: RMSNorm, query/key preparation, SwiGLU's gate.
+"""Fused elementwise work of a layer: RMSNorm (with the residual add before it),
+query/key preparation, SwiGLU's gate.
 
 Eager PyTorch runs each of these as 3-8 kernels over the activations (fp32
 upcasts, the rotate-half concatenation of RoPE, SO's multiply-add); on long
 prefills and in training those passes cost about a fifth of the layer. On
-CUDA, for inputs of at least `FUSE_MIN` elements, each runs as one
-`torch.compile`d function with dynamic shapes: one generated kernel forward
-and one backward, whatever the sequence length. Small inputs (decoding) stay
-eager, where a compiled call's guards cost more than they save; a compiled
-decode step traces the plain functions anyway.
+CUDA, for inputs of at least `FUSE_MIN` elements, each runs fused: without
+autograd (prefill) as a hand-written Triton kernel (`ops/rowwise.py`), with
+autograd as one `torch.compile`d function with dynamic shapes (one generated
+kernel forward and one backward, whatever the sequence length). Small inputs
+(decoding) stay eager, where a fused call's overhead costs more than it
+saves; a compiled decode step traces the plain functions anyway.
 
-`ORTHROS_FUSED=0` turns fusion off, `=1` turns it on for every input and
-device (the tests compare both on CPU).
+`ORTHROS_FUSED`: `0` eager everywhere; `1` compiled for every input and
+device; `triton` the Triton kernels wherever there is no autograd (the
+tests run them on CPU under the interpreter); `compile` compiled on large
+CUDA inputs, never the Triton kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ..ops import triton_available
 from .rope import apply_rope
 
 FUSE_MIN = 1 << 16
@@ -44,6 +49,12 @@ def heads(x, cos, sin, n_heads: int, head_dim: int, alpha=None, beta=None, norm_
     return apply_rope(x, cos, sin)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h, rms_norm(h)) for h = x + residual: the residual add and the next norm, one pass."""
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -61,21 +72,48 @@ def _mode() -> str | None:
     return os.environ.get("ORTHROS_FUSED")
 
 
-def fused(fn):
-    """`fn`, run compiled where fusion pays off (see the module docstring)."""
+def _kernel_applies(x, tensors) -> bool:
+    """No autograd, one floating dtype for all tensors, per-feature parameters (1-D)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return (x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and all(t.dtype == x.dtype and t.device == x.device for t in tensors))
+
+
+def fused(fn, kernel=None, params=lambda *a, **k: ()):
+    """`fn`, run as `kernel` (Triton, no autograd) or compiled where fusion pays off
+    (see the module docstring). `params(*args)`: the parameter tensors the kernel
+    reads per feature (they must be 1-D)."""
 
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
         mode = _mode()
         if mode == "0" or torch.compiler.is_compiling():
             return fn(x, *args, **kwargs)
-        if mode == "1" or (x.is_cuda and x.numel() >= FUSE_MIN):
+        if mode == "1":
+            return _compiled(fn)(x, *args, **kwargs)
+        large = x.is_cuda and x.numel() >= FUSE_MIN
+        if kernel is not None and (large or mode == "triton") and mode != "compile" and triton_available():
+            ps = [p for p in params(x, *args, **kwargs) if p is not None]
+            tensors = [t for t in (x, *args, *kwargs.values()) if torch.is_tensor(t)]
+            if all(p.dim() == 1 for p in ps) and _kernel_applies(x, tensors):
+                return kernel(x, *args, **kwargs)
+        if large:
             return _compiled(fn)(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
 
     return call
 
 
-fused_rms_norm = fused(rms_norm)
-fused_heads = fused(heads)
-fused_silu_mul = fused(silu_mul)
+def _rowwise():
+    from ..ops import rowwise
+
+    return rowwise
+
+
+fused_rms_norm = fused(rms_norm, lambda x, w, eps: _rowwise().rms_norm(x, w, eps), lambda x, w, eps: (w,))
+fused_add_rms_norm = fused(add_rms_norm, lambda x, r, w, eps: _rowwise().rms_norm(x, w, eps, residual=r),
+                           lambda x, r, w, eps: (w,))
+fused_heads = fused(heads, lambda *a, **k: _rowwise().heads(*a, **k),
+                    lambda x, cos, sin, n, d, alpha=None, beta=None, w=None, eps=0.0: (alpha, beta, w))
+fused_silu_mul = fused(silu_mul, lambda g, u: _rowwise().silu_mul(g, u))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .fused import fused_rms_norm, fused_silu_mul
+from .fused import fused_add_rms_norm, fused_rms_norm, fused_silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +16,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fused_rms_norm(x, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor):
+        """(h, norm(h)) for h = x + residual, in one pass where fused."""
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):

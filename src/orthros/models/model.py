@@ -55,14 +55,14 @@ class OrthrosBlock(nn.Module):
         `OrthrosAttention`); returns (that tensor, None)."""
         if pair_rope is not None:
             a, _ = self.self_attn(self.input_layernorm(hb), None, layout, rope_base, rope_out, cache, pair_rope=pair_rope)
-            h = hb + a
-            return h + self.mlp(self.post_attention_layernorm(h)), None
+            h, x = self.post_attention_layernorm.add_norm(hb, a)
+            return h + self.mlp(x), None
         xb = self.input_layernorm(hb)
         xo = None if ho is None else self.input_layernorm(ho)
         ab, ao = self.self_attn(xb, xo, layout, rope_base, rope_out, cache, skip_base=last)
-        hb = None if last else hb + ab
-        ho = None if ho is None else ho + ao
-        mb, mo = rows(lambda x: self.mlp(self.post_attention_layernorm(x)), hb, ho)
+        hb, xb = (None, None) if last else self.post_attention_layernorm.add_norm(hb, ab)
+        ho, xo = (None, None) if ho is None else self.post_attention_layernorm.add_norm(ho, ao)
+        mb, mo = rows(self.mlp, xb, xo)
         return (None if hb is None else hb + mb), (None if ho is None else ho + mo)
 
 
