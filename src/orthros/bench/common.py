@@ -139,7 +139,8 @@ KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
     ("FlexAttention (SWA)", ("flex", "triton_tem")),
     ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
     ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
-    ("fused elementwise (compiled norms, RoPE, SwiGLU)", ("triton_poi", "triton_red", "triton_per")),
+    ("fused elementwise (norms, RoPE, SwiGLU gate)",
+     ("triton_poi", "triton_red", "triton_per", "rms_norm_fwd", "heads_fwd", "silu_mul_fwd")),
     ("copies / cat", ("copy", "cat", "memcpy", "memset")),
 ]
 OTHER_KERNELS = "other (norms, RoPE, elementwise)"
