@@ -40,13 +40,14 @@ def check_kernels(dtype, tol, device="cpu"):
 def check_model():
     for qk_norm in (False, True):
         model = make_model("orthros", window=8, qk_norm=qk_norm).eval()
-        ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
-        with torch.no_grad():
-            os.environ["ORTHROS_FUSED"] = "0"
-            ref = model(ids).logits
-            os.environ["ORTHROS_FUSED"] = "triton"
-            out = model(ids).logits
-        assert rel_err(out, ref) < 1e-5, qk_norm
+        for T in (40, 20, 1):  # separate streams; short streams projected together (sliced views); a decode pair
+            ids = torch.randint(0, model.config.vocab_size, (2, T), generator=torch.Generator().manual_seed(1))
+            with torch.no_grad():
+                os.environ["ORTHROS_FUSED"] = "0"
+                ref = model(ids).logits
+                os.environ["ORTHROS_FUSED"] = "triton"
+                out = model(ids).logits
+            assert rel_err(out, ref) < 1e-5, (qk_norm, T)
 
 
 if __name__ == "__main__":
