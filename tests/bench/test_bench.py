@@ -46,3 +46,21 @@ def test_bad_lengths_are_user_errors():
     with pytest.raises(ValueError, match="length"):
         parse_len("12Q")
     assert parse_len("32K") == 32768 and parse_len("1M") == 1 << 20
+
+
+def test_from_json_merges_runs(tmp_path):
+    """Two saved runs (say one per model shape) re-render as one table: every row, both commands and dates."""
+    env = dict(gpu="g", torch="t", transformers="x")
+    run = lambda model, date, cmd: dict(
+        rows=[dict(model=model, variant=v, T=64, status="ok", time_s=t, peak_gib=1.0, layers=2)
+              for v, t in (("orthros", 1.0), ("floor", 0.9), ("full", 2.0))],
+        env={**env, "date": date}, command=cmd, dtype="bf16", window=4, chunk_size=64, breakdown=None)
+    paths = []
+    for i, model in enumerate(("a-shape", "b-shape")):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(run(model, f"day{i}", f"cmd{i}")))
+    out = tmp_path / "out"
+    assert main(["bench", "prefill", "--from-json", *map(str, paths), "--out-dir", str(out), "--docs", "none"]) == 0
+    md = (out / "prefill.md").read_text()
+    assert "**a-shape**" in md and "**b-shape**" in md and "cmd0` and `cmd1" in md and "day0 / day1" in md
+    assert main(["bench", "prefill", "--from-json", str(paths[0]), str(tmp_path / "missing.json")]) != 0

@@ -205,17 +205,40 @@ def is_oom(e: BaseException) -> bool:
 
 
 def result_from(args, name: str, measure) -> dict:
-    """`--from-json FILE` re-renders a saved run; otherwise `measure()` runs and `OUT_DIR/name.json` is written."""
+    """`--from-json FILE [FILE ...]` re-renders saved runs (several: their rows in one table, e.g.
+    one run per model shape); otherwise `measure()` runs and `OUT_DIR/name.json` is written."""
     if args.from_json:
-        if not os.path.exists(args.from_json):
-            raise FileNotFoundError(f"--from-json: no such file {args.from_json}")
-        with open(args.from_json) as f:
-            return json.load(f)
+        paths = [args.from_json] if isinstance(args.from_json, str) else list(args.from_json)
+        runs = []
+        for path in paths:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--from-json: no such file {path}")
+            with open(path) as f:
+                runs.append(json.load(f))
+        return merge_runs(runs)
     result = measure()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """Saved runs of one benchmark as one: rows concatenated, commands and dates joined,
+    other fields from the first run that has them."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = dict(runs[0])
+    for r in runs[1:]:
+        for k, v in r.items():
+            if merged.get(k) is None:
+                merged[k] = v
+    merged["rows"] = [row for r in runs for row in r.get("rows", [])]
+    merged["command"] = "` and `".join(r["command"] for r in runs if r.get("command"))
+    env = dict(merged["env"])
+    env["date"] = " / ".join(dict.fromkeys(r["env"]["date"] for r in runs))
+    merged["env"] = env
+    return merged
 
 
 def render(result, out_dir, docs, name, table_fn, plot_fn) -> None:

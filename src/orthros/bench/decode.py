@@ -48,7 +48,8 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out-dir", default="docs", help="where decode.json / decode.png / decode.md go")
     p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers)")
-    p.add_argument("--from-json", default=None, help="only re-render the plot and table from a saved decode.json")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="only re-render the plot and table from a saved decode.json (several: one table)")
 
 
 def fill_random(cache, context: int, seed: int = 0) -> None:

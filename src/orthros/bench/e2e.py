@@ -73,7 +73,8 @@ def add_arguments(p):
     p.add_argument("--tag", default="e2e", help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--out-dir", default="docs")
     p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers)")
-    p.add_argument("--from-json", default=None, help="only re-render the plot and table from a saved JSON")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="only re-render the plot and table from a saved JSON (several: one table)")
 
 
 # ------------------------------------------------------------------ measure
