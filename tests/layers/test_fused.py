@@ -51,8 +51,8 @@ def test_add_norm_matches_add_then_norm(monkeypatch):
     assert rel_err(h, x + r) < 1e-6 and rel_err(y, fused.rms_norm(x + r, w, 1e-6)) < 1e-6
 
 
-def test_triton_kernels_only_without_autograd(monkeypatch):
-    """Mode "triton" runs the kernels for no-grad calls; a call that needs a gradient never does."""
+def test_no_kernel_without_a_backward_under_autograd(monkeypatch):
+    """Mode "triton": an op with no backward kernel (RMSNorm) that needs a gradient runs eagerly."""
     monkeypatch.setenv("ORTHROS_FUSED", "triton")
     calls = []
     monkeypatch.setattr(fused, "_rowwise", lambda: calls.append(1) or pytest.fail("kernel called with autograd"))
@@ -63,7 +63,8 @@ def test_triton_kernels_only_without_autograd(monkeypatch):
 
 def test_rowwise_kernels_triton_interpreter():
     """The Triton row-wise kernels (norm, add + norm, SO/norm/RoPE, SwiGLU gate) against the
-    eager functions, and a model forward through them, under TRITON_INTERPRET=1 on CPU."""
+    eager functions, the SO/norm/RoPE backward against autograd, and a model's forward and
+    training gradients through them, under TRITON_INTERPRET=1 on CPU."""
     r = run_triton_interpreted("-m", "tests.layers.rowwise_cases", timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
@@ -72,5 +73,8 @@ def test_rowwise_kernels_triton_interpreter():
 def test_rowwise_kernels_cuda():
     from tests.layers.rowwise_cases import check_kernels
 
+    from tests.layers.rowwise_cases import check_heads_backward
+
     check_kernels(torch.float32, 1e-6, "cuda")
     check_kernels(torch.bfloat16, 1e-2, "cuda")
+    check_heads_backward("cuda")

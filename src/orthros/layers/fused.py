@@ -12,9 +12,10 @@ kernel forward and one backward, whatever the sequence length). Small inputs
 saves; a compiled decode step traces the plain functions anyway.
 
 `ORTHROS_FUSED`: `0` eager everywhere; `1` compiled for every input and
-device; `triton` the Triton kernels wherever there is no autograd (the
-tests run them on CPU under the interpreter); `compile` compiled on large
-CUDA inputs, never the Triton kernels.
+device; `triton` the Triton kernels for every input, and with autograd too
+where one has a backward (`heads`; the tests run them on CPU under the
+interpreter); `compile` compiled on large CUDA inputs, never the Triton
+kernels.
 """
 
 from __future__ import annotations
@@ -72,18 +73,16 @@ def _mode() -> str | None:
     return os.environ.get("ORTHROS_FUSED")
 
 
-def _kernel_applies(x, tensors) -> bool:
-    """No autograd, one floating dtype for all tensors, per-feature parameters (1-D)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
+def _dtypes_match(x, tensors) -> bool:
     return (x.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and all(t.dtype == x.dtype and t.device == x.device for t in tensors))
 
 
-def fused(fn, kernel=None, params=lambda *a, **k: ()):
-    """`fn`, run as `kernel` (Triton, no autograd) or compiled where fusion pays off
-    (see the module docstring). `params(*args)`: the parameter tensors the kernel
-    reads per feature (they must be 1-D)."""
+def fused(fn, kernel=None, params=lambda *a, **k: (), train_kernel=None, no_grad_args=lambda *a, **k: ()):
+    """`fn`, run as a Triton `kernel` (no autograd), as `train_kernel` (Triton forward and
+    backward, where one exists) or compiled, where fusion pays off (see the module docstring).
+    `params(*args)`: the parameter tensors the kernels read per feature (they must be 1-D);
+    `no_grad_args(*args)`: inputs `train_kernel` gives no gradient (they must not need one)."""
 
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
@@ -93,11 +92,16 @@ def fused(fn, kernel=None, params=lambda *a, **k: ()):
         if mode == "1":
             return _compiled(fn)(x, *args, **kwargs)
         large = x.is_cuda and x.numel() >= FUSE_MIN
-        if kernel is not None and (large or mode == "triton") and mode != "compile" and triton_available():
+        if (large or mode == "triton") and mode != "compile" and triton_available():
             ps = [p for p in params(x, *args, **kwargs) if p is not None]
             tensors = [t for t in (x, *args, *kwargs.values()) if torch.is_tensor(t)]
-            if all(p.dim() == 1 for p in ps) and _kernel_applies(x, tensors):
-                return kernel(x, *args, **kwargs)
+            if all(p.dim() == 1 for p in ps) and _dtypes_match(x, tensors):
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+                if not grad and kernel is not None:
+                    return kernel(x, *args, **kwargs)
+                if grad and train_kernel is not None and mode == "triton" and not any(
+                        t is not None and t.requires_grad for t in no_grad_args(x, *args, **kwargs)):
+                    return train_kernel(x, *args, **kwargs)
         if large:
             return _compiled(fn)(x, *args, **kwargs)
         return fn(x, *args, **kwargs)
@@ -115,5 +119,7 @@ fused_rms_norm = fused(rms_norm, lambda x, w, eps: _rowwise().rms_norm(x, w, eps
 fused_add_rms_norm = fused(add_rms_norm, lambda x, r, w, eps: _rowwise().rms_norm(x, w, eps, residual=r),
                            lambda x, r, w, eps: (w,))
 fused_heads = fused(heads, lambda *a, **k: _rowwise().heads(*a, **k),
-                    lambda x, cos, sin, n, d, alpha=None, beta=None, w=None, eps=0.0: (alpha, beta, w))
+                    lambda x, cos, sin, n, d, alpha=None, beta=None, w=None, eps=0.0: (alpha, beta, w),
+                    train_kernel=lambda *a, **k: _rowwise().heads_autograd(*a, **k),
+                    no_grad_args=lambda x, cos, sin, *a, **k: (cos, sin))
 fused_silu_mul = fused(silu_mul, lambda g, u: _rowwise().silu_mul(g, u))
