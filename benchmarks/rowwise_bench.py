@@ -5,8 +5,10 @@ eager PyTorch vs the compiled functions vs the Triton kernels of `ops/rowwise.py
 
 Ops: RMSNorm; residual add + RMSNorm (eager / compiled: add then norm as
 two calls, the way a block ran before fusing them); query and key preparation
-(SO, RoPE); SwiGLU's gate. Each row gives the median time (triton.testing.do_bench)
-and the bandwidth it reaches (bytes read + written once / time).
+(SO, RoPE); SwiGLU's gate; and, for training, query/key preparation forward +
+backward (eager / compiled / the Triton autograd function). Each row gives the
+median time (triton.testing.do_bench) and the bandwidth it reaches (bytes read +
+written once / time; forward + backward: x, dy, dx and y once each).
 """
 
 from __future__ import annotations
@@ -71,6 +73,21 @@ def main():
                 ms = do_bench(fn, warmup=5, rep=50)
                 rows.append({"op": name, "variant": v, "ms": ms, "GB_s": nbytes / ms / 1e6})
                 print(f"{name:22s} {v:9s} {ms:8.3f} {nbytes / ms / 1e6:7.0f}")
+    qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+    ag, bg = alpha.detach().requires_grad_(), beta.detach().requires_grad_()
+    dyq, dyk = r(1, T, H, D), r(1, T, HKV, D)
+    train = {
+        "queries fwd+bwd (SO + RoPE)": (4 * T * H * D * e, qg, ag, bg, H, dyq),
+        "keys fwd+bwd (RoPE)": (4 * T * HKV * D * e, kg, None, None, HKV, dyk),
+    }
+    for name, (nbytes, xg, a, b, nh, dy) in train.items():
+        for v, f in (("eager", fused.heads), ("compiled", comp[fused.heads]), ("triton", rowwise.heads_autograd)):
+            ins = [t for t in (xg, a, b) if t is not None]
+            fn = lambda: torch.autograd.grad(f(xg, cos, sin, nh, D, a, b), ins, dy)
+            fn()
+            ms = do_bench(fn, warmup=5, rep=50)
+            rows.append({"op": name, "variant": v, "ms": ms, "GB_s": nbytes / ms / 1e6})
+            print(f"{name:22s} {v:9s} {ms:8.3f} {nbytes / ms / 1e6:7.0f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"tokens": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
