@@ -10,7 +10,8 @@ stdlib perplexity:
     orthros experiment recall --preset cpu-mqar      # zoology-style: MQAR only, ~2 min per model
     orthros experiment recall --preset gpu --device cuda
 
-Training data, every step (one loss per task, summed, so no task drowns):
+Training data, every step (one loss per task, summed — the passkey's with a weight,
+`Preset.passkey_weight` — so no task drowns):
     * MQAR sequences (zoology trains on MQAR directly), loss on the answers
       only — the SFT phase: output positions at the queried keys;
     * Python-source text, loss everywhere — so perplexity means something;
@@ -73,6 +74,11 @@ class Preset:
     passkey_copy_labels: bool = True
     """also train on the key's second copy inside the needle (a local copy: the same
     copying circuit with a short-range signal); evaluation scores the answer alone"""
+    passkey_weight: float = 1.0
+    """weight of the passkey loss in the summed loss (MQAR and text weigh 1)"""
+    passkey_first: int = 0
+    """steps of passkey-only training (at passkey_lengths[0]) before the three tasks mix;
+    they count in `steps`"""
     text_bytes: int = 4_000_000
     # evaluation
     mqar_eval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
@@ -130,6 +136,10 @@ class TrainData:
 
     def batch(self, step: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         p, s = self.p, self.seed * 1_000_003 + step
+        if p.passkey_batch and step < p.passkey_first:
+            ids, labels, _ = passkey_batch(self.text, self.tok.encode, p.passkey_batch, p.passkey_lengths[0], None,
+                                           seed=s, copy_labels=p.passkey_copy_labels)
+            return {"passkey": (ids, labels)}
         out = {"mqar": mqar_batch(p.mqar_batch, p.mqar_train, seed=s)}
         if p.text_batch:
             g = torch.Generator().manual_seed(s)
@@ -177,7 +187,7 @@ def train_model(arch: str, preset: Preset, data: TrainData, seed: int = 0, devic
             g["lr"] = preset.lr * f
         for task, (x, y) in data.batch(step).items():
             loss = model(x.to(device), labels=y.to(device), use_cache=False).loss
-            loss.backward()
+            (loss * (preset.passkey_weight if task == "passkey" else 1.0)).backward()
             avg[task] = loss.item() if task not in avg else 0.95 * avg[task] + 0.05 * loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
