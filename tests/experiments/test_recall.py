@@ -58,6 +58,13 @@ def test_passkey_first_steps_train_the_passkey_alone():
     assert set(TrainData(_tiny(passkey_first=2, passkey_batch=0), seed=0).batch(0)) == {"mqar", "text"}
 
 
+def test_late_passkey_lengths_replace_the_early_ones_at_equal_tokens():
+    preset = _tiny(passkey_lengths=[128], passkey_batch=4, passkey_lengths_late=[128, 256], passkey_late_from=2)
+    data = TrainData(preset, seed=0)
+    shapes = [data.batch(step)["passkey"][0].shape for step in range(5)]
+    assert shapes == [(4, 128), (4, 128), (4, 128), (2, 256), (4, 128)]
+
+
 def test_passkey_weight_scales_the_passkey_loss():
     """Weight 0 trains exactly what no passkey data trains (the other tasks' batches do not
     depend on it); weight 1 trains something else."""

@@ -79,6 +79,11 @@ class Preset:
     passkey_first: int = 0
     """steps of passkey-only training (at passkey_lengths[0]) before the three tasks mix;
     they count in `steps`"""
+    passkey_lengths_late: list[int] = field(default_factory=list)
+    """from step `passkey_late_from` on, the training passkey lengths cycle through these
+    instead (a length curriculum: long passkeys once the copy is learned on short ones);
+    empty: `passkey_lengths` throughout. Tokens a step stay passkey_batch x passkey_lengths[0]."""
+    passkey_late_from: int = 0
     text_bytes: int = 4_000_000
     # evaluation
     mqar_eval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
@@ -147,7 +152,9 @@ class TrainData:
             x = self.text[idx[:, None] + torch.arange(p.text_seq_len)]
             out["text"] = (x, x)
         if p.passkey_batch:
-            L = p.passkey_lengths[step % len(p.passkey_lengths)]
+            lengths = p.passkey_lengths_late if p.passkey_lengths_late and step >= p.passkey_late_from \
+                else p.passkey_lengths
+            L = lengths[step % len(lengths)]
             n = max(1, p.passkey_batch * p.passkey_lengths[0] // L)
             ids, labels, _ = passkey_batch(self.text, self.tok.encode, n, L, None, seed=s,
                                            copy_labels=p.passkey_copy_labels)
