@@ -5,8 +5,10 @@ eager PyTorch vs the compiled functions vs the Triton kernels of `ops/rowwise.py
 
 Ops: RMSNorm; residual add + RMSNorm (eager / compiled: add then norm as
 two calls, the way a block ran before fusing them); query and key preparation
-(SO, RoPE); SwiGLU's gate; and, for training, query/key preparation forward +
-backward (eager / compiled / the Triton autograd function). Each row gives the
+(SO, RoPE); SwiGLU's gate; and, for training, query/key preparation and
+residual add + RMSNorm forward + backward (eager / compiled / the Triton
+autograd functions of `ops/rowwise_grad.py`). The forward + backward rows
+include the elementwise products and sums that turn outputs into a loss. Each row gives the
 median time (triton.testing.do_bench) and the bandwidth it reaches (bytes read +
 written once / time; forward + backward: x, dy, dx and y once each).
 """
@@ -21,7 +23,7 @@ from triton.testing import do_bench
 
 from orthros.layers import fused
 from orthros.layers.rope import RotaryEmbedding
-from orthros.ops import rowwise
+from orthros.ops import rowwise, rowwise_grad
 
 C, H, HKV, D, INNER = 4096, 32, 8, 128, 14336
 DT = torch.bfloat16
@@ -81,13 +83,24 @@ def main():
         "keys fwd+bwd (RoPE)": (4 * T * HKV * D * e, kg, None, None, HKV, dyk),
     }
     for name, (nbytes, xg, a, b, nh, dy) in train.items():
-        for v, f in (("eager", fused.heads), ("compiled", comp[fused.heads]), ("triton", rowwise.heads_autograd)):
+        for v, f in (("eager", fused.heads), ("compiled", comp[fused.heads]), ("triton", rowwise_grad.heads_autograd)):
             ins = [t for t in (xg, a, b) if t is not None]
             fn = lambda: torch.autograd.grad(f(xg, cos, sin, nh, D, a, b), ins, dy)
             fn()
             ms = do_bench(fn, warmup=5, rep=50)
             rows.append({"op": name, "variant": v, "ms": ms, "GB_s": nbytes / ms / 1e6})
             print(f"{name:22s} {v:9s} {ms:8.3f} {nbytes / ms / 1e6:7.0f}")
+    xg, rg, wg = x.detach().requires_grad_(), res.detach().requires_grad_(), w.detach().requires_grad_()
+    dy = r(T, C)
+    comp_add = fused._compiled(fused.add_rms_norm)
+    name, nbytes = "add + norm fwd+bwd", 8 * T * C * e  # x, res, h, y; x(h), dy, dh, dx
+    for v, f in (("eager", fused.add_rms_norm), ("compiled", comp_add), ("triton", rowwise_grad.add_rms_norm_autograd)):
+        fn = lambda: torch.autograd.grad(sum((o * g).sum() for o, g in zip(f(xg, rg, wg, 1e-5), (dy, dy))),
+                                         (xg, rg, wg))
+        fn()
+        ms = do_bench(fn, warmup=5, rep=50)
+        rows.append({"op": name, "variant": v, "ms": ms, "GB_s": nbytes / ms / 1e6})
+        print(f"{name:22s} {v:9s} {ms:8.3f} {nbytes / ms / 1e6:7.0f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"tokens": T, "device": torch.cuda.get_device_name(), "torch": torch.__version__,

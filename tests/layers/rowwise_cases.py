@@ -6,7 +6,7 @@ import os
 import torch
 
 from orthros.layers import fused
-from orthros.ops import rowwise
+from orthros.ops import rowwise, rowwise_grad
 from tests.conftest import make_model, rel_err
 
 
@@ -52,9 +52,32 @@ def check_heads_backward(device="cpu"):
                 dy = torch.randn(B, M, H, D, generator=g).to(device)
                 ps = [t for t in (x, a, b, w) if t is not None]
                 ref = torch.autograd.grad(fused.heads(x, cos, sin, H, D, a, b, w, 1e-6), ps, dy)
-                got = torch.autograd.grad(rowwise.heads_autograd(x, cos, sin, H, D, a, b, w, 1e-6), ps, dy)
+                got = torch.autograd.grad(rowwise_grad.heads_autograd(x, cos, sin, H, D, a, b, w, 1e-6), ps, dy)
                 for name, p, q in zip("x a b w".split(), got, ref):
                     assert rel_err(p, q) < 1e-5, ((B, M, H, D), so, norm, name)
+
+
+def check_norm_backward(device="cpu"):
+    """The Triton backward of RMSNorm and of residual add + RMSNorm against eager autograd (fp32),
+    with the gradient reaching the norm's output, the sum h, or both."""
+    g = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)
+    for shape in ((7, 96), (2, 3, 130), (600, 16)):
+        N = shape[-1]
+        x, res, w = r(*shape).requires_grad_(), r(*shape).requires_grad_(), r(N).requires_grad_()
+        dy, dh = r(*shape), r(*shape)
+        ref = torch.autograd.grad(fused.rms_norm(x, w, 1e-6), (x, w), dy)
+        got = torch.autograd.grad(rowwise_grad.rms_norm_autograd(x, w, 1e-6), (x, w), dy)
+        for name, a, b in zip("xw", got, ref):
+            assert rel_err(a, b) < 1e-5, (shape, "norm", name)
+        for use in ("both", "y", "h"):
+            outs = []
+            for f in (fused.add_rms_norm, rowwise_grad.add_rms_norm_autograd):
+                h, y = f(x, res, w, 1e-6)
+                loss = ((h * dh).sum() if use != "y" else 0) + ((y * dy).sum() if use != "h" else 0)
+                outs.append(torch.autograd.grad(loss, (x, res, w), allow_unused=True, materialize_grads=True))
+            for name, a, b in zip(("x", "res", "w"), outs[1], outs[0]):
+                assert rel_err(a, b) < 1e-5 or (b.abs().max() == 0 and a.abs().max() == 0), (shape, use, name)
 
 
 def check_training_step():
@@ -92,5 +115,6 @@ if __name__ == "__main__":
     check_kernels(torch.float16, 2e-3)
     check_model()
     check_heads_backward()
+    check_norm_backward()
     check_training_step()
     print("ok")

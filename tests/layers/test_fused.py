@@ -52,18 +52,18 @@ def test_add_norm_matches_add_then_norm(monkeypatch):
 
 
 def test_no_kernel_without_a_backward_under_autograd(monkeypatch):
-    """Mode "triton": an op with no backward kernel (RMSNorm) that needs a gradient runs eagerly."""
+    """Mode "triton": an op with no backward kernel (SwiGLU's gate) that needs a gradient runs eagerly."""
     monkeypatch.setenv("ORTHROS_FUSED", "triton")
     calls = []
     monkeypatch.setattr(fused, "_rowwise", lambda: calls.append(1) or pytest.fail("kernel called with autograd"))
-    x, w = torch.randn(4, 8, requires_grad=True), torch.ones(8)
-    fused.fused_rms_norm(x, w, 1e-6).sum().backward()
-    assert x.grad is not None and calls == []
+    g, u = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    fused.fused_silu_mul(g, u).sum().backward()
+    assert g.grad is not None and calls == []
 
 
 def test_rowwise_kernels_triton_interpreter():
     """The Triton row-wise kernels (norm, add + norm, SO/norm/RoPE, SwiGLU gate) against the
-    eager functions, the SO/norm/RoPE backward against autograd, and a model's forward and
+    eager functions, their backward kernels against autograd, and a model's forward and
     training gradients through them, under TRITON_INTERPRET=1 on CPU."""
     r = run_triton_interpreted("-m", "tests.layers.rowwise_cases", timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
@@ -73,8 +73,9 @@ def test_rowwise_kernels_triton_interpreter():
 def test_rowwise_kernels_cuda():
     from tests.layers.rowwise_cases import check_kernels
 
-    from tests.layers.rowwise_cases import check_heads_backward
+    from tests.layers.rowwise_cases import check_heads_backward, check_norm_backward
 
     check_kernels(torch.float32, 1e-6, "cuda")
     check_kernels(torch.bfloat16, 1e-2, "cuda")
     check_heads_backward("cuda")
+    check_norm_backward("cuda")

@@ -13,8 +13,8 @@ saves; a compiled decode step traces the plain functions anyway.
 
 `ORTHROS_FUSED`: `0` eager everywhere; `1` compiled for every input and
 device; `triton` the Triton kernels for every input, and with autograd too
-where one has a backward (`heads`; the tests run them on CPU under the
-interpreter); `compile` compiled on large CUDA inputs, never the Triton
+where one has a backward (`ops/rowwise_grad.py`: norms and query/key
+preparation; the tests run them on CPU under the interpreter); `compile` compiled on large CUDA inputs, never the Triton
 kernels.
 """
 
@@ -115,11 +115,19 @@ def _rowwise():
     return rowwise
 
 
-fused_rms_norm = fused(rms_norm, lambda x, w, eps: _rowwise().rms_norm(x, w, eps), lambda x, w, eps: (w,))
+def _grad():
+    from ..ops import rowwise_grad
+
+    return rowwise_grad
+
+
+fused_rms_norm = fused(rms_norm, lambda x, w, eps: _rowwise().rms_norm(x, w, eps), lambda x, w, eps: (w,),
+                       train_kernel=lambda x, w, eps: _grad().rms_norm_autograd(x, w, eps))
 fused_add_rms_norm = fused(add_rms_norm, lambda x, r, w, eps: _rowwise().rms_norm(x, w, eps, residual=r),
-                           lambda x, r, w, eps: (w,))
+                           lambda x, r, w, eps: (w,),
+                           train_kernel=lambda x, r, w, eps: _grad().add_rms_norm_autograd(x, r, w, eps))
 fused_heads = fused(heads, lambda *a, **k: _rowwise().heads(*a, **k),
                     lambda x, cos, sin, n, d, alpha=None, beta=None, w=None, eps=0.0: (alpha, beta, w),
-                    train_kernel=lambda *a, **k: _rowwise().heads_autograd(*a, **k),
+                    train_kernel=lambda *a, **k: _grad().heads_autograd(*a, **k),
                     no_grad_args=lambda x, cos, sin, *a, **k: (cos, sin))
 fused_silu_mul = fused(silu_mul, lambda g, u: _rowwise().silu_mul(g, u))
