@@ -22,3 +22,18 @@ def test_errors_reach_the_caller():
         run_jobs(_square_plus, [(1, 0), (-1, 0)], workers=2)
     with pytest.raises(ValueError, match="workers"):
         run_jobs(_square_plus, [(1, 0)], workers=0)
+
+
+def test_recall_jobs_train_the_same_models(tmp_path):
+    """Architectures trained side by side in worker processes get the results of a serial run."""
+    from orthros.experiments.recall import run_experiment
+
+    archs = ("orthros", "full")
+    serial = run_experiment("smoke", archs, out=tmp_path / "a")["results"]
+    parallel = run_experiment("smoke", archs, out=tmp_path / "b", jobs=2)["results"]
+    assert list(parallel) == list(archs)
+    for a in archs:
+        assert parallel[a]["eval"] == serial[a]["eval"] and parallel[a]["params"] == serial[a]["params"]
+        assert parallel[a]["train"]["steps"] == serial[a]["train"]["steps"]
+    with pytest.raises(ValueError, match="jobs"):
+        run_experiment("smoke", archs, out=tmp_path / "c", jobs=0)

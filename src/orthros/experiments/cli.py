@@ -1,7 +1,7 @@
 """Run a named experiment: train the paper's architectures alike, evaluate, tabulate.
 
     orthros experiment recall --preset cpu            # full / swa / orthros / orthros w/o SO, <= 10 min CPU
-    orthros experiment recall --preset gpu --device cuda
+    orthros experiment recall --preset gpu --device cuda --jobs 4
 
 Writes results.json, table.md (the paper's layout) and recall.png to --out.
 """
@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
     p.add_argument("--seconds", type=float, default=None,
                    help="time budget instead: Orthros trains this long, the others the same number of steps")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="architectures trained side by side, one process each (GPU runs of small models)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="output directory (default runs/experiment-NAME-PRESET)")
@@ -33,7 +35,7 @@ def run(args) -> int:
     from .recall import run_experiment
 
     out = args.out or f"runs/experiment-{args.name}-{args.preset}"
-    res = run_experiment(args.preset, args.archs, args.seed, args.device, out, args.steps, args.seconds)
+    res = run_experiment(args.preset, args.archs, args.seed, args.device, out, args.steps, args.seconds, args.jobs)
     print()
     print(res["table"])
     print(f"\nsaved {out}/results.json, table.md, recall.png")

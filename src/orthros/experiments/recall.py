@@ -36,8 +36,10 @@ from ..data.stdlib import stdlib_text
 from ..data.tokenizer import ByteTokenizer
 from ..eval.mqar import MQARConfig, mqar_batch
 from ..eval.passkey import PasskeyConfig, passkey_batch
+from .jobs import run_jobs
 from ..eval.tasks import eval_mqar, eval_passkey, eval_perplexity, heldout_tokens
 from ..models import OrthrosConfig, OrthrosForCausalLM
+from .jobs import run_jobs
 
 ARCHS = {  # name -> config changes
     "full": dict(attention="full"),
@@ -168,7 +170,7 @@ class TrainData:
 
 
 def train_model(arch: str, preset: Preset, data: TrainData, seed: int = 0, device="cpu", desc: str | None = None,
-                seconds: float | None = None, steps: int | None = None):
+                seconds: float | None = None, steps: int | None = None, position: int = 0):
     """Train one architecture for `steps` (default the preset's) or for `seconds` of wall time.
 
     Returns (model in eval mode, {"loss_<task>": smoothed final losses, "seconds", "steps"}).
@@ -184,10 +186,10 @@ def train_model(arch: str, preset: Preset, data: TrainData, seed: int = 0, devic
     avg: dict[str, float] = {}
     start, step = time.time(), 0
     if seconds is not None:
-        bar = tqdm(total=round(seconds), desc=desc or arch, unit="s", leave=False,
+        bar = tqdm(total=round(seconds), desc=desc or arch, unit="s", leave=False, position=position,
                    bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}s {postfix}")
     else:
-        bar = tqdm(total=total_steps, desc=desc or arch, unit="step", leave=False)
+        bar = tqdm(total=total_steps, desc=desc or arch, unit="step", leave=False, position=position)
     while True:
         elapsed = time.time() - start
         progress = elapsed / seconds if seconds is not None else step / total_steps
@@ -296,20 +298,43 @@ def plot(results: dict, preset: Preset, path) -> None:
     plt.close(fig)
 
 
+def _train_and_evaluate(arch: str, preset: Preset, seed: int, device, desc: str, seconds: float | None = None,
+                        position: int = 0, data: TrainData | None = None) -> dict:
+    """One architecture trained and evaluated (a worker process's job with `--jobs`)."""
+    data = data or TrainData(preset, seed)
+    model, stats = train_model(arch, preset, data, seed, device, desc, seconds=seconds, position=position)
+    ev = evaluate(model, preset, device=device)
+    return {"params": sum(p.numel() for p in model.parameters()), "train": stats, "eval": ev}
+
+
+def _summary(arch: str, r: dict) -> str:
+    ev, stats = r["eval"], r["train"]
+    return (f"{LABELS[arch]:<20} trained {stats['steps']} steps in {stats['seconds']:.0f}s"
+            + ("; MQAR " + " ".join(f"{L}:{100 * a:.0f}%" for L, a in ev["mqar"]["by_length"].items())
+               if "mqar" in ev else "")
+            + (f"; passkey {100 * ev['passkey']['mean']:.0f}%" if "passkey" in ev else "")
+            + (f"; ppl {ev['ppl']['ppl']:.3f}" if "ppl" in ev else ""))
+
+
 def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: str = "cpu",
                    out: str | Path = "runs/experiment-recall", steps: int | None = None,
-                   seconds: float | None = None) -> dict:
+                   seconds: float | None = None, jobs: int = 1) -> dict:
     """Train and evaluate every architecture; write results.json, table.md and recall.png to `out`.
 
     seconds: instead of a step count, train the first architecture for this long
     and every other one for the same number of steps (Orthros, the costliest per
     step, goes first), which bounds the whole run's time.
+    jobs: architectures trained side by side, one process each (a GPU run of
+    these small models is bound by the host issuing kernels; see `jobs.py`).
+    Every model sees the same seeded batches whatever `jobs` is.
     """
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise ValueError(f"unknown architecture(s) {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     preset = PRESETS[preset_name]
     if steps is not None:
         if steps < 1:
@@ -319,24 +344,27 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: 
     out.mkdir(parents=True, exist_ok=True)
     if seconds is not None and seconds <= 0:
         raise ValueError(f"--seconds must be > 0, got {seconds}")
-    data = TrainData(preset, seed)
-    results = {}
     order = sorted(archs, key=lambda a: a != "orthros") if seconds is not None else list(archs)
-    for i, arch in enumerate(order):
-        desc = f"[{i + 1}/{len(archs)}] train {arch}"
-        if seconds is not None and i == 0:
-            model, stats = train_model(arch, preset, data, seed, device, desc, seconds=seconds)
-            preset = dataclasses.replace(preset, steps=stats["steps"])
-        else:
-            model, stats = train_model(arch, preset, data, seed, device, desc)
-        ev = evaluate(model, preset, device=device)
-        results[arch] = {"params": sum(p.numel() for p in model.parameters()), "train": stats, "eval": ev}
-        print(f"{LABELS[arch]:<20} trained {stats['steps']} steps in {stats['seconds']:.0f}s"
-              + ("; MQAR " + " ".join(f"{L}:{100 * a:.0f}%" for L, a in ev["mqar"]["by_length"].items())
-                 if "mqar" in ev else "")
-              + (f"; passkey {100 * ev['passkey']['mean']:.0f}%" if "passkey" in ev else "")
-              + (f"; ppl {ev['ppl']['ppl']:.3f}" if "ppl" in ev else ""), flush=True)
-        del model
+    desc = {a: f"[{i + 1}/{len(archs)}] train {a}" for i, a in enumerate(order)}
+    results = {}
+    if seconds is not None:  # the first architecture fixes the step count of the others
+        first = order.pop(0)
+        results[first] = _train_and_evaluate(first, preset, seed, device, desc[first], seconds=seconds)
+        print(_summary(first, results[first]), flush=True)
+        preset = dataclasses.replace(preset, steps=results[first]["train"]["steps"])
+    if jobs > 1:
+        done = run_jobs(_train_and_evaluate, [(a, preset, seed, device, desc[a], None, i) for i, a in enumerate(order)],
+                        jobs)
+    else:
+        data = TrainData(preset, seed)
+        done = []
+        for a in order:
+            done.append(_train_and_evaluate(a, preset, seed, device, desc[a], data=data))
+            print(_summary(a, done[-1]), flush=True)
+    results.update(zip(order, done))
+    if jobs > 1:
+        for a in order:
+            print(_summary(a, results[a]), flush=True)
     results = {a: results[a] for a in archs}  # the table in the order asked for
     table = format_table(results, preset)
     meta = {"preset": preset_name, "seed": seed, "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),
