@@ -36,7 +36,6 @@ from ..data.stdlib import stdlib_text
 from ..data.tokenizer import ByteTokenizer
 from ..eval.mqar import MQARConfig, mqar_batch
 from ..eval.passkey import PasskeyConfig, passkey_batch
-from .jobs import run_jobs
 from ..eval.tasks import eval_mqar, eval_passkey, eval_perplexity, heldout_tokens
 from ..models import OrthrosConfig, OrthrosForCausalLM
 from .jobs import run_jobs
@@ -346,25 +345,24 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: 
         raise ValueError(f"--seconds must be > 0, got {seconds}")
     order = sorted(archs, key=lambda a: a != "orthros") if seconds is not None else list(archs)
     desc = {a: f"[{i + 1}/{len(archs)}] train {a}" for i, a in enumerate(order)}
+    data = TrainData(preset, seed)  # the batches do not depend on the step count
     results = {}
     if seconds is not None:  # the first architecture fixes the step count of the others
         first = order.pop(0)
-        results[first] = _train_and_evaluate(first, preset, seed, device, desc[first], seconds=seconds)
+        results[first] = _train_and_evaluate(first, preset, seed, device, desc[first], seconds=seconds, data=data)
         print(_summary(first, results[first]), flush=True)
         preset = dataclasses.replace(preset, steps=results[first]["train"]["steps"])
-    if jobs > 1:
+    if jobs > 1:  # each worker builds the same data itself
         done = run_jobs(_train_and_evaluate, [(a, preset, seed, device, desc[a], None, i) for i, a in enumerate(order)],
                         jobs)
+        for a, r in zip(order, done):
+            print(_summary(a, r), flush=True)
     else:
-        data = TrainData(preset, seed)
         done = []
         for a in order:
             done.append(_train_and_evaluate(a, preset, seed, device, desc[a], data=data))
             print(_summary(a, done[-1]), flush=True)
     results.update(zip(order, done))
-    if jobs > 1:
-        for a in order:
-            print(_summary(a, results[a]), flush=True)
     results = {a: results[a] for a in archs}  # the table in the order asked for
     table = format_table(results, preset)
     meta = {"preset": preset_name, "seed": seed, "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),

@@ -14,8 +14,8 @@ saves; a compiled decode step traces the plain functions anyway.
 `ORTHROS_FUSED`: `0` eager everywhere; `1` compiled for every input and
 device; `triton` the Triton kernels for every input, and with autograd too
 where one has a backward (`ops/rowwise_grad.py`: norms and query/key
-preparation; the tests run them on CPU under the interpreter); `compile` compiled on large CUDA inputs, never the Triton
-kernels.
+preparation; the tests run them on CPU under the interpreter); `compile`
+compiled on large CUDA inputs, never the Triton kernels.
 """
 
 from __future__ import annotations

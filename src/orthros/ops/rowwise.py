@@ -49,7 +49,8 @@ def _kernels():
         row = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        m = (h[:, None] < NH) & (d[None, :] < D2)
+        dm = d < D2
+        m = (h[:, None] < NH) & dm[None, :]
         lo = h[:, None] * (2 * D2) + d[None, :]  # first half of each head; the second is lo + D2
         x1 = tl.load(X + row * sx + lo, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(X + row * sx + lo + D2, mask=m, other=0.0).to(tl.float32)
@@ -60,12 +61,10 @@ def _kernels():
             x1 = x1.to(X.dtype.element_ty).to(tl.float32)
             x2 = x2.to(X.dtype.element_ty).to(tl.float32)
             inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * D2) + eps)
-            dm = d < D2
             w1 = tl.load(NW + d, mask=dm, other=0.0).to(tl.float32)
             w2 = tl.load(NW + d + D2, mask=dm, other=0.0).to(tl.float32)
             x1 = ((x1 * inv[:, None]).to(X.dtype.element_ty).to(tl.float32) * w1[None, :]).to(X.dtype.element_ty).to(tl.float32)
             x2 = ((x2 * inv[:, None]).to(X.dtype.element_ty).to(tl.float32) * w2[None, :]).to(X.dtype.element_ty).to(tl.float32)
-        dm = d < D2
         c1 = tl.load(COS + row * sc + d, mask=dm, other=0.0).to(tl.float32)[None, :]
         c2 = tl.load(COS + row * sc + d + D2, mask=dm, other=0.0).to(tl.float32)[None, :]
         s1 = tl.load(SIN + row * sc + d, mask=dm, other=0.0).to(tl.float32)[None, :]
