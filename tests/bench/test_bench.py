@@ -22,6 +22,19 @@ def test_prefill_runs_and_renders(tmp_path):
     assert "old" not in text and "| 96 |" in text and text.startswith("x\n") and text.endswith("y\n")
 
 
+def test_prefill_full_attention_chunks_from_its_threshold(tmp_path):
+    """--full-chunk-from: full attention prefills long prompts in chunks too, marked in the table."""
+    rc = main(["bench", "prefill", "--models", "tiny", "--lengths", "48", "96", "--layers", "1", "--chunk-size", "32",
+               "--full-chunk-from", "96", "--variants", "full", "floor", "--max-quadratic", "96", "--device", "cpu",
+               "--out-dir", str(tmp_path), "--docs", "none"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "prefill.json").read_text())["rows"]
+    chunk = {(r["variant"], r["T"]): r["chunk"] for r in rows}
+    assert chunk == {("full", 48): None, ("full", 96): 32, ("floor", 48): 32, ("floor", 96): 32}
+    md = (tmp_path / "prefill.md").read_text()
+    assert "s† (" in md and "prefilled in 32 chunks" in md
+
+
 def test_train_runs(tmp_path):
     rc = main(["bench", "train", "--config", "tiny", "--seq-len", "64", "--steps", "1", "--warmup", "0", "--device", "cpu",
                "--out-dir", str(tmp_path)])
@@ -64,3 +77,11 @@ def test_from_json_merges_runs(tmp_path):
     md = (out / "prefill.md").read_text()
     assert "**a-shape**" in md and "**b-shape**" in md and "cmd0` and `cmd1" in md and "day0 / day1" in md
     assert main(["bench", "prefill", "--from-json", str(paths[0]), str(tmp_path / "missing.json")]) != 0
+    # a later run's row replaces an earlier one of the same model, variant and length
+    later = run("a-shape", "day2", "cmd2")
+    later["rows"] = [dict(model="a-shape", variant="full", T=64, status="ok", time_s=7.0, peak_gib=1.0, layers=2)]
+    (tmp_path / "2.json").write_text(json.dumps(later))
+    assert main(["bench", "prefill", "--from-json", str(paths[0]), str(tmp_path / "2.json"), "--out-dir", str(out),
+                 "--docs", "none"]) == 0
+    md = (out / "prefill.md").read_text()
+    assert "7.00 s" in md and "2.00 s" not in md

@@ -9,7 +9,9 @@ Weights are random (no downloads). Each row is warmed up on the model cut to
 two layers at the same shapes (kernel compilation, cuDNN plans), then timed
 once with the whole model; peak memory is the allocator's high-water mark.
 Orthros and the floor prefill prompts longer than --chunk-size in chunks
-(the SPEC's chunked prefill; it bounds activation memory at 512K). Full
+(the SPEC's chunked prefill; it bounds activation memory at 512K); full
+attention from --full-chunk-from on too (unchunked, 512K runs out of memory
+on one H200; its later chunks are two cuDNN calls merged by log-sum-exp). Full
 attention past --max-quadratic and transformers past --max-hf are skipped
 (quadratic time); the table then shows an estimate, marked as such.
 """
@@ -48,6 +50,8 @@ def add_arguments(p):
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--window", type=int, default=128, help="Orthros window size")
     p.add_argument("--chunk-size", type=parse_len, default=parse_len("128K"), help="prefill chunk for orthros/floor")
+    p.add_argument("--full-chunk-from", type=parse_len, default=parse_len("512K"),
+                   help="full attention prefills prompts this long or longer in --chunk-size chunks")
     p.add_argument("--max-quadratic", type=parse_len, default=parse_len("256K"),
                    help="longest prompt timed for full (longer ones are estimated)")
     p.add_argument("--max-hf", type=parse_len, default=parse_len("128K"),
@@ -72,13 +76,20 @@ def _config(name, variant, args, T_max):
     return cfg
 
 
+def _chunk(variant, T, args):
+    """The prefill chunk of one row (None: the whole prompt at once)."""
+    if variant in ("orthros", "floor") and T > args.chunk_size:
+        return args.chunk_size
+    if variant == "full" and T >= args.full_chunk_from and T > args.chunk_size:
+        return args.chunk_size
+    return None
+
+
 def _call(variant, model, ids, chunk):
-    T = ids.shape[1]
     with torch.inference_mode():
         if variant == "hf":
             return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1]
-        size = chunk if variant in ("orthros", "floor") and T > chunk else None
-        return prefill(model, ids, None, chunk_size=size)[0]
+        return prefill(model, ids, None, chunk_size=chunk)[0]
 
 
 def measure(args) -> dict:
@@ -91,7 +102,8 @@ def measure(args) -> dict:
             cfg = _config(name, variant, args, T_max)
             model = build_hf_peer(cfg, device, dtype) if variant == "hf" else build_model(cfg, device, dtype)
             for T in sorted(args.lengths):
-                row = dict(model=name, variant=variant, T=T, layers=cfg.num_hidden_layers)
+                chunk = _chunk(variant, T, args)
+                row = dict(model=name, variant=variant, T=T, layers=cfg.num_hidden_layers, chunk=chunk)
                 limit = {"full": args.max_quadratic, "hf": args.max_hf}.get(variant)
                 if limit is not None and T > limit:
                     rows.append({**row, "status": "skipped", "note": f"quadratic time: longer than {limit}"})
@@ -101,8 +113,8 @@ def measure(args) -> dict:
                 try:
                     with removed:
                         with truncated(model, min(2, cfg.num_hidden_layers)):
-                            _call(variant, model, ids, args.chunk_size)
-                        dt, peak, logits = timed(lambda: _call(variant, model, ids, args.chunk_size), device)
+                            _call(variant, model, ids, chunk)
+                        dt, peak, logits = timed(lambda m=model: _call(variant, m, ids, chunk), device)
                     if not torch.isfinite(logits.float()).all():
                         raise RuntimeError(f"non-finite logits: {name} {variant} T={T}")
                     rows.append({**row, "status": "ok", "time_s": dt, "peak_gib": peak})
@@ -134,6 +146,7 @@ class _null:
 def profile_prefill(model, T, chunk, device) -> dict:
     """Device time of one Orthros prefill by kernel group."""
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
+    chunk = chunk if T > chunk else None
     _call("orthros", model, ids, chunk)
     return {"T": T, **kernel_profile(lambda: _call("orthros", model, ids, chunk), device)}
 
@@ -187,7 +200,8 @@ def table(result) -> str:
         if r is None:
             return "–"
         if r["status"] == "ok":
-            return f"{r['time_s']:.2f} s ({r['peak_gib']:.0f} GiB)"
+            mark = "†" if v == "full" and r.get("chunk") else ""
+            return f"{r['time_s']:.2f} s{mark} ({r['peak_gib']:.0f} GiB)"
         t, _ = time_of(m, v, T)
         return f"~{t:.0f} s est. ({r['status']})" if t is not None else r["status"]
 
@@ -211,6 +225,11 @@ def table(result) -> str:
             o, f, fu, hf = (time_of(m, v, T) for v in VARIANTS[:1] + ("floor", "full", "hf"))
             out.append(f"| {_fmt_len(T)} | {cell(m, 'orthros', T)} | {cell(m, 'floor', T)} | {cell(m, 'full', T)} | "
                        f"{cell(m, 'hf', T)} | {ratio(o, f)} | {ratio(fu, o)} | {ratio(hf, o)} |")
+        out.append("")
+    chunked = sorted({r["chunk"] for r in rows if r["variant"] == "full" and r["status"] == "ok" and r.get("chunk")})
+    if chunked:
+        out.append(f"†: full attention prefilled in {'/'.join(map(_fmt_len, chunked))} chunks (unchunked, the prompt "
+                   "does not fit); each later chunk is two cuDNN calls (past keys, causal block) merged by log-sum-exp.")
         out.append("")
     if est:
         out.append("`est.`: not timed (quadratic); floor(T) + (time − floor) at the longest timed length × (T / that length)².")
@@ -256,5 +275,8 @@ def run(args):
             OrthrosConfig.from_name(m)  # a clear error for unknown names before any work
         return measure(args)
 
-    render(result_from(args, "prefill", measure_checked), args.out_dir, args.docs, "prefill", table, plot)
+    result = result_from(args, "prefill", measure_checked)
+    # several runs: a later run's row replaces an earlier one of the same model, variant and length
+    result["rows"] = list({(r["model"], r["variant"], r["T"]): r for r in result["rows"]}.values())
+    render(result, args.out_dir, args.docs, "prefill", table, plot)
     return 0

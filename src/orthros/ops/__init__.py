@@ -107,6 +107,11 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         from .dense import sdpa_causal
 
         return sdpa_causal(q, k, v, scale=scale)
+    if (dense_start and window is None and backend in ("auto", "sdpa") and q.dtype in (torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        from .dense import sdpa_causal_offset  # a later chunk of a chunked prefill
+
+        return sdpa_causal_offset(q, k, v, dense_start, scale=scale)
     from .flex import flex_attention_op
 
     return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)
