@@ -204,9 +204,11 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def result_from(args, name: str, measure) -> dict:
+def result_from(args, name: str, measure, key=None) -> dict:
     """`--from-json FILE [FILE ...]` re-renders saved runs (several: their rows in one table, e.g.
-    one run per model shape); otherwise `measure()` runs and `OUT_DIR/name.json` is written."""
+    one run per model shape, saved merged as `OUT_DIR/name.json`); otherwise `measure()` runs and
+    `OUT_DIR/name.json` is written. key(row): rows of several runs with the same key are one
+    measurement repeated, and the later run's row replaces the earlier one."""
     if args.from_json:
         paths = [args.from_json] if isinstance(args.from_json, str) else list(args.from_json)
         runs = []
@@ -215,8 +217,13 @@ def result_from(args, name: str, measure) -> dict:
                 raise FileNotFoundError(f"--from-json: no such file {path}")
             with open(path) as f:
                 runs.append(json.load(f))
-        return merge_runs(runs)
-    result = measure()
+        if len(runs) == 1:
+            return runs[0]
+        result = merge_runs(runs)  # saved as one run (the inputs are read already)
+        if key is not None:
+            result["rows"] = list({key(r): r for r in result["rows"]}.values())
+    else:
+        result = measure()
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)

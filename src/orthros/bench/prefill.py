@@ -275,8 +275,6 @@ def run(args):
             OrthrosConfig.from_name(m)  # a clear error for unknown names before any work
         return measure(args)
 
-    result = result_from(args, "prefill", measure_checked)
-    # several runs: a later run's row replaces an earlier one of the same model, variant and length
-    result["rows"] = list({(r["model"], r["variant"], r["T"]): r for r in result["rows"]}.values())
+    result = result_from(args, "prefill", measure_checked, key=lambda r: (r["model"], r["variant"], r["T"]))
     render(result, args.out_dir, args.docs, "prefill", table, plot)
     return 0
