@@ -71,11 +71,29 @@ def test_rowwise_kernels_triton_interpreter():
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA (the interpreter test covers the kernels on CPU)")
 def test_rowwise_kernels_cuda():
-    from tests.layers.rowwise_cases import check_kernels
-
-    from tests.layers.rowwise_cases import check_heads_backward, check_norm_backward
+    from tests.layers.rowwise_cases import check_heads_backward, check_kernels, check_norm_backward
 
     check_kernels(torch.float32, 1e-6, "cuda")
     check_kernels(torch.bfloat16, 1e-2, "cuda")
     check_heads_backward("cuda")
     check_norm_backward("cuda")
+
+
+def test_fused_mode_context(monkeypatch):
+    """A preset's ORTHROS_FUSED applies inside the block only, and never over an explicit setting."""
+    import os
+
+    from orthros.layers.fused import fused_mode
+
+    monkeypatch.delenv("ORTHROS_FUSED", raising=False)
+    with fused_mode("0"):
+        assert os.environ["ORTHROS_FUSED"] == "0"
+    assert "ORTHROS_FUSED" not in os.environ
+    monkeypatch.setenv("ORTHROS_FUSED", "triton")
+    with fused_mode("0"):
+        assert os.environ["ORTHROS_FUSED"] == "triton"
+    with fused_mode(None):
+        assert os.environ["ORTHROS_FUSED"] == "triton"
+    with pytest.raises(ValueError, match="ORTHROS_FUSED"):
+        with fused_mode("fast"):
+            pass

@@ -37,6 +37,7 @@ from ..data.tokenizer import ByteTokenizer
 from ..eval.mqar import MQARConfig, mqar_batch
 from ..eval.passkey import PasskeyConfig, passkey_batch
 from ..eval.tasks import eval_mqar, eval_passkey, eval_perplexity, heldout_tokens
+from ..layers.fused import fused_mode
 from ..models import OrthrosConfig, OrthrosForCausalLM
 from .jobs import run_jobs
 
@@ -63,6 +64,10 @@ class Preset:
     warmup: int = 20
     weight_decay: float = 0.1
     attn_backend: str = "auto"
+    # ORTHROS_FUSED while training (an explicit environment setting wins); "0": eager
+    # row-wise ops, faster for models small enough that a step is bound by the host
+    # (benchmarks/recall_steps.py: 9.4 vs 6.9 steps/s for the GPU preset's Orthros).
+    row_ops: str | None = None
     # Training MQAR: few pairs over a small vocabulary — what a tiny model learns in
     # a few hundred steps (more pairs or a larger vocabulary lengthen the plateau).
     mqar_train: MQARConfig = field(default_factory=lambda: MQARConfig(seq_len=128, num_kv_pairs=4, vocab_size=32))
@@ -132,7 +137,7 @@ PRESETS = {
                   passkey_batch=32,
                   text_bytes=8_000_000, mqar_eval_lengths=[256, 512, 1024, 2048], mqar_eval_samples=256,
                   passkey=PasskeyConfig([512, 1024, 2048], [0, 0.25, 0.5, 0.75, 1], 20), ppl_seq_len=512,
-                  ppl_tokens=262_144, batch_size=32),
+                  ppl_tokens=262_144, batch_size=32, row_ops="0"),
 }
 
 
@@ -305,7 +310,8 @@ def _train_and_evaluate(arch: str, preset: Preset, seed: int, device, desc: str,
                         position: int = 0, data: TrainData | None = None) -> dict:
     """One architecture trained and evaluated (a worker process's job with `--jobs`)."""
     data = data or TrainData(preset, seed)
-    model, stats = train_model(arch, preset, data, seed, device, desc, seconds=seconds, position=position)
+    with fused_mode(preset.row_ops):
+        model, stats = train_model(arch, preset, data, seed, device, desc, seconds=seconds, position=position)
     ev = evaluate(model, preset, device=device)
     return {"params": sum(p.numel() for p in model.parameters()), "train": stats, "eval": ev}
 

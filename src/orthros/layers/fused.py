@@ -20,6 +20,7 @@ compiled on large CUDA inputs, never the Triton kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -71,6 +72,25 @@ def _compiled(fn):
 
 def _mode() -> str | None:
     return os.environ.get("ORTHROS_FUSED")
+
+
+MODES = ("0", "1", "triton", "compile")
+
+
+@contextlib.contextmanager
+def fused_mode(mode: str | None):
+    """Run the block with `ORTHROS_FUSED=mode` unless the environment sets it already
+    (an explicit setting wins); None changes nothing."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"ORTHROS_FUSED mode must be one of {MODES} or None, got {mode!r}")
+    if mode is None or _mode() is not None:
+        yield
+        return
+    os.environ["ORTHROS_FUSED"] = mode
+    try:
+        yield
+    finally:
+        os.environ.pop("ORTHROS_FUSED", None)
 
 
 def _dtypes_match(x, tensors) -> bool:
