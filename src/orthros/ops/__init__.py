@@ -7,14 +7,17 @@ the fast paths below compute the same function:
               see (O(T·W) scores for the base stream). CPU default, and the
               fallback wherever nothing faster applies.
     sdpa    — F.scaled_dot_product_attention (cuDNN first), only for a plain
-              causal batch whose queries are slots 0..M-1 and no window.
+              causal batch whose queries are slots 0..M-1 and no window; and,
+              without autograd, slots s..s+M-1 (a later prefill chunk: two
+              cuDNN calls merged by log-sum-exp, `dense.sdpa_causal_offset`).
     flex    — compiled FlexAttention with a block mask built from tile
               metadata: many queries, forward and backward, any mask.
     triton  — split-KV (flash-decoding) kernel: a few queries over a long
               cache, inference only.
 
 `backend="auto"` picks, on CUDA: split-KV for few queries without autograd,
-SDPA for a plain causal prefix, FlexAttention otherwise; on CPU: chunked.
+SDPA for a plain causal batch (a prefix, or a later chunk without autograd),
+FlexAttention otherwise; on CPU: chunked.
 A named backend is used where it applies and falls back (in the order
 above) where it does not, e.g. "triton" with autograd runs FlexAttention.
 Kernels are imported lazily: `import orthros` never needs Triton.
@@ -108,6 +111,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
 
         return sdpa_causal(q, k, v, scale=scale)
     if (dense_start and window is None and backend in ("auto", "sdpa") and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0  # head sizes cuDNN's kernel takes
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
         from .dense import sdpa_causal_offset  # a later chunk of a chunked prefill
 
