@@ -37,3 +37,22 @@ def test_recall_jobs_train_the_same_models(tmp_path):
         assert parallel[a]["train"]["steps"] == serial[a]["train"]["steps"]
     with pytest.raises(ValueError, match="jobs"):
         run_experiment("smoke", archs, out=tmp_path / "c", jobs=0)
+
+
+def test_recall_several_seeds_mean_and_range(tmp_path):
+    """Several seeds: each run equals the one-seed run with that seed; the table shows the
+    mean over seeds with the range."""
+    from orthros.experiments.recall import aggregate, run_experiment
+
+    one = {s: run_experiment("smoke", ("full",), seed=s, out=tmp_path / f"s{s}")["results"]["full"] for s in (0, 1)}
+    both = run_experiment("smoke", ("full",), seed=[0, 1], out=tmp_path / "both", jobs=2)
+    r = both["results"]["full"]
+    assert r["per_seed"]["0"]["eval"] == one[0]["eval"] and r["per_seed"]["1"]["eval"] == one[1]["eval"]
+    ppl = [one[s]["eval"]["ppl"]["ppl"] for s in (0, 1)]
+    assert r["eval"]["ppl"]["ppl"] == pytest.approx(sum(ppl) / 2)
+    assert r["range"]["eval"]["ppl"]["ppl"] == [min(ppl), max(ppl)]
+    assert f"{min(ppl):.3f}–{max(ppl):.3f}" in both["table"] and "seeds 0, 1" in both["table"]
+    with pytest.raises(ValueError, match="seconds"):
+        run_experiment("smoke", ("full",), seed=[0, 1], out=tmp_path / "x", seconds=1.0)
+    agg = aggregate({0: {"n": 1, "cfg": "a"}, 1: {"n": 3, "cfg": "a"}})
+    assert agg["n"] == 2 and agg["range"]["n"] == [1, 3] and agg["cfg"] == "a"

@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time budget instead: Orthros trains this long, the others the same number of steps")
     p.add_argument("--jobs", type=int, default=1,
                    help="architectures trained side by side, one process each (GPU runs of small models)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", "--seeds", type=int, nargs="+", default=[0],
+                   help="one or more seeds (several: mean and range over seeds in the table)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="output directory (default runs/experiment-NAME-PRESET)")
 
@@ -35,7 +36,8 @@ def run(args) -> int:
     from .recall import run_experiment
 
     out = args.out or f"runs/experiment-{args.name}-{args.preset}"
-    res = run_experiment(args.preset, args.archs, args.seed, args.device, out, args.steps, args.seconds, args.jobs)
+    seed = args.seed[0] if len(args.seed) == 1 else args.seed
+    res = run_experiment(args.preset, args.archs, seed, args.device, out, args.steps, args.seconds, args.jobs)
     print()
     print(res["table"])
     print(f"\nsaved {out}/results.json, table.md, recall.png")

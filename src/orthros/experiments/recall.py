@@ -250,15 +250,26 @@ def format_table(results: dict, preset: Preset) -> str:
     head += (["passkey"] if "passkey" in tasks else []) + (["ppl"] if "ppl" in tasks else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arch, r in results.items():
-        ev = r["eval"]
+        ev, rng = r["eval"], r.get("range", {}).get("eval")  # rng: [min, max] over seeds
+
+        def cell(*path, scale=100.0, fmt=".1f"):
+            v, spread = ev, rng
+            for k in path:
+                v, spread = v[k], spread[k] if spread else None
+            text = f"{scale * v:{fmt}}"
+            return text + (f" ({scale * spread[0]:{fmt}}–{scale * spread[1]:{fmt}})" if spread else "")
+
         cells = [LABELS.get(arch, arch), f"{r['params'] / 1e6:.2f}M"]
         if "mqar" in ev:
-            cells += [f"{100 * ev['mqar']['by_length'][str(L)]:.1f}" for L in Ls]
+            cells += [cell("mqar", "by_length", str(L)) for L in Ls]
         if "passkey" in ev:
-            cells.append(f"{100 * ev['passkey']['mean']:.1f}")
+            cells.append(cell("passkey", "mean"))
         if "ppl" in ev:
-            cells.append(f"{ev['ppl']['ppl']:.3f}")
+            cells.append(cell("ppl", "ppl", scale=1.0, fmt=".3f"))
         lines.append("| " + " | ".join(cells) + " |")
+    seeds = next((list(r["per_seed"]) for r in results.values() if "per_seed" in r), None)
+    if seeds:
+        lines += ["", f"Mean over seeds {', '.join(seeds)} (range in brackets)."]
     return "\n".join(lines)
 
 
@@ -325,17 +336,19 @@ def _summary(arch: str, r: dict) -> str:
             + (f"; ppl {ev['ppl']['ppl']:.3f}" if "ppl" in ev else ""))
 
 
-def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: str = "cpu",
+def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int | list[int] = 0, device: str = "cpu",
                    out: str | Path = "runs/experiment-recall", steps: int | None = None,
                    seconds: float | None = None, jobs: int = 1) -> dict:
     """Train and evaluate every architecture; write results.json, table.md and recall.png to `out`.
 
+    seed: one seed, or several: every architecture is trained once per seed, the
+    table shows the mean and the range over seeds, and results.json keeps each run.
     seconds: instead of a step count, train the first architecture for this long
     and every other one for the same number of steps (Orthros, the costliest per
-    step, goes first), which bounds the whole run's time.
-    jobs: architectures trained side by side, one process each (a GPU run of
-    these small models is bound by the host issuing kernels; see `jobs.py`).
-    Every model sees the same seeded batches whatever `jobs` is.
+    step, goes first), which bounds the whole run's time (one seed only).
+    jobs: runs trained side by side, one process each (a GPU run of these small
+    models is bound by the host issuing kernels; see `jobs.py`). Every model
+    sees the same seeded batches whatever `jobs` is.
     """
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
@@ -344,43 +357,75 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int = 0, device: 
         raise ValueError(f"unknown architecture(s) {', '.join(bad)}; choose from {', '.join(ARCHS)}")
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    seeds = [seed] if isinstance(seed, int) else list(dict.fromkeys(seed))
+    if not seeds:
+        raise ValueError("give at least one seed")
     preset = PRESETS[preset_name]
     if steps is not None:
         if steps < 1:
             raise ValueError(f"--steps must be >= 1, got {steps}")
         preset = dataclasses.replace(preset, steps=steps)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if seconds is not None and seconds <= 0:
         raise ValueError(f"--seconds must be > 0, got {seconds}")
+    if seconds is not None and len(seeds) > 1:
+        raise ValueError("--seconds takes one seed (it fixes the step count from the first run)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     order = sorted(archs, key=lambda a: a != "orthros") if seconds is not None else list(archs)
-    desc = {a: f"[{i + 1}/{len(archs)}] train {a}" for i, a in enumerate(order)}
-    data = TrainData(preset, seed)  # the batches do not depend on the step count
+    runs = [(a, s) for s in seeds for a in order]
+    tag = lambda a, s: a if len(seeds) == 1 else f"{a} seed {s}"  # noqa: E731
+    desc = {(a, s): f"[{i + 1}/{len(runs)}] train {tag(a, s)}" for i, (a, s) in enumerate(runs)}
     results = {}
+    data = {s: TrainData(preset, s) for s in seeds} if jobs == 1 or seconds is not None else {}
     if seconds is not None:  # the first architecture fixes the step count of the others
-        first = order.pop(0)
-        results[first] = _train_and_evaluate(first, preset, seed, device, desc[first], seconds=seconds, data=data)
-        print(_summary(first, results[first]), flush=True)
+        first = runs.pop(0)
+        results[first] = _train_and_evaluate(first[0], preset, first[1], device, desc[first], seconds=seconds,
+                                             data=data[first[1]])
+        print(_summary(first[0], results[first]), flush=True)
         preset = dataclasses.replace(preset, steps=results[first]["train"]["steps"])
     if jobs > 1:  # each worker builds the same data itself
-        done = run_jobs(_train_and_evaluate, [(a, preset, seed, device, desc[a], None, i) for i, a in enumerate(order)],
-                        jobs)
-        for a, r in zip(order, done):
-            print(_summary(a, r), flush=True)
+        done = run_jobs(_train_and_evaluate, [(a, preset, s, device, desc[a, s], None, i)
+                                              for i, (a, s) in enumerate(runs)], jobs)
     else:
         done = []
-        for a in order:
-            done.append(_train_and_evaluate(a, preset, seed, device, desc[a], data=data))
-            print(_summary(a, done[-1]), flush=True)
-    results.update(zip(order, done))
-    results = {a: results[a] for a in archs}  # the table in the order asked for
+        for a, s in runs:
+            done.append(_train_and_evaluate(a, preset, s, device, desc[a, s], data=data[s]))
+            print(_summary(a, done[-1]) + ("" if len(seeds) == 1 else f" (seed {s})"), flush=True)
+    if jobs > 1:
+        for (a, s), r in zip(runs, done):
+            print(_summary(a, r) + ("" if len(seeds) == 1 else f" (seed {s})"), flush=True)
+    results.update(zip(runs, done))
+    if len(seeds) == 1:
+        results = {a: results[a, seeds[0]] for a in archs}  # the table in the order asked for
+    else:
+        results = {a: aggregate({s: results[a, s] for s in seeds}) for a in archs}
     table = format_table(results, preset)
-    meta = {"preset": preset_name, "seed": seed, "device": str(device), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "config": _jsonable(dataclasses.asdict(preset)), "torch": torch.__version__}
+    meta = {"preset": preset_name, "seed": seeds[0] if len(seeds) == 1 else seeds, "device": str(device),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "config": _jsonable(dataclasses.asdict(preset)),
+            "torch": torch.__version__}
     (out / "results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     (out / "table.md").write_text(table + "\n")
     plot(results, preset, out / "recall.png")
     return {"meta": meta, "results": results, "table": table}
+
+
+def aggregate(per_seed: dict) -> dict:
+    """Runs of one architecture under several seeds -> one result whose numbers are the
+    means over seeds (same structure: the table and the plot read it as one run), with
+    "range": the same structure holding [min, max], and "per_seed": every run."""
+    runs = list(per_seed.values())
+
+    def combine(values, reduce):
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: combine([v[k] for v in values], reduce) for k in first}
+        if isinstance(first, (int, float)) and not isinstance(first, bool):
+            return reduce(values)
+        return first  # configs, names: equal across seeds
+
+    mean = combine(runs, lambda v: sum(v) / len(v))
+    return {**mean, "range": combine(runs, lambda v: [min(v), max(v)]),
+            "per_seed": {str(s): r for s, r in per_seed.items()}}
 
 
 def _jsonable(x):
