@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from orthros.experiments.recall import ARCHS, PRESETS, TrainData, train_model
+from orthros.experiments.presets import ARCHS, PRESETS
+from orthros.experiments.recall import TrainData, train_model
 
 
 def main():

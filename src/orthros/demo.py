@@ -28,7 +28,8 @@ from tqdm import tqdm
 from .data.tokenizer import ByteTokenizer
 from .eval.mqar import MQARConfig
 from .eval.tasks import eval_mqar
-from .experiments.recall import LABELS, Preset, TrainData, train_model
+from .experiments.presets import LABELS, Preset
+from .experiments.recall import TrainData, train_model
 from .generate import generate
 
 ARCHS = ("orthros", "full", "swa")
@@ -151,7 +152,7 @@ def run(args) -> int:
     for arch, r in res["recall"].items():
         print(f"  {LABELS[arch]:<20}{r['params'] / 1e6:>8.2f}M{r['steps']:>7}"
               + "".join(f"{100 * a:>13.1f}" for a in r["mqar"].values()))
-    print(f"\nPrefill (logits_to_keep=1, batch 1, median of 3): milliseconds on this CPU")
+    print("\nPrefill (logits_to_keep=1, batch 1, median of 3): milliseconds on this CPU")
     print(f"  {'length':>8}{'full':>12}{'Orthros':>12}{'speed-up':>10}")
     for L, t in res["prefill"].items():
         print(f"  {L:>8}{1000 * t['full']:>12.1f}{1000 * t['orthros']:>12.1f}{t['full'] / t['orthros']:>9.1f}x")

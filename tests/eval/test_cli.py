@@ -71,7 +71,8 @@ def test_experiment_smoke_trains_alike_and_tabulates(tmp_path, capsys):
 def test_train_data_cycles_passkey_lengths_at_equal_tokens():
     import dataclasses
 
-    from orthros.experiments.recall import PRESETS, TrainData
+    from orthros.experiments.presets import PRESETS
+    from orthros.experiments.recall import TrainData
 
     preset = dataclasses.replace(PRESETS["smoke"], passkey_lengths=[128, 256], passkey_batch=4)
     data = TrainData(preset, seed=0)

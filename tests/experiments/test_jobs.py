@@ -42,7 +42,8 @@ def test_recall_jobs_train_the_same_models(tmp_path):
 def test_recall_several_seeds_mean_and_range(tmp_path):
     """Several seeds: each run equals the one-seed run with that seed; the table shows the
     mean over seeds with the range."""
-    from orthros.experiments.recall import aggregate, run_experiment
+    from orthros.experiments.recall import run_experiment
+    from orthros.experiments.report import aggregate
 
     one = {s: run_experiment("smoke", ("full",), seed=s, out=tmp_path / f"s{s}")["results"]["full"] for s in (0, 1)}
     both = run_experiment("smoke", ("full",), seed=[0, 1], out=tmp_path / "both", jobs=2)

@@ -7,7 +7,8 @@ import torch
 
 from orthros.data.tokenizer import ByteTokenizer
 from orthros.eval.passkey import passkey_batch
-from orthros.experiments.recall import PRESETS, Preset, TrainData, train_model
+from orthros.experiments.presets import PRESETS, Preset
+from orthros.experiments.recall import TrainData, train_model
 from orthros.models import OrthrosForCausalLM
 
 

@@ -16,7 +16,7 @@ EXPERIMENTS = ("recall",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .recall import ARCHS, PRESETS
+    from .presets import ARCHS, PRESETS
 
     p.add_argument("name", choices=EXPERIMENTS, help="which experiment")
     p.add_argument("--preset", default="cpu", help=f"sizes and steps: {', '.join(PRESETS)} (default cpu)")

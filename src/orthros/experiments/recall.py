@@ -26,7 +26,6 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,111 +33,14 @@ from tqdm import tqdm
 
 from ..data.stdlib import stdlib_text
 from ..data.tokenizer import ByteTokenizer
-from ..eval.mqar import MQARConfig, mqar_batch
-from ..eval.passkey import PasskeyConfig, passkey_batch
+from ..eval.mqar import mqar_batch
+from ..eval.passkey import passkey_batch
 from ..eval.tasks import eval_mqar, eval_passkey, eval_perplexity, heldout_tokens
 from ..layers.fused import fused_mode
-from ..models import OrthrosConfig, OrthrosForCausalLM
+from ..models import OrthrosForCausalLM
 from .jobs import run_jobs
-
-ARCHS = {  # name -> config changes
-    "full": dict(attention="full"),
-    "swa": dict(attention="swa"),
-    "orthros": dict(attention="orthros"),
-    "orthros-noso": dict(attention="orthros", scale_offset=False),
-}
-LABELS = {"full": "Transformer (full)", "swa": "SWA", "orthros": "Orthros", "orthros-noso": "Orthros w/o SO"}
-
-
-@dataclass
-class Preset:
-    """One experiment's sizes; every architecture gets exactly these."""
-
-    hidden_size: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    window: int = 32
-    steps: int = 500
-    lr: float = 1e-3
-    warmup: int = 20
-    weight_decay: float = 0.1
-    attn_backend: str = "auto"
-    # ORTHROS_FUSED while training (an explicit environment setting wins); "0": eager
-    # row-wise ops, faster for models small enough that a step is bound by the host
-    # (benchmarks/recall_steps.py: 9.4 vs 6.9 steps/s for the GPU preset's Orthros).
-    row_ops: str | None = None
-    # Training MQAR: few pairs over a small vocabulary — what a tiny model learns in
-    # a few hundred steps (more pairs or a larger vocabulary lengthen the plateau).
-    mqar_train: MQARConfig = field(default_factory=lambda: MQARConfig(seq_len=128, num_kv_pairs=4, vocab_size=32))
-    mqar_batch: int = 32
-    text_seq_len: int = 256
-    text_batch: int = 4
-    # Training passkeys: lengths taken in turn, one per step; every step holds
-    # passkey_batch x passkey_lengths[0] tokens (a longer length: fewer samples).
-    passkey_lengths: list[int] = field(default_factory=lambda: [256])
-    passkey_batch: int = 16
-    passkey_copy_labels: bool = True
-    """also train on the key's second copy inside the needle (a local copy: the same
-    copying circuit with a short-range signal); evaluation scores the answer alone"""
-    passkey_weight: float = 1.0
-    """weight of the passkey loss in the summed loss (MQAR and text weigh 1)"""
-    passkey_first: int = 0
-    """steps of passkey-only training (at passkey_lengths[0]) before the three tasks mix;
-    they count in `steps`"""
-    passkey_lengths_late: list[int] = field(default_factory=list)
-    """from step `passkey_late_from` on, the training passkey lengths cycle through these
-    instead (a length curriculum: long passkeys once the copy is learned on short ones);
-    empty: `passkey_lengths` throughout. Tokens a step stay passkey_batch x passkey_lengths[0]."""
-    passkey_late_from: int = 0
-    text_bytes: int = 4_000_000
-    # evaluation
-    mqar_eval_lengths: list[int] = field(default_factory=lambda: [256, 512, 1024])
-    mqar_eval_samples: int = 128
-    passkey: PasskeyConfig = field(default_factory=lambda: PasskeyConfig([256, 512, 1024], [0, 0.25, 0.5, 0.75, 1], 8))
-    ppl_seq_len: int = 256
-    ppl_tokens: int = 32_768
-    batch_size: int = 16
-    eval_tasks: tuple = ("mqar", "passkey", "ppl")
-
-    def model_config(self, arch: str) -> OrthrosConfig:
-        return OrthrosConfig(vocab_size=256, hidden_size=self.hidden_size, intermediate_size=3 * self.hidden_size,
-                             num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                             num_key_value_heads=self.kv_heads, head_dim=self.hidden_size // self.heads,
-                             window_size=self.window, max_position_embeddings=16384, tie_word_embeddings=True,
-                             attn_backend=self.attn_backend, **ARCHS[arch])
-
-
-PRESETS = {
-    # a few seconds: for the tests
-    "smoke": Preset(hidden_size=32, window=16, steps=3, warmup=1,
-                    mqar_train=MQARConfig(seq_len=64, num_kv_pairs=4, vocab_size=64), mqar_batch=4, text_seq_len=64,
-                    text_batch=2, passkey_lengths=[128, 160], passkey_batch=2, text_bytes=200_000,
-                    mqar_eval_lengths=[64, 128], mqar_eval_samples=8, passkey=PasskeyConfig([128, 160], [0.0, 1.0], 2),
-                    ppl_seq_len=64, ppl_tokens=512),
-    # <= 10 minutes on 2 CPU cores: W = 32, MQAR trained at 4 W, tested at 8, 16, 32 W; a few
-    # passkey samples (too few for a tiny model to learn the 5-digit copy in 500 steps).
-    "cpu": Preset(passkey_batch=4, passkey_copy_labels=False),
-    # the same models and budget with passkey training at 128-512 tokens, 4096 tokens a step,
-    # with the needle-copy labels, 560 steps: Orthros learns part of the passkey grid (seeds 0
-    # and 1), the Transformer's passkey loss never leaves "a digit comes next" (0%, both seeds),
-    # and SWA misses MQAR (see docs/results.md for the recipes tried)
-    "cpu-passkey": Preset(steps=560, passkey_lengths=[128, 256, 512], passkey_batch=32),
-    # the same with the passkey loss weighted 4x: the Transformer reaches 74% with seed 0 (Orthros
-    # 53%, its MQAR lower, every perplexity ~30% higher); with seed 1 neither learns the passkey
-    "cpu-passkey-w4": Preset(steps=560, passkey_lengths=[128, 256, 512], passkey_batch=32, passkey_weight=4.0),
-    # zoology-style: MQAR only (no text, no passkey), ~2 min per model on 2 CPU cores
-    "cpu-mqar": Preset(steps=400, text_batch=0, passkey_batch=0, text_bytes=100_000, eval_tasks=("mqar",)),
-    # one GPU, a few minutes: a wider, deeper model, 4x the steps, MQAR trained at 8 W, tested up to 64 W.
-    # The naive op: no compilation inside a short run (FlexAttention compiles per shape).
-    "gpu": Preset(hidden_size=256, layers=4, heads=8, kv_heads=4, window=32, steps=2000, lr=1e-3, warmup=50,
-                  attn_backend="naive", mqar_train=MQARConfig(seq_len=256, num_kv_pairs=4, vocab_size=32),
-                  mqar_batch=64, text_seq_len=512, text_batch=16, passkey_lengths=[256, 512, 1024],
-                  passkey_batch=32,
-                  text_bytes=8_000_000, mqar_eval_lengths=[256, 512, 1024, 2048], mqar_eval_samples=256,
-                  passkey=PasskeyConfig([512, 1024, 2048], [0, 0.25, 0.5, 0.75, 1], 20), ppl_seq_len=512,
-                  ppl_tokens=262_144, batch_size=32, row_ops="0"),
-}
+from .presets import ARCHS, LABELS, PRESETS, Preset
+from .report import aggregate, format_table, plot
 
 
 class TrainData:
@@ -241,82 +143,6 @@ def evaluate(model, preset: Preset, seed: int = 1234, device="cpu") -> dict:
     return res
 
 
-def format_table(results: dict, preset: Preset) -> str:
-    """One row per architecture, in the paper's layout (markdown)."""
-    W = preset.window
-    Ls = preset.mqar_eval_lengths
-    tasks = preset.eval_tasks
-    head = ["architecture", "params"] + ([f"MQAR {L} ({L // W}W)" for L in Ls] if "mqar" in tasks else [])
-    head += (["passkey"] if "passkey" in tasks else []) + (["ppl"] if "ppl" in tasks else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arch, r in results.items():
-        ev, rng = r["eval"], r.get("range", {}).get("eval")  # rng: [min, max] over seeds
-
-        def cell(*path, scale=100.0, fmt=".1f"):
-            v, spread = ev, rng
-            for k in path:
-                v, spread = v[k], spread[k] if spread else None
-            text = f"{scale * v:{fmt}}"
-            return text + (f" ({scale * spread[0]:{fmt}}–{scale * spread[1]:{fmt}})" if spread else "")
-
-        cells = [LABELS.get(arch, arch), f"{r['params'] / 1e6:.2f}M"]
-        if "mqar" in ev:
-            cells += [cell("mqar", "by_length", str(L)) for L in Ls]
-        if "passkey" in ev:
-            cells.append(cell("passkey", "mean"))
-        if "ppl" in ev:
-            cells.append(cell("ppl", "ppl", scale=1.0, fmt=".3f"))
-        lines.append("| " + " | ".join(cells) + " |")
-    seeds = next((list(r["per_seed"]) for r in results.values() if "per_seed" in r), None)
-    if seeds:
-        lines += ["", f"Mean over seeds {', '.join(seeds)} (range in brackets)."]
-    return "\n".join(lines)
-
-
-def plot(results: dict, preset: Preset, path) -> None:
-    """MQAR accuracy vs length and vs key distance, passkey accuracy vs length: one line per architecture."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for arch, r in results.items():
-        ev = r["eval"]
-        if "mqar" not in ev or "passkey" not in ev:
-            ev = {"mqar": ev.get("mqar", {"by_length": {}, "by_distance": {}}),
-                  "passkey": ev.get("passkey", {"config": {"lengths": [], "depths": [1]}, "grid": {}})}
-        Ls = [int(L) for L in ev["mqar"]["by_length"]]
-        axes[0].plot(Ls, [100 * a for a in ev["mqar"]["by_length"].values()], "o-", label=LABELS.get(arch, arch))
-        bins = list(ev["mqar"]["by_distance"])
-        axes[1].plot(range(len(bins)), [100 * a for a in ev["mqar"]["by_distance"].values()], "o-",
-                     label=LABELS.get(arch, arch))
-        axes[1].set_xticks(range(len(bins)), bins, rotation=30, fontsize=8)
-        pk = ev["passkey"]
-        lengths = pk["config"]["lengths"]
-        acc = [sum(pk["grid"][f"{L}/{d:g}"] for d in pk["config"]["depths"]) / len(pk["config"]["depths"])
-               for L in lengths]
-        axes[2].plot(lengths, [100 * a for a in acc], "o-", label=LABELS.get(arch, arch))
-    axes[0].set(xscale="log", xlabel="sequence length (tokens)", ylabel="MQAR accuracy %",
-                title=f"MQAR (window W={preset.window})")
-    axes[1].set(xlabel="key-to-query distance (tokens)", ylabel="MQAR accuracy %", title="MQAR by distance")
-    axes[2].set(xscale="log", xlabel="context length (tokens)", ylabel="exact match %", title="passkey retrieval")
-    for ax, key in ((axes[0], "mqar"), (axes[2], "passkey")):
-        first = next(iter(results.values()))["eval"]
-        ticks = ([int(L) for L in first["mqar"]["by_length"]] if key == "mqar" and "mqar" in first else
-                 first["passkey"]["config"]["lengths"] if key == "passkey" and "passkey" in first else [])
-        if ticks:
-            ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.minorticks_off()
-    for ax in axes:
-        ax.set_ylim(-3, 103)
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _train_and_evaluate(arch: str, preset: Preset, seed: int, device, desc: str, seconds: float | None = None,
                         position: int = 0, data: TrainData | None = None) -> dict:
     """One architecture trained and evaluated (a worker process's job with `--jobs`)."""
@@ -407,25 +233,6 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int | list[int] =
     (out / "table.md").write_text(table + "\n")
     plot(results, preset, out / "recall.png")
     return {"meta": meta, "results": results, "table": table}
-
-
-def aggregate(per_seed: dict) -> dict:
-    """Runs of one architecture under several seeds -> one result whose numbers are the
-    means over seeds (same structure: the table and the plot read it as one run), with
-    "range": the same structure holding [min, max], and "per_seed": every run."""
-    runs = list(per_seed.values())
-
-    def combine(values, reduce):
-        first = values[0]
-        if isinstance(first, dict):
-            return {k: combine([v[k] for v in values], reduce) for k in first}
-        if isinstance(first, (int, float)) and not isinstance(first, bool):
-            return reduce(values)
-        return first  # configs, names: equal across seeds
-
-    mean = combine(runs, lambda v: sum(v) / len(v))
-    return {**mean, "range": combine(runs, lambda v: [min(v), max(v)]),
-            "per_seed": {str(s): r for s, r in per_seed.items()}}
 
 
 def _jsonable(x):
