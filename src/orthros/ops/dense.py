@@ -56,7 +56,8 @@ def merge_partials(o1, lse1, o2, lse2):
     lse = torch.logaddexp(lse1, lse2)
     w1 = torch.exp(lse1 - lse).unsqueeze(-1)
     w2 = torch.exp(lse2 - lse).unsqueeze(-1)
-    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
+    f32 = lambda o: o.to(torch.float32, copy=True)  # noqa: E731 - fresh fp32 tensors, updated in place
+    return f32(o1).mul_(w1).add_(f32(o2).mul_(w2)).to(o1.dtype)
 
 
 def attend_lse(q, k, v, causal: bool, scale=None):
