@@ -89,6 +89,7 @@ def train_model(arch: str, preset: Preset, data: TrainData, seed: int = 0, devic
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": preset.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=preset.lr, betas=(0.9, 0.95), **fused)
     model.train()
+    on_cpu = torch.device(device).type == "cpu"
     total_steps = steps or preset.steps
     avg: dict[str, float] = {}
     start, step = time.time(), 0
@@ -119,7 +120,7 @@ def train_model(arch: str, preset: Preset, data: TrainData, seed: int = 0, devic
             bar.n = min(round(time.time() - start), round(seconds))
         else:
             bar.n = step
-        if step % 25 == 1 or progress >= 1:  # the losses reach the host (a sync) every 25 steps
+        if on_cpu or step % 25 == 1:  # on a GPU the losses reach the host (a sync) every 25 steps
             bar.set_postfix_str(f"step {step} " + " ".join(f"{k} {v.item():.2f}" for k, v in avg.items()))
         bar.refresh()
     bar.close()
