@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from orthros.ops import attention, naive_attention
-from orthros.ops.dense import attend_lse, merge_partials, sdpa_causal_offset
+from orthros.ops.dense import attend_lse, sdpa_causal_offset
+from orthros.ops.lse import lse_merge
 
 from .cases import _err
 
@@ -32,8 +33,8 @@ def _reference(q, k, v, start):
 def test_merge_of_two_key_sets_is_attention_over_their_union():
     q, k, v = (t.transpose(1, 2) for t in _inputs(2, 5, 11, 3, 3, 8))
     whole, lse = attend_lse(q, k, v, causal=False)
-    merged = merge_partials(*attend_lse(q, k[:, :, :4], v[:, :, :4], False),
-                            *attend_lse(q, k[:, :, 4:], v[:, :, 4:], False))
+    (o1, l1), (o2, l2) = attend_lse(q, k[:, :, :4], v[:, :, :4], False), attend_lse(q, k[:, :, 4:], v[:, :, 4:], False)
+    merged, _ = lse_merge([o1, o2], torch.stack([l1, l2]))
     assert _err(merged, whole) < 1e-6
     assert torch.allclose(lse, torch.logsumexp((q @ k.transpose(-1, -2)) * 8 ** -0.5, -1), atol=1e-5)
 

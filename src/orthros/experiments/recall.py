@@ -200,8 +200,8 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int | list[int] =
     out.mkdir(parents=True, exist_ok=True)
     order = sorted(archs, key=lambda a: a != "orthros") if seconds is not None else list(archs)
     runs = [(a, s) for s in seeds for a in order]
-    tag = lambda a, s: a if len(seeds) == 1 else f"{a} seed {s}"  # noqa: E731
-    desc = {(a, s): f"[{i + 1}/{len(runs)}] train {tag(a, s)}" for i, (a, s) in enumerate(runs)}
+    desc = {(a, s): f"[{i + 1}/{len(runs)}] train {a}" + ("" if len(seeds) == 1 else f" seed {s}")
+            for i, (a, s) in enumerate(runs)}
     results = {}
     data = {s: TrainData(preset, s) for s in seeds} if jobs == 1 or seconds is not None else {}
     if seconds is not None:  # the first architecture fixes the step count of the others
@@ -210,17 +210,17 @@ def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int | list[int] =
                                              data=data[first[1]])
         print(_summary(first[0], results[first]), flush=True)
         preset = dataclasses.replace(preset, steps=results[first]["train"]["steps"])
+    seed_note = (lambda s: "") if len(seeds) == 1 else (lambda s: f" (seed {s})")
     if jobs > 1:  # each worker builds the same data itself
         done = run_jobs(_train_and_evaluate, [(a, preset, s, device, desc[a, s], None, i)
                                               for i, (a, s) in enumerate(runs)], jobs)
+        for (a, s), r in zip(runs, done):
+            print(_summary(a, r) + seed_note(s), flush=True)
     else:
         done = []
         for a, s in runs:
             done.append(_train_and_evaluate(a, preset, s, device, desc[a, s], data=data[s]))
-            print(_summary(a, done[-1]) + ("" if len(seeds) == 1 else f" (seed {s})"), flush=True)
-    if jobs > 1:
-        for (a, s), r in zip(runs, done):
-            print(_summary(a, r) + ("" if len(seeds) == 1 else f" (seed {s})"), flush=True)
+            print(_summary(a, done[-1]) + seed_note(s), flush=True)
     results.update(zip(runs, done))
     if len(seeds) == 1:
         results = {a: results[a, seeds[0]] for a in archs}  # the table in the order asked for

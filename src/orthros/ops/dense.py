@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .lse import lse_merge
+
 # How grouped K/V heads reach SDPA: "native" (enable_gqa=True) or "expand"
 # (repeat K/V heads first, which lets cuDNN take the call). Set by measurement.
 GQA_MODE = "native"
@@ -48,16 +50,6 @@ def sdpa_causal(q, k, v, scale=None, gqa_mode: str | None = None, backends=None)
     with ctx:
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=kt.shape[1] != H)
     return o.transpose(1, 2)
-
-
-def merge_partials(o1, lse1, o2, lse2):
-    """Two softmax-normalised partial results over disjoint key sets -> the result over
-    their union. o: [B, H, M, D]; lse: [B, H, M] (natural log-sum-exp of the scaled scores)."""
-    lse = torch.logaddexp(lse1, lse2)
-    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
-    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
-    f32 = lambda o: o.to(torch.float32, copy=True)  # noqa: E731 - fresh fp32 tensors, updated in place
-    return f32(o1).mul_(w1).add_(f32(o2).mul_(w2)).to(o1.dtype)
 
 
 def attend_lse(q, k, v, causal: bool, scale=None):
@@ -91,4 +83,5 @@ def sdpa_causal_offset(q, k, v, start: int, scale=None):
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     past = attend_lse(qt, kt[:, :, :start], vt[:, :, :start], causal=False, scale=scale)
     block = attend_lse(qt, kt[:, :, start:], vt[:, :, start:], causal=True, scale=scale)
-    return merge_partials(*past, *block).transpose(1, 2)
+    out, _ = lse_merge([past[0], block[0]], torch.stack([past[1], block[1]]))
+    return out.to(q.dtype).transpose(1, 2)

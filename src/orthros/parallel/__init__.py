@@ -8,7 +8,8 @@
 See docs/context_parallel.md.
 """
 
-from .comm import CPGroup, balanced_bounds, gather_merge, halo_exchange, init_from_env, lse_merge, shard_bounds, spawn
+from ..ops.lse import lse_merge
+from .comm import CPGroup, balanced_bounds, gather_merge, halo_exchange, init_from_env, shard_bounds, spawn
 from .context import ShardedCache, cp_decode_one_token, cp_generate, cp_prefill, partial_attention
 
 __all__ = [

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..ops.lse import lse_merge
 
 # torch >= 2.13 renames all_gather_into_tensor (same arguments)
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -136,17 +137,6 @@ def halo_exchange(xs, cp: CPGroup, span: int | None):
         return tuple(x[:, :0] for x in xs)
     halo = torch.cat(bufs, dim=1) if len(bufs) > 1 else bufs[0]
     return tuple(halo.split(splits, dim=-1))
-
-
-def lse_merge(o: torch.Tensor, lse: torch.Tensor):
-    """o [R, B, M, H, D], lse [R, B, M, H] (fp32 partials over disjoint keys)
-    -> (o [B, M, H, D], lse [B, M, H]); rows that see no key anywhere get 0, -inf."""
-    top = lse.amax(0, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lse - top)  # 0 for ranks that see nothing
-    total = w.sum(0)
-    out = (w[..., None] * o).sum(0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    return out, torch.log(total) + top[0]
 
 
 def gather_merge(o: torch.Tensor, lse: torch.Tensor, cp: CPGroup) -> torch.Tensor:

@@ -38,8 +38,9 @@ import torch.distributed as dist
 from ..generate import SamplingConfig, sample
 from ..models.layout import build_layout
 from ..ops import _interpreting, attention, triton_available
+from ..ops.lse import lse_merge
 from ..ops.naive import naive_attention
-from .comm import CPGroup, all_gather, gather_merge, halo_exchange, lse_merge, shard_bounds
+from .comm import CPGroup, all_gather, gather_merge, halo_exchange, shard_bounds
 
 MLP_CHUNK = 1 << 16  # rows per MLP call: bounds the [rows, intermediate] activations
 KEY_CHUNK = 1 << 15  # keys per reference-op call in the CPU / no-Triton path
