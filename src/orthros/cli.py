@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "demo": "orthros.demo",
     "generate": "orthros.generate_cli",
+    "download": "orthros.convert.download",
     "convert": "orthros.convert.cli",
     "eval-harness": "orthros.eval.lm_eval_cli",
     "train": "orthros.train.cli",

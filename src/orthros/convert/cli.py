@@ -2,6 +2,7 @@
 
     orthros convert Meta-Llama-3.1-8B llama-3.1-8b-orthros --window-size 128
     orthros convert Qwen3-8B qwen3-8b-orthros --dtype bf16
+    orthros convert SmolLM2-135M-Instruct.Q4_1.gguf smollm2-orthros   # a GGUF file (Llama / Qwen3)
 
 Every weight is reused; each layer gains the query scale-offset at identity,
 so with a window >= the sequence length the result computes exactly the
@@ -17,7 +18,8 @@ from .hf import OUT_DTYPES, convert_checkpoint
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files)")
+    p.add_argument("src", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), "
+                                "or a GGUF file / a directory holding one")
     p.add_argument("dst", help="output directory (must not exist, or be empty)")
     p.add_argument("--window-size", type=int, default=128, help="sliding window W of the base stream (default 128)")
     p.add_argument("--no-scale-offset", dest="scale_offset", action="store_false",

@@ -192,7 +192,10 @@ def _natural(name: str):
 def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128, scale_offset: bool = True,
                        dtype: str | None = None, max_shard_size: str | int = "5GB",
                        block_bytes: int = BLOCK_BYTES, progress: bool = True) -> Path:
-    """Convert the Llama 3.x / Qwen3 checkpoint directory `src` into an Orthros one at `dst`.
+    """Convert the Llama 3.x / Qwen3 checkpoint `src` into an Orthros one at `dst`.
+
+    `src` is a Hugging Face directory, or a GGUF file (or a directory holding one),
+    dequantized to fp32 first (`convert.gguf`).
 
     Args:
         window_size: the base stream's sliding window W.
@@ -204,9 +207,19 @@ def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128,
         `dst`, holding config.json, generation_config.json, safetensors shards
         (+ index) and the source's tokenizer files.
     """
+    from .gguf import gguf_to_hf, is_gguf
+
     src, dst = Path(src), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"destination {dst} already exists and is not an empty directory; choose another")
+    if is_gguf(src):  # dequantize to a plain fp32 HF checkpoint beside dst first, then convert that
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.gguf-", dir=dst.parent))
+        try:
+            hf = gguf_to_hf(src, staging / "hf", dtype="fp32", progress=progress)
+            return convert_checkpoint(hf, dst, window_size, scale_offset, dtype, max_shard_size, block_bytes, progress)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     plan = plan_conversion(src, window_size, scale_offset, dtype)
     shards = plan_shards(plan.out, parse_size(max_shard_size))
     dst.parent.mkdir(parents=True, exist_ok=True)
