@@ -33,15 +33,9 @@ class OrthrosLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
 
 
-def evaluate(model_dir: str, tasks: list[str], *, batch_size: int | str = 1, device: str | None = None,
-             limit: int | float | None = None, num_fewshot: int | None = None, include_path: str | None = None,
-             dtype: str = "auto", seed: int = 0, log_samples: bool = False) -> dict:
-    """Run lm-eval `tasks` on the Orthros checkpoint `model_dir`; return lm-eval's results dict."""
-    import lm_eval
-    import torch
+def _task_manager(tasks: list[str], include_path: str | None):
     from lm_eval.tasks import TaskManager
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     task_manager = None
     if include_path:  # indexing lm-eval's ~15k built-in tasks takes seconds: skip it when the local ones suffice
         task_manager = TaskManager(include_path=include_path, include_defaults=False)
@@ -52,6 +46,29 @@ def evaluate(model_dir: str, tasks: list[str], *, batch_size: int | str = 1, dev
     if unknown:
         raise ValueError(f"unknown lm-eval task(s): {', '.join(unknown)}"
                          + ("" if include_path else " (local task YAMLs need --include-path)"))
+    return task_manager
+
+
+def evaluate_model(model, tokenizer, tasks: list[str], *, batch_size: int = 1, include_path: str | None = None,
+                   limit: int | float | None = None, seed: int = 0) -> dict:
+    """lm-eval `tasks` on a model object already in memory (e.g. one arm of an experiment)."""
+    import lm_eval
+
+    task_manager = _task_manager(tasks, include_path)
+    lm = OrthrosLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, task_manager=task_manager, random_seed=seed,
+                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+
+
+def evaluate(model_dir: str, tasks: list[str], *, batch_size: int | str = 1, device: str | None = None,
+             limit: int | float | None = None, num_fewshot: int | None = None, include_path: str | None = None,
+             dtype: str = "auto", seed: int = 0, log_samples: bool = False) -> dict:
+    """Run lm-eval `tasks` on the Orthros checkpoint `model_dir`; return lm-eval's results dict."""
+    import lm_eval
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    task_manager = _task_manager(tasks, include_path)
     lm = OrthrosLM(pretrained=str(model_dir), device=device, batch_size=batch_size, dtype=dtype)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                    task_manager=task_manager, log_samples=log_samples, random_seed=seed,

