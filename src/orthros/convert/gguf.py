@@ -53,9 +53,12 @@ def find_gguf(src: str | Path) -> Path:
 
 
 def is_gguf(src: str | Path) -> bool:
-    """Whether `src` is a GGUF file, or a directory with .gguf files and no config.json."""
+    """Whether `src` is (meant as) a GGUF file — named *.gguf or starting with the GGUF
+    magic — or a directory with .gguf files and no config.json."""
     p = Path(src)
     if p.is_file():
+        if p.suffix.lower() == ".gguf":
+            return True
         with open(p, "rb") as f:
             return f.read(4) == GGUF_MAGIC
     return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
