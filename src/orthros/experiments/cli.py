@@ -33,9 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..errors import check_output_dir
+    from ..loading import resolve_device
     from .recall import run_experiment
 
+    resolve_device(args.device)
     out = args.out or f"runs/experiment-{args.name}-{args.preset}"
+    check_output_dir(out, "--out")
     seed = args.seed[0] if len(args.seed) == 1 else args.seed
     res = run_experiment(args.preset, args.archs, seed, args.device, out, args.steps, args.seconds, args.jobs)
     print()
