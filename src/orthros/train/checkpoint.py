@@ -80,6 +80,13 @@ def check_resumable(p: Path) -> Path:
         raise FileNotFoundError(f"checkpoint.resume: {str(p)!r} is not a checkpoint directory (no {STATE_JSON})")
     if not (p / STATE_TENSORS).is_file():
         raise UserError(f"{p}: incomplete checkpoint ({STATE_JSON} without {STATE_TENSORS})")
+    from ..convert.safetensors_stream import read_header
+
+    read_json(p / STATE_JSON, "training state")  # cheap checks now, before the model and data are built
+    try:
+        read_header(p / STATE_TENSORS)
+    except ValueError as e:
+        raise UserError(one_line(e)) from None
     return p
 
 

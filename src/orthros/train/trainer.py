@@ -216,11 +216,11 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
     if cfg.data.seq_len > mc.max_position_embeddings:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
                          f"{mc.max_position_embeddings}")
+    t_data = time.perf_counter()
+    tok, train_rows, held_rows, fmt = load_data(cfg, mc, resume, d, out)  # a bad corpus fails before out_dir exists
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
     D.barrier(d)
-    t_data = time.perf_counter()
-    tok, train_rows, held_rows, fmt = load_data(cfg, mc, resume, d, out)
     tv = vocab_size_of(tok)
     if resume is None and cfg.model.init_from is None:
         mc.vocab_size = cfg.model.vocab_size or -(-tv // 64) * 64
