@@ -226,8 +226,10 @@ def read_state(ckpt: Path) -> dict:
     try:
         read_header(ckpt / STATE_TENSORS)  # truncation named before safetensors' own, vaguer error
         tensors = load_file(str(ckpt / STATE_TENSORS))
+    except ValueError as e:  # read_header's message names the file
+        raise UserError(one_line(e)) from None
     except Exception as e:
-        if isinstance(e, ValueError) or type(e).__name__ == "SafetensorError":
+        if type(e).__name__ == "SafetensorError":
             raise UserError(f"{ckpt / STATE_TENSORS}: damaged ({one_line(e)})") from None
         raise
     state = _join(tree, tensors, ckpt)
