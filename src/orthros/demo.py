@@ -108,13 +108,16 @@ def check_args(args) -> None:
     """Every range check before the minutes of training."""
     from .errors import UserError, check_output_dir
 
-    for flag, ok in (("--seconds must be > 0", args.seconds > 0), ("--window must be >= 1", args.window >= 1),
-                     ("--seq-len must be >= 32", args.seq_len >= 32), ("--batch-size must be >= 1", args.batch_size >= 1),
-                     ("--lr must be > 0", args.lr > 0), ("--max-new-tokens must be >= 0", args.max_new_tokens >= 0),
-                     ("--prefill-lengths must all be >= 1", min(args.prefill_lengths or [1]) >= 1),
-                     ("--prompt must not be empty", bool(args.prompt))):
+    for problem, ok in (("--seconds must be > 0", args.seconds > 0),
+                        ("--window must be >= 1", args.window >= 1),
+                        ("--seq-len must be >= 32", args.seq_len >= 32),
+                        ("--batch-size must be >= 1", args.batch_size >= 1),
+                        ("--lr must be > 0", args.lr > 0),
+                        ("--max-new-tokens must be >= 0", args.max_new_tokens >= 0),
+                        ("--prefill-lengths must all be >= 1", min(args.prefill_lengths or [1]) >= 1),
+                        ("--prompt must not be empty", bool(args.prompt))):
         if not ok:
-            raise UserError(flag)
+            raise UserError(problem)
     mqar = demo_preset(args).mqar_train
     for L in args.mqar_lengths or []:
         try:

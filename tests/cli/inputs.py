@@ -80,6 +80,7 @@ def build_models(w: Path, tok) -> None:
     tok.save_pretrained(bpe)
     shutil.copytree(bpe, w / "notok", ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
     _variant(bpe, w / "badtok")
+    tok.save_pretrained(_variant(byte, w / "bigtok"))  # a 320-token tokenizer beside a 256-token model
     (w / "badtok/tokenizer.json").write_text('{"version": "1.0", "model": ')
 
     weights = byte / "model.safetensors"
