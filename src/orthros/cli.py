@@ -2,6 +2,9 @@
 
 A subcommand module defines `add_arguments(parser)` and `run(args)`; list it
 in COMMANDS. Help text comes from the module docstring's first line.
+
+A user's mistake (orthros.errors) ends in one line, `orthros CMD: error: ...`,
+and exit code 2; `--debug` or ORTHROS_DEBUG=1 shows its traceback instead.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from .errors import UserError, debug_enabled, user_message  # noqa: F401  (UserError: cli.UserError, as before)
 
 COMMANDS = {
     "demo": "orthros.demo",
@@ -23,12 +28,10 @@ COMMANDS = {
 }
 
 
-class UserError(Exception):
-    """A mistake in the user's input: printed as one line, exit code 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orthros", description="Orthros attention: train, convert, evaluate, benchmark.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a user error too (same as ORTHROS_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, path in COMMANDS.items():
         mod = importlib.import_module(path)
@@ -44,12 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args._run(args) or 0
-    except (UserError, ValueError, FileNotFoundError) as e:
-        print(f"orthros {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"orthros {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        msg = user_message(e)
+        if msg is None or args.debug or debug_enabled():  # a bug, or a developer asking for the traceback
+            raise
+        print(f"orthros {args.command}: error: {msg}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -104,12 +104,34 @@ def plot(res: dict, W: int, path: Path) -> None:
     plt.close(fig)
 
 
+def check_args(args) -> None:
+    """Every range check before the minutes of training."""
+    from .errors import UserError, check_output_dir
+
+    for problem, ok in (("--seconds must be > 0", args.seconds > 0),
+                        ("--window must be >= 1", args.window >= 1),
+                        ("--seq-len must be >= 32", args.seq_len >= 32),
+                        ("--batch-size must be >= 1", args.batch_size >= 1),
+                        ("--lr must be > 0", args.lr > 0),
+                        ("--max-new-tokens must be >= 0", args.max_new_tokens >= 0),
+                        ("--prefill-lengths must all be >= 1", min(args.prefill_lengths or [1]) >= 1),
+                        ("--prompt must not be empty", bool(args.prompt))):
+        if not ok:
+            raise UserError(problem)
+    mqar = demo_preset(args).mqar_train
+    for L in args.mqar_lengths or []:
+        try:
+            dataclasses.replace(mqar, seq_len=L).validate()
+        except ValueError as e:
+            raise UserError(f"--mqar-lengths {L}: {e}") from None
+    check_output_dir(args.out, "--out")
+
+
 def run(args) -> int:
+    check_args(args)
     if args.quick:
         args.seconds = min(args.seconds, 3.0)
         args.max_new_tokens = min(args.max_new_tokens, 20)
-    if args.seconds <= 0 or args.window < 1 or args.seq_len < 32 or args.batch_size < 1:
-        raise ValueError("--seconds must be > 0, --window >= 1, --seq-len >= 32, --batch-size >= 1")
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

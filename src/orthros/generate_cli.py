@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from .data.tokenizer import load_tokenizer
+from .errors import UserError
 from .generate import generate
+from .loading import check_model_dir, load_model, resolve_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,25 +32,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def check_args(args) -> None:
+    """Range checks before anything is loaded."""
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.temperature >= 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must lie in (0, 1], got {args.top_p}")
+    if args.prefill_chunk_size is not None and args.prefill_chunk_size < 1:
+        raise UserError(f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
+    if not args.prompt:
+        raise UserError("--prompt is empty")
+
+
 def run(args) -> int:
-    from .models import OrthrosForCausalLM
-
+    check_args(args)
+    device = resolve_device(args.device)
     d = Path(args.model)
-    if not (d / "config.json").exists():
-        raise FileNotFoundError(f"{d} is not a model directory (no config.json)")
-    model = OrthrosForCausalLM.from_pretrained(str(d)).to(args.device).eval()
-    if args.adapter:
-        from .models.adapter import apply_adapter
-
-        apply_adapter(model, args.adapter)
-    tok = load_tokenizer(d, model.config.vocab_size)
+    cfg = check_model_dir(d)  # config, weights' headers, tokenizer and prompt: all checked before a weight is read
+    tok = load_tokenizer(d, cfg.vocab_size)
     if args.chat:
         if not getattr(tok, "chat_template", None):
-            raise ValueError(f"{d}: the tokenizer has no chat template (drop --chat)")
+            raise UserError(f"{d}: the tokenizer has no chat template (drop --chat)")
         prompt = list(tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                               tokenize=True, return_dict=False))
     else:
         prompt = tok.encode(args.prompt)
+    if not prompt:
+        raise UserError("--prompt encodes to no tokens")
+    if max(prompt) >= cfg.vocab_size:
+        raise UserError(f"{d}: the tokenizer gives token id {max(prompt)}, outside the model's vocabulary "
+                        f"(vocab_size={cfg.vocab_size} in {d / 'config.json'})")
+    if len(prompt) + args.max_new_tokens > cfg.max_position_embeddings:
+        raise UserError(f"{d / 'config.json'}: the prompt ({len(prompt)} tokens) plus --max-new-tokens "
+                        f"{args.max_new_tokens} exceeds the model's context (max_position_embeddings="
+                        f"{cfg.max_position_embeddings})")
+    model = load_model(d, config=cfg).to(device).eval()
+    if args.adapter:
+        from .models.adapter import apply_adapter
+
+        apply_adapter(model, args.adapter)
     eos = getattr(tok, "eos_token_id", None)
     ids = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=eos,

@@ -28,4 +28,10 @@ def add_arguments(parser):
 
 
 def run(args):
+    from ..errors import check_output_dir
+    from ..loading import resolve_device
+
+    if args.device is not None:
+        resolve_device(args.device)
+    check_output_dir(args.out_dir, "--out-dir")
     return args._bench_run(args)

@@ -211,12 +211,7 @@ def result_from(args, name: str, measure, key=None) -> dict:
     measurement repeated, and the later run's row replaces the earlier one."""
     if args.from_json:
         paths = [args.from_json] if isinstance(args.from_json, str) else list(args.from_json)
-        runs = []
-        for path in paths:
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"--from-json: no such file {path}")
-            with open(path) as f:
-                runs.append(json.load(f))
+        runs = [read_result(path, args.bench) for path in paths]
         if len(runs) == 1:
             return runs[0]
         result = merge_runs(runs)  # saved as one run (the inputs are read already)
@@ -228,6 +223,22 @@ def result_from(args, name: str, measure, key=None) -> dict:
     with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
+
+
+def read_result(path: str, bench: str) -> dict:
+    """A saved `orthros bench BENCH` result (`--from-json`); UserError naming the file otherwise."""
+    from ..errors import UserError, read_json
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--from-json: no such file {path}")
+    r = read_json(path, "benchmark result")
+    if not (isinstance(r, dict) and isinstance(r.get("rows"), list) and isinstance(r.get("env"), dict)
+            and all(isinstance(row, dict) for row in r["rows"])):
+        raise UserError(f"{path}: not a saved `orthros bench {bench}` result (no rows / env)")
+    cmd = str(r.get("command", ""))
+    if cmd.startswith("orthros bench ") and not cmd.startswith(f"orthros bench {bench}"):
+        raise UserError(f"{path}: a result of `{' '.join(cmd.split()[:3])}`, not of `orthros bench {bench}`")
+    return r
 
 
 def merge_runs(runs: list[dict]) -> dict:

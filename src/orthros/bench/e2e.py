@@ -25,7 +25,6 @@ differences).
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 
 from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_fast, fast_decode_step,
                         new_static_cache, prefill)
-from ..models import OrthrosConfig, OrthrosForCausalLM
+from ..models import OrthrosConfig
 from ..models.static_cache import FP8, KV_DTYPES
 from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, save_figure, subplots,
                      sync, variant_config)
@@ -193,9 +192,9 @@ def agreement(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     if args.checkpoint:
-        if not os.path.isdir(args.checkpoint):
-            raise FileNotFoundError(f"--checkpoint: no such directory {args.checkpoint}")
-        model = OrthrosForCausalLM.from_pretrained(args.checkpoint).to(device=device, dtype=dtype).eval()
+        from ..loading import load_model
+
+        model = load_model(args.checkpoint).to(device=device, dtype=dtype).eval()
         name = args.checkpoint
     else:
         over = dict(window_size=args.window)

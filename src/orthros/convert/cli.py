@@ -13,6 +13,7 @@ window. Streams tensor by tensor: memory stays far below the checkpoint size.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .hf import OUT_DTYPES, convert_checkpoint
 
@@ -30,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..data.tokenizer import TOKENIZER_FILES
+    from ..errors import UserError
+
+    src = Path(args.src)
+    if (src / "config.json").is_file() and not any((src / f).exists() for f in TOKENIZER_FILES):
+        raise UserError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the converted model could not "
+                        f"read text (copy the source model's tokenizer files beside its config.json)")
     out = convert_checkpoint(args.src, args.dst, window_size=args.window_size, scale_offset=args.scale_offset,
                              dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"wrote {out}")

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import UserError, one_line, read_json
+from ..loading import PICKLE_SUFFIXES
 from ..models.config import OrthrosConfig
 from .safetensors_stream import BLOCK_BYTES, PlannedTensor, ShardWriter, TensorInfo, iter_blocks, parse_size, \
     plan_shards, read_header
@@ -65,6 +67,9 @@ def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True,
     rope_scaling = None if kind_rope == "default" else rope
 
     heads = src["num_attention_heads"]
+    need(type(heads) is int and heads >= 1, "num_attention_heads", "must be a positive integer")
+    need(src.get("head_dim") or (type(src["hidden_size"]) is int and src["hidden_size"] % heads == 0),
+         "hidden_size", f"must be a multiple of num_attention_heads={heads} when no head_dim is given")
     return OrthrosConfig(
         vocab_size=src["vocab_size"],
         hidden_size=src["hidden_size"],
@@ -109,7 +114,10 @@ def source_tensors(src: Path) -> dict[str, TensorInfo]:
     """name -> TensorInfo over the checkpoint's shards (index.json or a single file)."""
     index = src / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        idx = read_json(index, "safetensors index")
+        weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise UserError(f"{index}: no 'weight_map' (tensor name -> shard file)")
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (src / f).exists()]
         if missing:
@@ -118,12 +126,19 @@ def source_tensors(src: Path) -> dict[str, TensorInfo]:
         files = sorted(p.name for p in src.glob("*.safetensors"))
         if not files:
             other = sorted(p.name for p in src.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+            pickles = [n for n in other if n.endswith(PICKLE_SUFFIXES)]
+            if pickles:
+                raise UserError(f"{src / pickles[0]}: a pickle-format checkpoint, refused: orthros reads safetensors "
+                                f"only and never unpickles a file (that can run arbitrary code)")
             raise FileNotFoundError(f"{src}: no *.safetensors weights" + (f" (found {', '.join(other)}; only "
                                                                            "safetensors is supported)" if other else ""))
         weight_map = None
     tensors: dict[str, TensorInfo] = {}
     for f in files:
-        infos, _ = read_header(src / f)
+        try:
+            infos, _ = read_header(src / f)
+        except ValueError as e:  # damaged or truncated; the message names the file
+            raise UserError(one_line(e)) from None
         for name, info in infos.items():
             if name in tensors:
                 raise ValueError(f"{src}: tensor {name!r} appears in both {tensors[name].file.name} and {f}")
@@ -151,7 +166,9 @@ def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str 
     cfg_path = src / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{src} has no config.json (expected a Hugging Face checkpoint directory)")
-    src_cfg = json.loads(cfg_path.read_text())
+    src_cfg = read_json(cfg_path, "config file")
+    if not isinstance(src_cfg, dict):
+        raise UserError(f"{cfg_path}: must hold a JSON object, got {type(src_cfg).__name__}")
     if not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"--window-size must be an integer >= 1, got {window_size!r}")
     tensors = source_tensors(src)
@@ -159,7 +176,12 @@ def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str 
         dtype = "fp32" if tensors and all(t.dtype == "F32" for t in tensors.values()) else "bf16"
     if dtype not in OUT_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
-    config = orthros_config(src_cfg, window_size, scale_offset, dtype)
+    try:
+        config = orthros_config(src_cfg, window_size, scale_offset, dtype)
+    except KeyError as e:
+        raise UserError(f"{cfg_path}: lacks {e.args[0]!r}") from None
+    except (ValueError, TypeError, ZeroDivisionError) as e:  # unsupported or out-of-range values
+        raise UserError(f"{cfg_path}: {one_line(e)}") from None
     want = expected_tensors(config)
     dropped = [n for n in tensors if n.endswith(DROPPED) or (config.tie_word_embeddings and n == "lm_head.weight")]
     have = {n: t for n, t in tensors.items() if n not in dropped}

@@ -61,10 +61,16 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (the header is not a JSON object)")
     meta = header.pop("__metadata__", None) or {}
-    base, out = 8 + n, {}
+    base, out, covered = 8 + n, {}, 0
     for name, h in header.items():
-        dtype, shape, (begin, end) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
+        try:
+            dtype, shape, (begin, end) = h["dtype"], tuple(int(d) for d in h["shape"]), map(int, h["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: damaged safetensors header (entry {name!r} is not "
+                             f"{{dtype, shape, data_offsets}})") from None
         if dtype not in DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
         want = math.prod(shape) * DTYPES[dtype].itemsize
@@ -73,6 +79,9 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict]:
         if base + end > size:
             raise ValueError(f"{path}: truncated (tensor {name!r} ends at byte {base + end}, file has {size})")
         out[name] = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
+        covered = max(covered, end)
+    if base + covered != size:  # safetensors itself refuses a buffer with bytes no tensor covers
+        raise ValueError(f"{path}: damaged ({size - base - covered} bytes after the last tensor)")
     return out, meta
 
 

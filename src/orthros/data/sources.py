@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import UserError
 from .stdlib import stdlib_files
 
 STDLIB = "stdlib"
@@ -35,7 +36,16 @@ def expand_paths(sources: list[str], suffixes=TEXT_SUFFIXES) -> list[Path]:
 
 
 def read_text(path: Path) -> str:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    """The UTF-8 text of a data file. A binary file is refused rather than read with
+    replacement characters: training on that would be a silent wrong result."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); a binary file? "
+                        f"(convert text in other encodings to UTF-8 first)") from None
+    if "\x00" in text:
+        raise UserError(f"{path}: not a text file (it holds NUL bytes)")
     if not text.strip():
         raise ValueError(f"data file {str(path)!r} is empty")
     return text
@@ -43,17 +53,16 @@ def read_text(path: Path) -> str:
 
 def read_jsonl(path: Path) -> list[dict]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}:{n}: each jsonl line must be a JSON object, got {type(obj).__name__}")
-            rows.append(obj)
+    for n, line in enumerate(read_text(path).split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n}: each jsonl line must be a JSON object, got {type(obj).__name__}")
+        rows.append(obj)
     if not rows:
         raise ValueError(f"data file {str(path)!r} is empty")
     return rows

@@ -23,16 +23,30 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def load_tokenizer(model_dir: str | Path, vocab_size: int | None = None):
-    """The tokenizer saved beside a model, else bytes for a 256-token vocabulary."""
+    """The tokenizer saved beside a model, else bytes for a 256-token vocabulary.
+
+    A missing or damaged tokenizer is a UserError naming the directory or file."""
+    from ..errors import UserError, one_line, read_json
+
     d = Path(model_dir)
-    if (d / "tokenizer.json").exists() or (d / "tokenizer_config.json").exists():
+    present = [d / f for f in TOKENIZER_FILES if (d / f).exists()]
+    if present:
+        for f in present:  # a syntax error named by file and line, not by the tokenizers library's Rust message
+            read_json(f, "tokenizer file")
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(d))
+        try:
+            return AutoTokenizer.from_pretrained(str(d))
+        except Exception as e:  # a damaged file: tokenizers / transformers raise all kinds
+            raise UserError(f"{present[0]}: cannot load the tokenizer ({one_line(e)})") from e
     if vocab_size == 256:
         return ByteTokenizer()
-    raise FileNotFoundError(f"no tokenizer files in {d} and the vocabulary ({vocab_size}) is not byte-level")
+    raise FileNotFoundError(f"{d}: no tokenizer files ({', '.join(TOKENIZER_FILES)}), and the vocabulary "
+                            f"({vocab_size}) is not byte-level (256)")
 
 
 # ---------------------------------------------------------------- trained BPE

@@ -49,16 +49,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(path: str, device: str, dtype: str = "float32", attn_backend: str | None = None):
+    """(model, tokenizer) of a model directory; everything is checked before a weight is read."""
     from ..data.tokenizer import load_tokenizer
-    from ..models import OrthrosForCausalLM
+    from ..loading import check_model_dir, load_model as load_checked, resolve_device
 
-    d = Path(path)
-    if not (d / "config.json").exists():
-        raise FileNotFoundError(f"{d} is not a model directory (no config.json)")
-    model = OrthrosForCausalLM.from_pretrained(str(d), dtype=getattr(torch, dtype)).to(device).eval()
+    dev = resolve_device(device)
+    config = check_model_dir(path)
+    tok = load_tokenizer(path, config.vocab_size)
+    model = load_checked(path, dtype=getattr(torch, dtype), config=config).to(dev).eval()
     if attn_backend is not None:
         set_backend(model, attn_backend)
-    return model, load_tokenizer(d, model.config.vocab_size)
+    return model, tok
 
 
 def set_backend(model, backend: str) -> None:
@@ -78,9 +79,6 @@ def run_tasks(model, tok, args, out: Path) -> dict:
     from .passkey import PasskeyConfig
     from .tasks import eval_mqar, eval_passkey, eval_perplexity, passkey_heatmap
 
-    bad = [t for t in args.task if t not in TASKS]
-    if bad:
-        raise ValueError(f"--task: unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
     results = {}
     if "mqar" in args.task:
         vocab = args.mqar_vocab or min(model.config.vocab_size, 256)
@@ -123,12 +121,35 @@ def format_results(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    for name in ("batch_size", "mqar_samples", "passkey_samples", "ppl_max_tokens"):
+def check_args(args) -> None:
+    """Range checks (and the held-out file) before the model is loaded."""
+    bad = [t for t in args.task if t not in TASKS]
+    if bad:
+        raise ValueError(f"--task: unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
+    for name in ("batch_size", "mqar_samples", "passkey_samples", "passkey_digits", "ppl_max_tokens",
+                 "ppl_chunk_size", "mqar_kv_pairs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("mqar_lengths", "passkey_lengths"):
+        if min(getattr(args, name)) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must all be >= 1, got {getattr(args, name)}")
+    if any(not 0 <= d <= 1 for d in args.passkey_depths):
+        raise ValueError(f"--passkey-depths must lie in [0, 1], got {args.passkey_depths}")
+    if args.ppl_seq_len < 2:
+        raise ValueError(f"--ppl-seq-len must be >= 2, got {args.ppl_seq_len}")
+    if "ppl" in args.task and args.ppl_data != "stdlib":
+        from ..data.sources import expand_paths, read_text
+
+        for f in expand_paths([args.ppl_data]):  # a binary or empty file fails here, naming it
+            read_text(f)
+
+
+def run(args) -> int:
+    from ..errors import check_output_dir
+
+    check_args(args)
+    out = check_output_dir(Path(args.out) if args.out else Path(args.model) / "eval", "--out")
     model, tok = load_model(args.model, args.device, args.dtype, args.attn_backend)
-    out = Path(args.out) if args.out else Path(args.model) / "eval"
     out.mkdir(parents=True, exist_ok=True)
     results = run_tasks(model, tok, args, out)
     print(format_results(results))

@@ -29,19 +29,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..data.tokenizer import TOKENIZER_FILES, load_tokenizer
+    from ..errors import UserError
+    from ..loading import check_model_dir
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise UserError("--tasks names no task")
+    batch = args.batch_size
+    if not (batch == "auto" or batch.startswith("auto:")):
+        if not batch.isdigit() or int(batch) < 1:
+            raise UserError(f"--batch-size must be an integer >= 1 or 'auto', got {batch!r}")
+        batch = int(batch)
+    if args.limit is not None and not args.limit > 0:
+        raise UserError(f"--limit must be > 0 (documents per task, a fraction if < 1), got {args.limit}")
+    if args.include_path is not None and not Path(args.include_path).is_dir():
+        raise UserError(f"{args.include_path}: --include-path is not a directory")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
+    if args.output is not None and Path(args.output).is_dir():
+        raise UserError(f"{args.output}: --output names a directory; give a file name")
+    model = Path(args.model)
+    config = check_model_dir(model)  # before lm-eval loads it: damaged or pickle-only weights are one clear error
+    if not any((model / f).exists() for f in TOKENIZER_FILES):
+        raise UserError(f"{model}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); lm-eval needs the model's "
+                        f"Hugging Face tokenizer")
+    load_tokenizer(model, config.vocab_size)  # a damaged tokenizer file is named here, not deep inside lm-eval
     try:
         from lm_eval.utils import make_table
 
         from .lm_eval_adapter import evaluate
     except ImportError as e:
-        raise ValueError(f"lm-evaluation-harness is not installed ({e}); pip install 'orthros[eval]'") from None
-    model = Path(args.model)
-    if not (model / "config.json").exists():
-        raise FileNotFoundError(f"{model} is not a model directory (no config.json)")
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
-        raise ValueError("--tasks names no task")
-    batch = args.batch_size if args.batch_size == "auto" or args.batch_size.startswith("auto:") else int(args.batch_size)
+        raise UserError(f"lm-evaluation-harness is not installed ({e}); pip install 'orthros[eval]'") from None
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     results = evaluate(str(model), tasks, batch_size=batch, device=args.device, limit=limit,
                        num_fewshot=args.num_fewshot, include_path=args.include_path, dtype=args.dtype, seed=args.seed)

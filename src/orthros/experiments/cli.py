@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    from ..errors import check_output_dir
+    from ..loading import resolve_device
+
+    resolve_device(args.device)
     if args.name == "cpt":
         return run_cpt_command(args)
     from .presets import ARCHS
@@ -53,6 +57,7 @@ def run(args) -> int:
 
     preset = args.preset or "cpu"
     out = args.out or f"runs/experiment-{args.name}-{preset}"
+    check_output_dir(out, "--out")
     seed = args.seed[0] if len(args.seed) == 1 else args.seed
     res = run_experiment(preset, args.archs or list(ARCHS), seed, args.device, out, args.steps, args.seconds,
                          args.jobs)
@@ -66,8 +71,11 @@ def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
     from .cpt import ARMS, merge_runs, run_cpt
 
+    from ..errors import check_output_dir
+
     preset = args.preset or "smollm2-cpu-smoke"
     out = args.out or f"runs/experiment-cpt-{preset}"
+    check_output_dir(out, "--out")
     if args.from_json:
         res = merge_runs(args.from_json, out)
         print(res["table"])

@@ -41,7 +41,7 @@ def run(args) -> int:
     import torch.distributed as dist
 
     from ..data.tokenizer import load_tokenizer
-    from ..models import OrthrosForCausalLM
+    from ..loading import load_model
     from .comm import init_from_env
     from .context import cp_generate
 
@@ -53,7 +53,7 @@ def run(args) -> int:
     owns_group = not dist.is_initialized()
     cp, device = init_from_env(args.device)
     try:
-        model = OrthrosForCausalLM.from_pretrained(str(d)).to(device).eval()
+        model = load_model(d).to(device).eval()  # checked, safetensors only
         if args.dtype:
             model = model.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype])
         tok = load_tokenizer(d, model.config.vocab_size)

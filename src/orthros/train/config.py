@@ -21,6 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import UserError, one_line
+
 
 @dataclass
 class ModelArgs:
@@ -225,8 +227,14 @@ def build_config(file: str | Path | None = None, overrides: dict[str, str] | Non
     if file is not None:
         p = Path(file)
         if not p.is_file():
-            raise FileNotFoundError(f"config file {str(p)!r} does not exist")
-        raw = yaml.safe_load(p.read_text()) or {}
+            raise FileNotFoundError(f"config file {str(p)!r} does not exist" if not p.exists()
+                                    else f"{p}: not a config file (a directory?)")
+        try:
+            raw = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise UserError(f"{p}: not a YAML config (not UTF-8 text: byte at offset {e.start})") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"{p}: not valid YAML ({one_line(e)})") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{p}: the config must be a mapping of sections")
         for k, v in raw.items():
@@ -273,6 +281,15 @@ def validate(cfg: TrainConfig) -> None:
     need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", f"must lie in [0, 1], got {o.min_lr_ratio}")
     need(o.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}")
     need(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
+    need(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+    for key, v in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        need(0 <= v < 1, key, f"must lie in [0, 1), got {v}")
+    need(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    need(d.prefetch >= 0, "data.prefetch", f"must be >= 0, got {d.prefetch}")
+    need(d.bpe_max_bytes >= 1, "data.bpe_max_bytes", f"must be >= 1, got {d.bpe_max_bytes}")
+    need(d.max_bytes is None or d.max_bytes >= 1, "data.max_bytes", f"must be >= 1 or null, got {d.max_bytes}")
+    need(t.max_seconds is None or t.max_seconds > 0, "train.max_seconds", f"must be > 0 or null, got {t.max_seconds}")
+    need(t.stop_at is None or t.stop_at >= 1, "train.stop_at", f"must be >= 1 or null, got {t.stop_at}")
     need(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"), "train.device",
          f"must be auto, cpu or cuda, got {t.device!r}")
     need(t.dtype in ("auto", "bf16", "fp32"), "train.dtype", f"must be auto, bf16 or fp32, got {t.dtype!r}")

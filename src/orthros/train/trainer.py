@@ -12,6 +12,7 @@ so gradient accumulation and data parallelism reproduce one big batch.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import time
@@ -25,7 +26,9 @@ from ..data.loader import BatchLoader
 from ..data.packing import PackedRows, count_targets, pack_documents, pack_examples
 from ..data.sft import render_example
 from ..data.sources import STDLIB, detect_format, read_documents, read_examples
-from ..data.tokenizer import ByteTokenizer, encode_batch, load_tokenizer, train_bpe, vocab_size_of
+from ..data.tokenizer import TOKENIZER_FILES, ByteTokenizer, encode_batch, load_tokenizer, train_bpe, vocab_size_of
+from ..errors import UserError, one_line
+from ..loading import check_model_dir, load_model, read_config
 from ..models import OrthrosConfig, OrthrosForCausalLM
 from . import checkpoint as C
 from . import dist as D
@@ -43,28 +46,50 @@ def log(d: D.Dist, msg: str) -> None:
 
 
 # ------------------------------------------------------------------- model
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "tokenizer", "loss.png", "tensorboard")
+
+
+def check_out_dir(cfg: TrainConfig) -> Path:
+    """A fresh run (no checkpoint.resume) never writes over another run's files."""
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: out_dir is a file, not a directory")
+    if cfg.checkpoint.resume is None:
+        found = [n for n in RUN_OUTPUTS if (out / n).exists()]
+        if found:
+            raise UserError(f"{out}: out_dir already holds a training run ({', '.join(found)}); continue it with "
+                            f"--resume, or choose another out_dir")
+    return out
+
+
 def model_config(cfg: TrainConfig, resume: Path | None) -> OrthrosConfig:
     """The model's config (vocab_size not final yet for a model from scratch)."""
     m = cfg.model
     if resume is not None:
-        return OrthrosConfig.from_pretrained(str(resume))
+        return read_config(resume)
     changes = {k: getattr(m, k) for k in ("attention", "window_size", "scale_offset", "attn_backend")
                if getattr(m, k) is not None}
     if m.init_from is not None:
-        if not (Path(m.init_from) / "config.json").is_file():
-            raise FileNotFoundError(f"model.init_from: {m.init_from!r} is not a model directory (no config.json)")
-        c = OrthrosConfig.from_pretrained(m.init_from)
+        c = read_config(m.init_from)
         for k, v in changes.items():
             setattr(c, k, v)
         c.validate()
         return c
-    return OrthrosConfig.from_name(m.name, **{**m.overrides, **changes})
+    fields = set(inspect.signature(OrthrosConfig.__init__).parameters) - {"self", "kwargs"}
+    unknown = sorted(set(m.overrides) - fields)
+    if unknown:  # OrthrosConfig would keep them as unused attributes: a typo must not pass silently
+        raise UserError(f"model.overrides: unknown OrthrosConfig field(s) {', '.join(map(str, unknown))}")
+    try:
+        return OrthrosConfig.from_name(m.name, **{**m.overrides, **changes})
+    except TypeError as e:  # a value of the wrong type
+        raise UserError(f"model.overrides: {one_line(e)}") from None
 
 
 def build_model(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None) -> OrthrosForCausalLM:
-    src = resume if resume is not None else cfg.model.init_from
-    if src is not None:
-        return OrthrosForCausalLM.from_pretrained(str(src), config=mc, dtype=torch.float32)
+    if resume is not None:
+        return load_model(resume, dtype=torch.float32, config=mc)
+    if cfg.model.init_from is not None:  # attention / SO may change on purpose: SO vectors may come or go
+        return load_model(cfg.model.init_from, dtype=torch.float32, config=mc, new_scale_offset=True)
     torch.manual_seed(cfg.train.seed)  # every process builds the same initial weights
     return OrthrosForCausalLM(mc)
 
@@ -110,6 +135,9 @@ def get_tokenizer(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None, text
         return load_tokenizer(tok_dir)
     if not Path(kind).is_dir():
         raise FileNotFoundError(f"data.tokenizer: {kind!r} is neither auto/bpe/bytes nor a directory")
+    if not any((Path(kind) / f).exists() for f in TOKENIZER_FILES):
+        raise UserError(f"{kind}: data.tokenizer names a directory without tokenizer files "
+                        f"({', '.join(TOKENIZER_FILES)})")
     return load_tokenizer(kind)
 
 
@@ -178,18 +206,21 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def _train(cfg: TrainConfig, d: D.Dist) -> dict:
-    out = Path(cfg.out_dir)
+    out = check_out_dir(cfg)
     ckpt_root = out / "checkpoints"
     resume = C.resolve_resume(cfg.checkpoint.resume, ckpt_root)
     mc = model_config(cfg, resume)
+    if resume is not None or cfg.model.init_from is not None:  # damaged weights fail before any data work
+        check_model_dir(resume if resume is not None else cfg.model.init_from, mc,
+                        new_scale_offset=resume is None)
     if cfg.data.seq_len > mc.max_position_embeddings:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
                          f"{mc.max_position_embeddings}")
+    t_data = time.perf_counter()
+    tok, train_rows, held_rows, fmt = load_data(cfg, mc, resume, d, out)  # a bad corpus fails before out_dir exists
     if d.main:
         out.mkdir(parents=True, exist_ok=True)
     D.barrier(d)
-    t_data = time.perf_counter()
-    tok, train_rows, held_rows, fmt = load_data(cfg, mc, resume, d, out)
     tv = vocab_size_of(tok)
     if resume is None and cfg.model.init_from is None:
         mc.vocab_size = cfg.model.vocab_size or -(-tv // 64) * 64
