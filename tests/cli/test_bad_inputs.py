@@ -92,6 +92,9 @@ CASES = [
      ["{w}/byte/config.json", "prompt (100 tokens)", "max_position_embeddings=64"]),
     ("gen-bad-device", gen("byte", "--device", "tpu0"), ["--device", "not a device"]),
     ("gen-absent-cuda-device", gen("byte", "--device", "cuda:99"), ["--device cuda:99"]),
+    # ------------------------------------------------------------ download
+    ("download-occupied-dst", ["download", f"{W}/occupied"], ["{w}/occupied", "already exists"]),
+    ("download-dst-is-file", ["download", f"{W}/afile"], ["{w}/afile", "already exists"]),
     # ------------------------------------------------------------- convert
     ("convert-missing-src", conv("nope"), ["{w}/nope", "does not exist"]),
     ("convert-src-no-config", conv("nodata"), ["{w}/nodata", "no config.json"]),

