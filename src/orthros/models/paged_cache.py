@@ -189,6 +189,29 @@ class PagedStepCache:
             next_pos=base_pos[:, -1] + 1, last_doc=base_doc[:, -1])
         self.num_outputs = N
 
+    @classmethod
+    def static_decode(cls, pool: PagedKVPool, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      table: torch.Tensor, max_len: int) -> "PagedStepCache":
+        """A decode-only forward over caller-owned buffers (one token per row, each an output):
+        input_ids [1, B], pos [B], slots [B], table [B, max_blocks]. Nothing here reads them on
+        the host, so a forward through this cache can be captured in a CUDA graph and replayed
+        after the buffers are refilled in place; `max_len` bounds every sequence (it fixes the
+        attention kernel's launch grid)."""
+        self = cls.__new__(cls)
+        self.pool = pool
+        B, dev = input_ids.shape[1], input_ids.device
+        self.input_ids, self.slots, self.table = input_ids, slots, table
+        rows = torch.arange(B, device=dev)
+        self._dense = []
+        self._base_single = self._out_single = _Single(rows, table, pos, max_len)
+        base_pos = pos[None]
+        doc = rows[None]
+        self.layout = Layout(base_slot=rows[None], base_pos=base_pos, base_doc=doc, key_doc=doc, out_idx=rows[None],
+                             out_valid=torch.ones(1, B, dtype=torch.bool, device=dev), out_slot=rows[None].clone(),
+                             out_pos=base_pos, out_doc=doc, next_pos=base_pos[:, -1] + 1, last_doc=doc[:, -1])
+        self.num_outputs = B
+        return self
+
     def _single(self, items) -> _Single:
         dev = self.pool.device
         rows = torch.tensor([r for r, _, _ in items], dtype=torch.long)
@@ -221,6 +244,8 @@ class PagedStepCache:
             r = window_rows
             o = torch.cat([self._attend_single(layer_idx, q[:, :r], self._base_single, window, scale),
                            self._attend_single(layer_idx, q[:, r:], self._out_single, None, scale)], 1)
+        elif q_slot is self.layout.base_slot and not self._dense:  # every segment is one token: rows in order
+            o = self._attend_single(layer_idx, q, self._base_single, window, scale)
         elif q_slot is self.layout.base_slot:
             o = q.new_empty(q.shape)
             if self._base_single.rows.numel():

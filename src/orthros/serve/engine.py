@@ -127,7 +127,9 @@ class Engine:
         if cfg.max_num_batched_tokens < 1 or cfg.max_num_seqs < 1 or cfg.max_queue < 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1, max_queue >= 0")
         num_blocks = cfg.num_blocks or self._blocks_from_memory()
-        self.pool = PagedKVPool(mc, num_blocks, cfg.block_size, self.device, self.dtype, cfg.kv_dtype)
+        # one block more than the block manager hands out: a scratch block for padded rows
+        self.pool = PagedKVPool(mc, num_blocks + 1, cfg.block_size, self.device, self.dtype, cfg.kv_dtype)
+        self.scratch_block = num_blocks
         self.blocks = BlockPool(num_blocks, cfg.block_size, cfg.prefix_caching)
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.metrics = metrics
@@ -162,7 +164,7 @@ class Engine:
                 budget = 1 << 30
         else:
             budget = gib * 2**30
-        n = int(budget // per_block)
+        n = int(budget // per_block) - 1
         if n < 2:
             raise ValueError(f"no memory for the KV cache ({budget / 2**30:.2f} GiB for blocks of {per_block} bytes)")
         return n
