@@ -142,6 +142,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None):
 
         return enc(tokenizer, text)
 
+    def top_dict(top: list[tuple[int, float]]) -> dict[str, float]:
+        """{token text: logprob}; tokens that decode alike keep the higher value (listed first)."""
+        d: dict[str, float] = {}
+        for a, b in top:
+            d.setdefault(decode(tokenizer, [a]), b)
+        return d
+
     def sampling(body, prompt_len: int, max_new: int | None, logprobs: int | None, seed_offset: int):
         max_tokens = max_new if max_new is not None else engine.max_model_len - prompt_len
         try:
@@ -252,8 +259,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None):
             if body.logprobs is None:
                 return None
             texts = [out.token_text(j) for j in range(t0, t1)]
-            tops = [None if out.top_logprobs[j] is None else
-                    {decode(tokenizer, [a]): b for a, b in out.top_logprobs[j]} for j in range(t0, t1)]
+            tops = [None if out.top_logprobs[j] is None else top_dict(out.top_logprobs[j]) for j in range(t0, t1)]
             return completion_logprobs(texts, out.logprobs[t0:t1], tops, offset0, texts)
 
         def choice(i, out, text, t0, t1, offset0=0):
