@@ -39,7 +39,8 @@ class Collector:
 def test_concurrent_greedy_equals_alone(attention):
     model = make_model(attention, window=6, initializer_range=0.3)
     prompts, max_tokens = _workload()
-    eng = Engine(model, EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=13, max_num_seqs=6))
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=13, max_num_seqs=6,
+                                     chunk_align=4))
     out = Collector()
     reqs = {}
     cancel = {2, 6}
@@ -64,6 +65,12 @@ def test_concurrent_greedy_equals_alone(attention):
             assert out.reason(i) == "length" and len(got) == max_tokens[i]
         ref = generate(model, [p], max_new_tokens=len(got))[0, len(p):].tolist()
         assert got == ref, (i, got, ref)
+
+
+def test_chunks_cut_by_the_budget_are_aligned():
+    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128))
+    assert [eng._chunk(left, budget) for left, budget in ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300),
+                                                          (1000, 100))] == [8192, 7168, 100, 256, 100]
 
 
 def test_preemption_recomputes_exactly():

@@ -85,7 +85,8 @@ def add_arguments(p):
     p.add_argument("--window", type=int, default=None, help="Orthros window size (default: 128; tiny scale 16)")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
-    p.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens (not interference)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="max_num_batched_tokens, not interference (default: 8192; tiny scale 64)")
     p.add_argument("--budgets", nargs="+", type=int, default=None, help="interference: token budgets")
     p.add_argument("--rates", nargs="+", type=parse_rate, default=None, help="Poisson request rates (req/s; inf)")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
@@ -94,7 +95,7 @@ def add_arguments(p):
     p.add_argument("--input-range", type=parse_len, nargs=2, default=None, help="custom: log-uniform prompt lengths")
     p.add_argument("--output-len", type=int, default=None, help="custom: output length (fixed)")
     p.add_argument("--output-range", type=int, nargs=2, default=None, help="custom: uniform output lengths")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests first (compilation, graph capture)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per server (compilation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
     p.add_argument("--out-dir", default="benchmarks/results", help="where serve-<scenario>.json / .md go")
@@ -159,14 +160,19 @@ class Server:
         sock.close()
         cmd = [sys.executable, "-m", "orthros", "serve", *argv, "--port", str(port)]
         self.command = shlex.join(cmd[2:])
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        import tempfile
+
+        # a file, not a pipe: nobody reads the log while the load runs, and a full pipe blocks the server
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="orthros-serve-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.url = f"http://127.0.0.1:{port}/v1"
         import httpx
 
         t0 = time.monotonic()
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.proc.stdout.read()[-3000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read()[-3000:]}")
             try:
                 if httpx.get(self.url[:-3] + "/health", timeout=2).status_code == 200:
                     return
@@ -189,6 +195,7 @@ class Server:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+            self.log.close()
 
 
 def _served_name(url: str) -> str:
@@ -204,11 +211,14 @@ def _vocab(args) -> int:
     return OrthrosConfig.from_name(SCALES[args.scale]["model"]).vocab_size
 
 
-def _warmup(args, srv, rng):
-    if args.warmup:
-        n = 8 if args.scale == "tiny" else 2048
-        prompts = random_prompts([n] * args.warmup, _vocab(args), rng)
-        asyncio.run(run_load(srv.url, srv.model, prompts, [4] * args.warmup, concurrency=1))
+def _warmup(args, srv, rng, budget: int) -> None:
+    """Untimed requests that compile what the timed ones will run: a prompt of 3 budgets beside
+    a short request (its chunks are the budget less a decode, then the whole budget), and a
+    decode (kernels, captured graphs)."""
+    for _ in range(args.warmup):
+        long = min(3 * budget + 100, SCALES[args.scale]["max_model_len"] - 8)
+        prompts = random_prompts([8, long], _vocab(args), rng)
+        asyncio.run(run_load(srv.url, srv.model, prompts, [2, 4], concurrency=2))
 
 
 def _load_runs(args) -> list[dict]:
@@ -238,6 +248,7 @@ def measure(args) -> dict:
     from .common import environment
 
     args.window = args.window or SCALES[args.scale]["window"]
+    args.budget = args.budget or max(1, 8192 // SCALES[args.scale]["div_budget"])
     import torch
 
     env = environment(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
@@ -250,7 +261,7 @@ def measure(args) -> dict:
         with Server(args, variant, args.budget) as srv:
             commands[variant] = srv.command
             rng = random.Random(args.seed)
-            _warmup(args, srv, rng)
+            _warmup(args, srv, rng, args.budget)
             for run in _load_runs(args):
                 rng = random.Random(args.seed + 1)
                 ins = lengths(run["input"], run["num"], rng)
@@ -281,7 +292,7 @@ def _interference(args, variant, commands) -> list[dict]:
         with Server(args, variant, budget) as srv:
             commands[f"{variant} budget {budget}"] = srv.command
             rng = random.Random(args.seed)
-            _warmup(args, srv, rng)
+            _warmup(args, srv, rng, budget)
             n_bg, bg_in, long_in = t["background"], _scale_len(t["background_input"], div), _scale_len(t["long_input"], div)
             bg = random_prompts([bg_in] * n_bg, _vocab(args), rng)
             long = random_prompts([long_in], _vocab(args), rng)[0]

@@ -255,9 +255,12 @@ class PagedStepCache:
                 kd, vd = pool.gather(layer_idx, d.slots, q.dtype)
                 n, S = d.r1 - d.r0, d.slots.numel()
                 qs = (d.dense_start + torch.arange(n, device=q.device))[None]
+                # A windowed chunk's compiled kernels are specialised to its length: a length off
+                # the engine's chunk grid (a prompt's last chunk) runs the blocked op instead.
+                be = "chunked" if window is not None and q.is_cuda and n % 128 else backend
                 o[:, d.r0:d.r1] = attention(q[:, d.r0:d.r1], kd, vd, qs, torch.zeros_like(qs),
                                             torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
-                                            scale=scale, backend=backend, dense_start=d.dense_start)
+                                            scale=scale, backend=be, dense_start=d.dense_start)
         elif q_slot is self.layout.out_slot:
             o = self._attend_single(layer_idx, q, self._out_single, window, scale)
         else:

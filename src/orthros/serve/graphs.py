@@ -15,6 +15,8 @@ request owns (the pool's last block), so they read and write nothing real.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..models.paged_cache import PagedStepCache, Segment
@@ -39,6 +41,7 @@ class DecodeGraphs:
         self.table = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mempool = None
+        self.disabled = False
 
     def _cache(self, b: int) -> PagedStepCache:
         return PagedStepCache.static_decode(self.pool, self.input_ids[:, :b], self.pos[:b], self.slots[:b],
@@ -64,10 +67,20 @@ class DecodeGraphs:
         self.slots[:b].copy_(slots, non_blocking=True)
         self.table[:b].copy_(table, non_blocking=True)
 
+    def capture_all(self) -> None:
+        """Capture every bucket now, every row on the scratch block (before any request)."""
+        for b in reversed(self.buckets):  # largest first: the others reuse its memory
+            if self.disabled:
+                return
+            self._fill([], b)
+            self._forward(self._cache(b))  # eager first: kernels compiled, memory warmed
+            self._capture(b, self._cache(b))
+
     def run(self, segments: list[Segment]) -> torch.Tensor | None:
-        """Logits [len(segments), V] of a decode-only step, or None if it does not fit a bucket."""
+        """Logits [len(segments), V] of a decode-only step, or None (run it eagerly) if it
+        does not fit a bucket or capturing failed."""
         n = len(segments)
-        if n > self.buckets[-1] or any(len(s.blocks) > self.max_blocks for s in segments):
+        if self.disabled or n > self.buckets[-1] or any(len(s.blocks) > self.max_blocks for s in segments):
             return None
         b = next(x for x in self.buckets if x >= n)
         self._fill(segments, b)
@@ -81,6 +94,16 @@ class DecodeGraphs:
         return out[:n].clone()
 
     def _capture(self, b: int, cache: PagedStepCache) -> None:
+        """Capture bucket `b`; on failure, say so once and run decode steps eagerly from now on."""
+        try:
+            self._capture_graph(b, cache)
+        except Exception as e:  # noqa: BLE001 - eager decoding still works
+            self.disabled = True
+            self.graphs.clear()
+            print(f"orthros serve: capturing the decode step failed ({type(e).__name__}: {e}); "
+                  "decoding eagerly", file=sys.stderr, flush=True)
+
+    def _capture_graph(self, b: int, cache: PagedStepCache) -> None:
         torch.cuda.synchronize()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
