@@ -25,11 +25,14 @@ def load_model(model_dir: str | None, preset: str | None, device: str, dtype: st
 
     dev = torch.device(device)
     want = DTYPES[dtype] or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    over = {k: v for k, v in (("attention", attention), ("window_size", window), ("num_hidden_layers", layers))
-            if v is not None}
+    over = {k: v for k, v in (("attention", attention), ("window_size", window)) if v is not None}
     if (model_dir is None) == (preset is None):
         raise ValueError("give a model directory or --preset, not both")
+    if layers is not None and preset is None:
+        raise ValueError("--layers applies to --preset only (a saved model keeps its layers)")
     if preset is not None:
+        if layers is not None:
+            over["num_hidden_layers"] = layers
         from ..bench.common import build_model
 
         cfg = OrthrosConfig.from_name(preset, **over)
