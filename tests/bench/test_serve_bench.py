@@ -33,11 +33,17 @@ def test_paper_scenario_both_attentions(tmp_path):
         assert 0 < r["ttft"]["p50"] <= r["e2el"]["p50"] and r["itl"]["n"] > 0 and r["output_throughput"] > 0
 
 
-def test_traffic_scenario_subprocess_server(tmp_path):
+def test_traffic_scenario_subprocess_server_and_merge(tmp_path):
     res = run(tmp_path, "traffic", "--variants", "orthros", "--rates", "20", "--num-prompts", "4")
     (row,) = res["rows"]
     assert row["completed"] == 4 and row["rate"] == 20 and "orthros serve --preset tiny" in res["servers"]["orthros"]
     assert all(16 <= q["prompt_len"] <= 256 and 4 <= q["output_len"] <= 16 for q in row["requests"])
+    # a run split in two (one per variant) is joined into one table
+    other = dict(res, rows=[dict(row, variant="full")], servers={"full": "(another run)"})
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    merged = run(tmp_path, "traffic", "--from-json", str(tmp_path / "serve-traffic.json"), str(tmp_path / "b.json"),
+                 "--tag", "serve-traffic")
+    assert [r["variant"] for r in merged["rows"]] == ["orthros", "full"] and set(merged["servers"]) == {"orthros", "full"}
 
 
 def test_interference_scenario(tmp_path):

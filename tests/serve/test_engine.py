@@ -154,3 +154,29 @@ def test_bad_requests_and_queue_bound():
     eng.submit([1], SamplingParams(), sink)
     with pytest.raises(QueueFull):
         eng.submit([1], SamplingParams(), sink)
+
+
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+@torch.no_grad()
+def test_static_decode_buffers_equal_the_eager_step(attention):
+    """What the CUDA graphs capture, run eagerly on CPU: a decode-only step over the static
+    buffers, padded to its bucket with scratch rows, gives the eager step's logits."""
+    from orthros.models.paged_cache import Segment
+    from orthros.serve.graphs import DecodeGraphs
+
+    model = make_model(attention, window=6, initializer_range=0.3)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=8, max_model_len=64))
+    for i, p in enumerate(([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9])):
+        eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
+    for _ in range(4):
+        eng.step()
+    assert len(eng.running) == 3 and all(len(r.tokens) - r.computed == 1 for r in eng.running)  # all decoding
+    for r in eng.running:
+        assert eng._grow(r, len(r.tokens))
+    segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+    eager = eng._forward(segments)
+    graphs = DecodeGraphs(eng)
+    assert graphs.buckets == [1, 2, 4, 8]
+    graphs._fill(segments, 4)
+    static = graphs._forward(graphs._cache(4))[:3]
+    assert torch.allclose(static, eager, atol=1e-5, rtol=1e-5)

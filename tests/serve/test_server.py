@@ -327,3 +327,12 @@ def test_bounded_load_nothing_lost_or_mixed(server):
             p = encode(tok, prompts[i])
         assert ids == reference(model, tok, p, lengths[i]), i
     assert wait_for(lambda: _engine_idle(srv.engine))
+
+
+def test_serve_command_errors_are_one_line(tmp_path, capsys):
+    from orthros.cli import main
+
+    assert main(["serve", str(tmp_path / "nope")]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "model directory or --preset" in capsys.readouterr().err

@@ -23,9 +23,11 @@ the load at a running server instead (one attention, whatever it serves).
     orthros bench serve --scenario custom --url http://127.0.0.1:8000/v1 --model-name NAME \\
         --input-len 4096 --output-len 128 --rates inf --concurrency 8 --num-prompts 64
 
-Results: `OUT_DIR/serve-<scenario>.json`, a Markdown table (printed, saved
-beside the JSON and spliced into --docs between `<!-- serve-<scenario>-table -->`
-marks) and a plot `PLOT_DIR/serve-<scenario>.png`.
+Results: `OUT_DIR/<tag>.json` (tag: serve-<scenario>), a Markdown table
+(printed, saved beside the JSON and spliced into --docs between
+`<!-- <tag>-table -->` marks) and a plot `PLOT_DIR/<tag>.png`. Runs too long
+for one sitting can be split (`--variants orthros --tag serve-traffic-orthros`,
+then `--variants full ...`) and joined: `--from-json A.json B.json --tag serve-traffic`.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ K = 1024
 SCENARIOS = {
     "paper": dict(runs=[dict(name="128K/128", input=128 * K, output=128, num=2, concurrency=2),
                         dict(name="127K/1K", input=127 * K, output=K, num=2, concurrency=2)]),
-    "traffic": dict(input=("loguniform", 8 * K, 128 * K), output=("uniform", 64, 256), num=24,
-                    rates=[0.05, 0.1, 0.2, 0.4]),
+    "traffic": dict(input=("loguniform", 8 * K, 128 * K), output=("uniform", 64, 256), num=16,
+                    rates=[0.1, 0.2, 0.4, 0.8]),
     "interference": dict(background=4, background_input=K, long_input=128 * K, budgets=[1024, 2048, 4096, 8192, 16384]),
 }
 SCALES = {
@@ -101,7 +103,10 @@ def add_arguments(p):
     p.add_argument("--out-dir", default="benchmarks/results", help="where serve-<scenario>.json / .md go")
     p.add_argument("--plot-dir", default="docs", help="where serve-<scenario>.png goes")
     p.add_argument("--docs", default="docs/serving.md", help="splice the table into this file (between markers)")
-    p.add_argument("--from-json", default=None, help="only re-render the table and plot from a saved JSON")
+    p.add_argument("--tag", default=None, help="output files <tag>.json / .md / .png and the table's marks "
+                   "(default: serve-<scenario>)")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="only re-render the table and plot from saved JSON (several, e.g. one per variant: one table)")
 
 
 # ------------------------------------------------------------------ servers
@@ -377,12 +382,24 @@ def plot(res: dict, path: str) -> None:
 def run(args):
     from .common import splice_marks
 
-    name = f"serve-{args.scenario}"
+    name = args.tag or f"serve-{args.scenario}"
     if args.scenario == "interference" and args.url:
         raise ValueError("interference starts one server per token budget: it cannot use --url")
     if args.from_json:
-        with open(args.from_json) as f:
-            res = json.load(f)
+        from .common import merge_runs
+
+        runs = []
+        for path in args.from_json:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--from-json: no such file {path}")
+            with open(path) as f:
+                runs.append(json.load(f))
+        res = merge_runs(runs)
+        res["servers"] = {k: v for r in runs for k, v in r.get("servers", {}).items()}
+        if len(runs) > 1:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
+                json.dump(res, f, indent=1)
     else:
         res = measure(args)
         os.makedirs(args.out_dir, exist_ok=True)
