@@ -185,10 +185,7 @@ def _engine_idle(engine):
 def test_disconnect_aborts_and_frees_blocks(server):
     srv, model, tok, name = server
     eng = srv.engine
-    body = dict(model=name, prompt="while True:", max_tokens=200, temperature=0, stream=True,
-                extra_body=None)
-    del body["extra_body"]
-    body["ignore_eos"] = True
+    body = dict(model=name, prompt="while True:", max_tokens=200, temperature=0, stream=True, ignore_eos=True)
     with httpx.stream("POST", srv.url + "/completions", json=body) as resp:
         it = resp.iter_lines()
         got = [next(it) for _ in range(6)]

@@ -142,6 +142,8 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
     G = H // Hkv
     cap = table.shape[1] * block_size
     block_n = 64
+    if keys_per_split is None and window is not None and window <= 1024:
+        keys_per_split = triton.cdiv(cap, block_n) * block_n  # a window's few keys: one split, no merge
     per = keys_per_split or paged_splits(max_len or cap, R, Hkv, q.device, block_n)
     P = max(1, triton.cdiv(cap, per))
     o = torch.empty(R, P, H, D, device=q.device, dtype=torch.float32)
@@ -154,6 +156,8 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
         BS=block_size, G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
     )
+    if P == 1:
+        return o[:, 0].to(q.dtype)
     out = torch.empty(R, 1, H, D, device=q.device, dtype=q.dtype)
     lse_out = torch.empty(R, 1, H, device=q.device, dtype=torch.float32)
     # The merge kernel's layout is [B, P, M, H, D]: here B = R and M = 1.
@@ -171,7 +175,6 @@ def paged_attention_ref(q, k_pool, v_pool, table, pos, block_size: int, window: 
                         scale: float | None = None):
     """`paged_attention` by gathering: each row's visible keys [lo, pos] into a padded
     [R, S, Hkv, D] batch (S = the longest span), then the reference op."""
-    R = q.shape[0]
     pos = pos.long()
     lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_min(0)
     span = int((pos - lo).max()) + 1

@@ -224,7 +224,8 @@ class Engine:
 
     def start(self) -> None:
         if self.graphs is not None and not self.pool.fp8:  # fp8 scales come from the first prefill: capture later
-            self.graphs.capture_all()
+            with torch.inference_mode():
+                self.graphs.capture_all()
         self._thread = threading.Thread(target=self._loop, name="orthros-engine", daemon=True)
         self._thread.start()
 
