@@ -56,6 +56,9 @@ def test_completion_equals_generate(server, client):
     assert c.finish_reason == ("stop" if ref[-1] == tok.eos_token_id else "length")
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), len(ref),
                                                                                         len(ids) + len(ref))
+    again = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0)
+    assert again.choices[0].text == c.text
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // 4 * 4  # full blocks of 4, reused
     # token-id prompts, several at once
     r2 = client.completions.create(model=name, prompt=[ids, ids[:5]], max_tokens=4, temperature=0)
     assert [c.text for c in r2.choices] == [tok.decode(reference(model, tok, p, 4), skip_special_tokens=True)
