@@ -188,18 +188,30 @@ def _engine_idle(engine):
 def test_disconnect_aborts_and_frees_blocks(server):
     srv, model, tok, name = server
     eng = srv.engine
-    body = dict(model=name, prompt="while True:", max_tokens=200, temperature=0, stream=True, ignore_eos=True)
-    with httpx.stream("POST", srv.url + "/completions", json=body) as resp:
-        it = resp.iter_lines()
-        got = [next(it) for _ in range(6)]
-        assert any(line.startswith("data: {") for line in got)
-        assert eng.running  # still generating
-    assert wait_for(lambda: _engine_idle(eng)), (eng.running, eng.blocks.num_used)
-    # a non-streaming request whose client times out is aborted too
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(srv.url + "/completions", json={**body, "stream": False, "max_tokens": 240}, timeout=0.5)
-    assert wait_for(lambda: _engine_idle(eng))
-    assert 'orthros_requests_total{finish_reason="abort"}' in httpx.get(srv.base + "/metrics").text
+    real = eng._forward
+
+    def slow(segments):  # >= 50 ms a step: 200 tokens take >= 10 s, an abort shows within 3
+        time.sleep(0.05)
+        return real(segments)
+
+    eng._forward = slow
+    try:
+        body = dict(model=name, prompt="while True:", max_tokens=200, temperature=0, stream=True, ignore_eos=True)
+        with httpx.stream("POST", srv.url + "/completions", json=body) as resp:
+            it = resp.iter_lines()
+            got = [next(it) for _ in range(6)]
+            assert any(line.startswith("data: {") for line in got)
+            assert eng.running and eng.blocks.num_used > 0  # still generating
+        assert wait_for(lambda: _engine_idle(eng), timeout=3), (eng.running, eng.blocks.num_used)
+        # a non-streaming request whose client times out is aborted too
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/completions", json={**body, "stream": False}, timeout=0.5)
+        assert wait_for(lambda: _engine_idle(eng), timeout=3)
+    finally:
+        eng._forward = real
+    text = httpx.get(srv.base + "/metrics").text
+    aborted = next(line for line in text.splitlines() if line.startswith('orthros_requests_total{finish_reason="abort"}'))
+    assert float(aborted.split()[-1]) >= 2
 
 
 def test_queue_full_is_503(model_dir):
