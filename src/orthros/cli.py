@@ -25,6 +25,7 @@ COMMANDS = {
     "bench": "orthros.bench.cli",
     "eval": "orthros.eval.cli",
     "experiment": "orthros.experiments.cli",
+    "serve": "orthros.serve.cli",
 }
 
 

@@ -4,6 +4,7 @@
     orthros bench train     pre-training step time, tokens/s and MFU, Orthros vs full attention
     orthros bench decode    decode tokens/s and achieved bandwidth against context, Orthros vs full attention
     orthros bench e2e       time to first token and end-to-end generation time, Orthros vs full attention
+    orthros bench serve     the OpenAI server under load (TTFT, TPOT, ITL, throughput), Orthros vs full attention
 
 Results go to JSON, a Markdown table and (prefill) a log-log plot under --out-dir.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import decode, e2e, prefill, train
+from . import decode, e2e, prefill, serve, train
 
-SUBCOMMANDS = {"prefill": prefill, "train": train, "decode": decode, "e2e": e2e}
+SUBCOMMANDS = {"prefill": prefill, "train": train, "decode": decode, "e2e": e2e, "serve": serve}
 
 
 def add_arguments(parser):

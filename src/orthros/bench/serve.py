@@ -1,0 +1,419 @@
+"""`orthros bench serve`: the server under load — TTFT, TPOT, ITL, end-to-end latency, throughput.
+
+Scenarios (`--scenario`), each for Orthros and the same server with
+`attention="full"`, one server per (attention, token budget), random weights:
+
+    paper         2 concurrent requests of 128K in / 128 out, then of 127K / 1K
+                  (the paper's SGLang setting)
+    traffic       prompts 8K-128K (log-uniform), outputs 64-256 (uniform), Poisson
+                  arrivals at several rates
+    interference  the inter-token latency of running streams while a 128K prompt
+                  is prefilled, against the per-step token budget
+    custom        --input-len / --output-len / --rates / --concurrency
+
+`--scale gpu` is the full setting (llama-3.1-8b shape, bf16); `--scale tiny`
+runs the same scenarios with the `tiny` shape on CPU in seconds, prompts
+divided by 512, outputs by 16, token budgets by 128 (a smoke run: its
+numbers mean nothing). `--url` aims
+the load at a running server instead (one attention, whatever it serves).
+
+    orthros bench serve --scenario paper
+    orthros bench serve --scenario traffic --rates 0.05 0.1 0.2
+    orthros bench serve --scenario interference --budgets 2048 8192 16384
+    orthros bench serve --scenario custom --url http://127.0.0.1:8000/v1 --model-name NAME \\
+        --input-len 4096 --output-len 128 --rates inf --concurrency 8 --num-prompts 64
+
+Results: `OUT_DIR/<tag>.json` (tag: serve-<scenario>), a Markdown table
+(printed, saved beside the JSON and spliced into --docs between
+`<!-- <tag>-table -->` marks) and a plot `PLOT_DIR/<tag>.png`. Runs too long
+for one sitting can be split (`--variants orthros --tag serve-traffic-orthros`,
+then `--variants full ...`) and joined: `--from-json A.json B.json --tag serve-traffic`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+
+from .serve_client import lengths, random_prompts, result_dict, run_interference, run_load, summarize
+
+VARIANTS = ("orthros", "full")
+K = 1024
+
+# Lengths are written at the GPU scale; a scale divides prompts, outputs and budgets (min 1).
+SCENARIOS = {
+    "paper": dict(runs=[dict(name="128K/128", input=128 * K, output=128, num=2, concurrency=2),
+                        dict(name="127K/1K", input=127 * K, output=K, num=2, concurrency=2)]),
+    "traffic": dict(input=("loguniform", 8 * K, 128 * K), output=("uniform", 64, 256), num=16,
+                    rates=[0.1, 0.2, 0.4, 0.8]),
+    "interference": dict(background=4, background_input=K, long_input=128 * K, budgets=[1024, 2048, 4096, 8192, 16384]),
+}
+SCALES = {
+    "gpu": dict(model="llama-3.1-8b", dtype="bf16", div_in=1, div_out=1, div_budget=1, max_model_len=129 * K + 1024,
+                block_size=16, window=128),
+    "tiny": dict(model="tiny", dtype="fp32", div_in=512, div_out=16, div_budget=128, max_model_len=1024,
+                 block_size=4, window=16),
+}
+
+
+def _scale_len(spec, div: int):
+    if isinstance(spec, int):
+        return spec if div == 1 else max(1, spec // div)
+    kind, lo, hi = spec
+    return (kind, _scale_len(lo, div), max(_scale_len(lo, div) + 1, _scale_len(hi, div)))
+
+
+def parse_rate(s: str) -> float:
+    return math.inf if s.lower() in ("inf", "infinity") else float(s)
+
+
+def add_arguments(p):
+    from .prefill import parse_len
+
+    p.add_argument("--scenario", choices=(*SCENARIOS, "custom"), default="paper")
+    p.add_argument("--scale", choices=sorted(SCALES), default="gpu")
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--url", default=None, help="an already running server's /v1 URL (else servers are started)")
+    p.add_argument("--model-name", default=None, help="the model name the --url server serves")
+    p.add_argument("--server", choices=("subprocess", "inprocess"), default="subprocess",
+                   help="how started servers run (inprocess shares this process and its GIL)")
+    p.add_argument("--window", type=int, default=None, help="Orthros window size (default: 128; tiny scale 16)")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    p.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
+    p.add_argument("--budget", type=int, default=None,
+                   help="max_num_batched_tokens, not interference (default: 8192; tiny scale 64)")
+    p.add_argument("--budgets", nargs="+", type=int, default=None, help="interference: token budgets")
+    p.add_argument("--rates", nargs="+", type=parse_rate, default=None, help="Poisson request rates (req/s; inf)")
+    p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--input-len", type=parse_len, default=None, help="custom: prompt length (fixed)")
+    p.add_argument("--input-range", type=parse_len, nargs=2, default=None, help="custom: log-uniform prompt lengths")
+    p.add_argument("--output-len", type=int, default=None, help="custom: output length (fixed)")
+    p.add_argument("--output-range", type=int, nargs=2, default=None, help="custom: uniform output lengths")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per server (compilation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
+    p.add_argument("--out-dir", default="benchmarks/results", help="where serve-<scenario>.json / .md go")
+    p.add_argument("--plot-dir", default="docs", help="where serve-<scenario>.png goes")
+    p.add_argument("--docs", default="docs/serving.md", help="splice the table into this file (between markers)")
+    p.add_argument("--tag", default=None, help="output files <tag>.json / .md / .png and the table's marks "
+                   "(default: serve-<scenario>)")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="only re-render the table and plot from saved JSON (several, e.g. one per variant: one table)")
+
+
+# ------------------------------------------------------------------ servers
+class Server:
+    """A server for one (attention, budget): started here, or the one at --url."""
+
+    def __init__(self, args, attention: str, budget: int):
+        self.args, self.attention, self.budget = args, attention, budget
+        self.proc = self.thread_server = None
+        self.command = None
+
+    def __enter__(self):
+        a, sc = self.args, SCALES[self.args.scale]
+        if a.url:
+            self.url, self.model = a.url.rstrip("/"), a.model_name or _served_name(a.url)
+            return self
+        import torch
+
+        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        argv = ["--preset", sc["model"], "--attention", self.attention, "--window", str(a.window),
+                "--dtype", sc["dtype"], "--device", device, "--max-model-len", str(sc["max_model_len"]),
+                "--max-num-batched-tokens", str(self.budget), "--block-size", str(sc["block_size"]),
+                "--kv-dtype", a.kv_dtype, "--max-num-seqs", "64", "--max-queue", "4096"]
+        if a.layers:
+            argv += ["--layers", str(a.layers)]
+        if device == "cpu":
+            argv += ["--kv-cache-gib", "0.25"]
+        self.model = sc["model"]
+        if a.server == "inprocess":
+            self._start_inprocess(argv)
+        else:
+            self._start_subprocess(argv)
+        return self
+
+    def _start_inprocess(self, argv):
+        import argparse
+
+        from ..serve import cli
+        from ..serve.launch import build_app, load_model, serve_in_thread
+
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        ns = p.parse_args(argv)
+        model, tok, name = load_model(None, ns.preset, ns.device, ns.dtype, ns.attention, ns.window, ns.layers,
+                                      ns.max_model_len, seed=self.args.seed)
+        app, engine = build_app(model, tok, name, cli.engine_config(ns))
+        self.thread_server = serve_in_thread(app, engine)
+        self.url = self.thread_server.url
+        self.command = "in-process: orthros serve " + shlex.join(argv)
+
+    def _start_subprocess(self, argv):
+        from ..serve.launch import bind
+
+        sock = bind()
+        port = sock.getsockname()[1]
+        sock.close()
+        cmd = [sys.executable, "-m", "orthros", "serve", *argv, "--port", str(port)]
+        self.command = shlex.join(cmd[2:])
+        import tempfile
+
+        # a file, not a pipe: nobody reads the log while the load runs, and a full pipe blocks the server
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="orthros-serve-", suffix=".log")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.url = f"http://127.0.0.1:{port}/v1"
+        import httpx
+
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read()[-3000:]}")
+            try:
+                if httpx.get(self.url[:-3] + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - t0 > 900:
+                self.proc.kill()
+                raise RuntimeError("the server did not come up in 15 minutes")
+            time.sleep(0.25)
+
+    def __exit__(self, *exc):
+        if self.thread_server is not None:
+            self.thread_server.stop()
+            import gc
+
+            gc.collect()
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.log.close()
+
+
+def _served_name(url: str) -> str:
+    import httpx
+
+    return httpx.get(url.rstrip("/") + "/models", timeout=10).json()["data"][0]["id"]
+
+
+# ------------------------------------------------------------------ measure
+def _vocab(args) -> int:
+    from ..models import OrthrosConfig
+
+    return OrthrosConfig.from_name(SCALES[args.scale]["model"]).vocab_size
+
+
+def _warmup(args, srv, rng, budget: int) -> None:
+    """Untimed requests that compile what the timed ones will run: a prompt of 3 budgets beside
+    a short request (its chunks are the budget less a decode, then the whole budget), and a
+    decode (kernels, captured graphs)."""
+    for _ in range(args.warmup):
+        long = min(3 * budget + 100, SCALES[args.scale]["max_model_len"] - 8)
+        prompts = random_prompts([8, long], _vocab(args), rng)
+        asyncio.run(run_load(srv.url, srv.model, prompts, [2, 4], concurrency=2))
+
+
+def _load_runs(args) -> list[dict]:
+    """The load runs of a scenario: [{name, input spec, output spec, num, rate, concurrency}]."""
+    sc = SCALES[args.scale]
+    div_in, div_out = sc["div_in"], sc["div_out"]
+    s = args.scenario
+    if s == "paper":
+        runs = [dict(r, rate=math.inf) for r in SCENARIOS["paper"]["runs"]]
+    elif s == "traffic":
+        t = SCENARIOS["traffic"]
+        runs = [dict(name=f"rate {r:g}/s", input=t["input"], output=t["output"], num=args.num_prompts or t["num"],
+                     rate=r, concurrency=args.concurrency) for r in (args.rates or t["rates"])]
+    else:  # custom
+        inp = args.input_len or (("loguniform", *args.input_range) if args.input_range else 1024)
+        out = args.output_len or (("uniform", *args.output_range) if args.output_range else 128)
+        runs = [dict(name=f"rate {r:g}/s" + (f", concurrency {args.concurrency}" if args.concurrency else ""),
+                     input=inp, output=out, num=args.num_prompts or 32, rate=r, concurrency=args.concurrency)
+                for r in (args.rates or [math.inf])]
+        div_in = div_out = 1  # custom lengths are taken as given
+    for r in runs:
+        r["input"], r["output"] = _scale_len(r["input"], div_in), _scale_len(r["output"], div_out)
+    return runs
+
+
+def measure(args) -> dict:
+    from .common import environment
+
+    args.window = args.window or SCALES[args.scale]["window"]
+    args.budget = args.budget or max(1, 8192 // SCALES[args.scale]["div_budget"])
+    import torch
+
+    env = environment(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    rows, commands = [], {}
+    variants = args.variants if not args.url else ["(server at --url)"]
+    for variant in variants:
+        if args.scenario == "interference":
+            rows += _interference(args, variant, commands)
+            continue
+        with Server(args, variant, args.budget) as srv:
+            commands[variant] = srv.command
+            rng = random.Random(args.seed)
+            _warmup(args, srv, rng, args.budget)
+            for run in _load_runs(args):
+                rng = random.Random(args.seed + 1)
+                ins = lengths(run["input"], run["num"], rng)
+                outs = lengths(run["output"], run["num"], rng)
+                prompts = random_prompts(ins, _vocab(args), rng)
+                results, duration = asyncio.run(run_load(srv.url, srv.model, prompts, outs, run["rate"],
+                                                         run["concurrency"], args.seed))
+                row = dict(variant=variant, run=run["name"], rate=None if math.isinf(run["rate"]) else run["rate"],
+                           concurrency=run["concurrency"], input=run["input"], output=run["output"],
+                           budget=args.budget, **summarize(results, duration),
+                           requests=[result_dict(r) for r in results])
+                rows.append(row)
+                print(f"{variant:8s} {run['name']:>12s}: {row['completed']} ok, TTFT p50 {_ms(row['ttft']['p50'])}, "
+                      f"ITL p50 {_ms(row['itl']['p50'])}, {row['output_throughput']:.1f} tok/s", flush=True)
+    return dict(scenario=args.scenario, scale=args.scale, model=SCALES[args.scale]["model"], window=args.window,
+                kv_dtype=args.kv_dtype, env=env, servers=commands,
+                command="orthros bench serve " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"]
+                                                            else sys.argv[1:]),
+                rows=rows)
+
+
+def _interference(args, variant, commands) -> list[dict]:
+    t = SCENARIOS["interference"]
+    sc = SCALES[args.scale]
+    div = sc["div_in"]
+    rows = []
+    for budget in args.budgets or [max(1, b // sc["div_budget"]) for b in t["budgets"]]:
+        with Server(args, variant, budget) as srv:
+            commands[f"{variant} budget {budget}"] = srv.command
+            rng = random.Random(args.seed)
+            _warmup(args, srv, rng, budget)
+            n_bg, bg_in, long_in = t["background"], _scale_len(t["background_input"], div), _scale_len(t["long_input"], div)
+            bg = random_prompts([bg_in] * n_bg, _vocab(args), rng)
+            long = random_prompts([long_in], _vocab(args), rng)[0]
+            bg_out = sc["max_model_len"] - bg_in - 1
+            res = asyncio.run(run_interference(srv.url, srv.model, bg, bg_out, long, 1,
+                                               settle=0.2 if args.scale == "tiny" else 2.0))
+            row = dict(variant=variant, run=f"budget {budget}", budget=budget, background=n_bg,
+                       background_input=bg_in, long_input=long_in, **res)
+            rows.append(row)
+            print(f"{variant:8s} budget {budget:>6d}: long TTFT {_ms(row['long_ttft_ms'])}, running ITL during "
+                  f"prefill p50 {_ms(row['itl_during_prefill']['p50'])} p99 {_ms(row['itl_during_prefill']['p99'])}"
+                  f" (before: p50 {_ms(row['itl_before']['p50'])})", flush=True)
+    return rows
+
+
+def _ms(v) -> str:
+    return "-" if v is None else (f"{v / 1e3:.2f} s" if v >= 1e4 else f"{v:.1f} ms")
+
+
+# ------------------------------------------------------------------ report
+def table(res: dict) -> str:
+    e = res["env"]
+    head = (f"`{res['command']}` — {res['model']} shape, window {res['window']}, KV {res['kv_dtype']}, "
+            f"{e['gpu']}, torch {e['torch']}, {e['date']} (scale `{res['scale']}`"
+            + (": a CPU smoke run, not a measurement" if res["scale"] == "tiny" else "") + ")\n\n")
+    if res["scenario"] == "interference":
+        lines = ["| attention | token budget | 128K-prompt TTFT | running ITL p50 during its prefill | p99 | max "
+                 "| ITL p50 before |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in res["rows"]:
+            d, b = r["itl_during_prefill"], r["itl_before"]
+            lines.append(f"| {r['variant']} | {r['budget']} | {_ms(r['long_ttft_ms'])} | {_ms(d['p50'])} | "
+                         f"{_ms(d['p99'])} | {_ms(d['max'])} | {_ms(b['p50'])} |")
+        return head + "\n".join(lines)
+    lines = ["| attention | run | ok | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | ITL p99 "
+             "| E2EL p50 | E2EL p99 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['variant']} | {r['run']} | {r['completed']}/{r['completed'] + r['failed']} | "
+                     f"{r['request_throughput']:.3f} | {r['output_throughput']:.1f} | {_ms(r['ttft']['p50'])} | "
+                     f"{_ms(r['ttft']['p99'])} | {_ms(r['tpot']['p50'])} | {_ms(r['itl']['p50'])} | "
+                     f"{_ms(r['itl']['p99'])} | {_ms(r['e2el']['p50'])} | {_ms(r['e2el']['p99'])} |")
+    return head + "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    from .common import save_figure, subplots
+
+    rows = res["rows"]
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    if res["scenario"] == "interference":
+        fig, (ax,) = subplots(1, 5.5, 4)
+        for i, v in enumerate(variants):
+            rs = [r for r in rows if r["variant"] == v and r["itl_during_prefill"]["p99"] is not None]
+            x = [r["budget"] for r in rs]
+            ax.plot(x, [r["itl_during_prefill"]["p99"] for r in rs], "o-", color=f"C{i}", label=f"{v} p99")
+            ax.plot(x, [r["itl_during_prefill"]["p50"] for r in rs], "x--", color=f"C{i}", label=f"{v} p50")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="token budget per step", ylabel="ITL of running streams (ms)",
+               title="decode latency while a long prompt prefills")
+    elif res["scenario"] == "traffic" or len({r["run"] for r in rows}) > 2:
+        fig, (ax,) = subplots(1, 5.5, 4)
+        for v in variants:
+            rs = [r for r in rows if r["variant"] == v and r["ttft"]["p99"] is not None]
+            ax.plot([r["request_throughput"] for r in rs], [r["ttft"]["p99"] / 1e3 for r in rs], "o-", label=v)
+        ax.set(xlabel="completed requests / s", ylabel="TTFT p99 (s)", title="throughput vs tail TTFT")
+    else:
+        fig, axes = subplots(2, 4.5, 4)
+        runs = list(dict.fromkeys(r["run"] for r in rows))
+        width = 0.8 / max(1, len(variants))
+        for ax, key, label in zip(axes, ("ttft", "e2el"), ("TTFT p50 (s)", "end-to-end p50 (s)")):
+            for j, v in enumerate(variants):
+                vals = [next((r[key]["p50"] or 0) / 1e3 for r in rows if r["variant"] == v and r["run"] == run)
+                        for run in runs]
+                ax.bar([i + j * width for i in range(len(runs))], vals, width, label=v)
+            ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(runs))], runs)
+            ax.set(ylabel=label, title=label.split(" (")[0])
+    for ax in fig.axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def run(args):
+    from .common import splice_marks
+
+    name = args.tag or f"serve-{args.scenario}"
+    if args.scenario == "interference" and args.url:
+        raise ValueError("interference starts one server per token budget: it cannot use --url")
+    if args.from_json:
+        from .common import merge_runs
+
+        runs = []
+        for path in args.from_json:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--from-json: no such file {path}")
+            with open(path) as f:
+                runs.append(json.load(f))
+        res = merge_runs(runs)
+        res["servers"] = {k: v for r in runs for k, v in r.get("servers", {}).items()}
+        if len(runs) > 1:
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
+                json.dump(res, f, indent=1)
+    else:
+        res = measure(args)
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    text = table(res)
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    os.makedirs(args.plot_dir, exist_ok=True)
+    plot(res, os.path.join(args.plot_dir, f"{name}.png"))
+    print(text)
+    if splice_marks(args.docs, text, (f"<!-- {name}-table:begin -->", f"<!-- {name}-table:end -->")):
+        print(f"table written into {args.docs}")
+    failed = sum(r.get("failed", 0) + len(r.get("errors", []) if args.scenario == "interference" else [])
+                 for r in res["rows"])
+    return 1 if failed else 0

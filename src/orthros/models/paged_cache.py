@@ -1,0 +1,278 @@
+"""A paged KV cache: one pool of fixed-size blocks shared by many sequences,
+and the cache object one mixed forward (decodes and prompt chunks) reads.
+
+    PagedKVPool    — per layer K/V [num_blocks * block_size, Hkv, D] (the model's
+                     dtype, bf16, or fp8 e4m3 with per-(layer, KV head) scales).
+                     Which blocks belong to whom is the caller's bookkeeping
+                     (a serving engine's block manager).
+    Segment        — a run of new tokens of one sequence in a forward: its
+                     tokens, the position of the first, the sequence's block
+                     table, and whether its last token is an output position.
+    PagedStepCache — the forward's cache: packs the segments as one row
+                     [1, T] (each segment its own document), builds the
+                     `Layout` and, as the layers call it, writes each new
+                     token's K/V to its block slot and computes attention.
+
+A decode is a segment of one token with an output; a prompt's chunks without
+its last token have no output position and run the base stream only (SPEC
+§2). Attention goes by segment (`attend`):
+
+    single queries (a decode's base and output rows, a prompt's output row)
+        `ops.paged_attention`: each reads its own blocks through the block
+        table, no copy (a Triton split-KV kernel on CUDA);
+    a prompt chunk's base rows
+        the chunk's visible keys (its window, or everything before it for
+        `attention="full"`) gathered from the blocks into one contiguous run,
+        then `ops.attention` with the dense-chunk hint (SDPA / FlexAttention,
+        as in an ordinary chunked prefill).
+
+The layers call `update` / `attend` like any cache's and pass the layout's
+own slot tensors; `attend` tells the streams apart by those tensors. The
+model code needs no change and never learns about blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import attention
+from ..ops.paged import paged_attention
+from .layout import Layout
+from .static_cache import FP8, FP8_MARGIN, FP8_MAX, kv_storage_dtype
+
+
+def kv_bytes_per_token(config, model_dtype: torch.dtype, kv_dtype: str = "auto") -> int:
+    """Bytes of K + V one token takes over all layers."""
+    item = torch.empty(0, dtype=kv_storage_dtype(kv_dtype, model_dtype)).element_size()
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * item
+
+
+class PagedKVPool:
+    """K/V storage of `num_blocks` blocks of `block_size` tokens for every layer."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, device, dtype: torch.dtype, kv_dtype: str = "auto"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        self.num_layers, self.num_blocks, self.block_size = L, num_blocks, block_size
+        self.device, self.dtype = torch.device(device), dtype
+        self.storage = kv_storage_dtype(kv_dtype, dtype)
+        self.fp8 = self.storage == FP8
+        n = num_blocks * block_size
+        # zeros, not empty: slots never written must not hold NaN bit patterns
+        self.k = [torch.zeros(n, Hkv, D, device=device, dtype=self.storage) for _ in range(L)]
+        self.v = [torch.zeros(n, Hkv, D, device=device, dtype=self.storage) for _ in range(L)]
+        self.k_scale = torch.ones(L, Hkv, device=device, dtype=torch.float32)
+        self.v_scale = torch.ones(L, Hkv, device=device, dtype=torch.float32)
+        self.scaled = [False] * L
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [T, Hkv, D] at pool slots [T].
+
+        fp8: each layer's scales are fixed by the first tokens ever written (their absmax
+        x FP8_MARGIN, rounded up to a power of two, as `StaticOrthrosCache` does) and never
+        change after, so blocks written by one request stay valid for every other
+        (prefix caching); later values beyond the range saturate at +-448."""
+        if self.fp8:
+            if not self.scaled[layer]:
+                for s, x in ((self.k_scale, k), (self.v_scale, v)):
+                    amax = x.detach().abs().float().amax(dim=(0, 2))
+                    s[layer] = torch.exp2(torch.ceil(torch.log2((amax * FP8_MARGIN / FP8_MAX).clamp_min(2.0**-60))))
+                self.scaled[layer] = True
+            k = (k.float() / self.k_scale[layer][:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            v = (v.float() / self.v_scale[layer][:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            # index_copy_ has no fp8 kernels: copy the bytes
+            self.k[layer].view(torch.uint8).index_copy_(0, slots, k.view(torch.uint8))
+            self.v[layer].view(torch.uint8).index_copy_(0, slots, v.view(torch.uint8))
+            return
+        self.k[layer].index_copy_(0, slots, k.to(self.storage))
+        self.v[layer].index_copy_(0, slots, v.to(self.storage))
+
+    def gather(self, layer: int, slots: torch.Tensor, dtype: torch.dtype):
+        """K, V at pool slots [S] as one contiguous run [1, S, Hkv, D] in `dtype` (fp8: unscaled)."""
+        k, v = self.k[layer], self.v[layer]
+        if self.fp8:  # no fp8 indexing kernels everywhere: index the bytes
+            k, v = k.view(torch.uint8)[slots].view(FP8), v.view(torch.uint8)[slots].view(FP8)
+        else:
+            k, v = k[slots], v[slots]
+        return k[None].to(dtype), v[None].to(dtype)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+@dataclass
+class Segment:
+    tokens: list[int]  # the new tokens of this forward
+    start: int  # position of tokens[0] in its sequence (= tokens already in the cache)
+    blocks: list[int]  # the sequence's block table, covering start + len(tokens) tokens
+    output: bool  # the last token is an output position (a decode, or a prompt's last chunk)
+
+
+@dataclass
+class _Dense:
+    """A prompt chunk's base rows [r0, r1) at positions start.. over the keys gathered by `slots`."""
+
+    r0: int
+    r1: int
+    dense_start: int  # slot of the first query in the gathered keys
+    slots: torch.Tensor  # [S] pool slots of the visible keys, in position order
+
+
+@dataclass
+class _Single:
+    """Rows of one query each: `rows` [R] into the stream's queries, `table` [R, max_blocks], `pos` [R]."""
+
+    rows: torch.Tensor
+    table: torch.Tensor
+    pos: torch.Tensor
+    max_len: int
+
+
+class PagedStepCache:
+    """The cache of one forward over `segments` (see the module docstring).
+
+    Attributes:
+        input_ids: [1, T] the segments' tokens, packed.
+        layout: the forward's `Layout` (RoPE positions, output rows).
+        slots: [T] pool slot of every new token.
+    """
+
+    def __init__(self, pool: PagedKVPool, config, segments: list[Segment]):
+        if not segments:
+            raise ValueError("a forward needs at least one segment")
+        self.pool = pool
+        dev, bs = pool.device, pool.block_size
+        self.base_window = None if config.attention == "full" else config.window_size
+        tokens, pos, doc, out_idx, slots = [], [], [], [], []
+        base_single, out_single, dense = [], [], []  # (segment, position) / _Dense
+        max_blocks = max(len(s.blocks) for s in segments)
+        table = torch.zeros(len(segments), max_blocks, dtype=torch.int32)
+        for i, s in enumerate(segments):
+            n = len(s.tokens)
+            if n == 0 or len(s.blocks) * bs < s.start + n:
+                raise ValueError(f"segment {i}: {n} tokens from position {s.start} need "
+                                 f"{-(-(s.start + n) // bs)} blocks, it has {len(s.blocks)}")
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+            r0 = len(tokens)
+            p = torch.arange(s.start, s.start + n)
+            tokens += s.tokens
+            pos.append(p)
+            doc += [i] * n
+            slots.append(table[i].long()[p // bs] * bs + p % bs)
+            if n == 1:
+                base_single.append((r0, i, s.start))
+            else:
+                a = 0 if self.base_window is None else max(0, s.start - self.base_window + 1)
+                kp = torch.arange(a, s.start + n)
+                dense.append(_Dense(r0, r0 + n, s.start - a, (table[i].long()[kp // bs] * bs + kp % bs).to(dev)))
+            if s.output:
+                out_single.append((len(out_idx), i, s.start + n - 1))
+                out_idx.append(r0 + n - 1)
+        self.input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)[None]
+        self.slots = torch.cat(slots).to(dev)
+        self.table = table.to(dev)
+        self._dense = dense
+        self._base_single = self._single(base_single)
+        self._out_single = self._single(out_single)
+        T, N = len(tokens), len(out_idx)
+        base_pos = torch.cat(pos).to(dev)[None]
+        base_doc = torch.tensor(doc, dtype=torch.long, device=dev)[None]
+        oi = torch.tensor(out_idx, dtype=torch.long, device=dev)[None]
+        self.layout = Layout(
+            base_slot=torch.arange(T, device=dev)[None], base_pos=base_pos, base_doc=base_doc,
+            key_doc=base_doc, out_idx=oi, out_valid=torch.ones_like(oi, dtype=torch.bool),
+            out_slot=oi.clone(), out_pos=base_pos.gather(1, oi), out_doc=base_doc.gather(1, oi),
+            next_pos=base_pos[:, -1] + 1, last_doc=base_doc[:, -1])
+        self.num_outputs = N
+
+    @classmethod
+    def static_decode(cls, pool: PagedKVPool, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+                      table: torch.Tensor, max_len: int) -> "PagedStepCache":
+        """A decode-only forward over caller-owned buffers (one token per row, each an output):
+        input_ids [1, B], pos [B], slots [B], table [B, max_blocks]. Nothing here reads them on
+        the host, so a forward through this cache can be captured in a CUDA graph and replayed
+        after the buffers are refilled in place; `max_len` bounds every sequence (it fixes the
+        attention kernel's launch grid)."""
+        self = cls.__new__(cls)
+        self.pool = pool
+        B, dev = input_ids.shape[1], input_ids.device
+        self.input_ids, self.slots, self.table = input_ids, slots, table
+        rows = torch.arange(B, device=dev)
+        self._dense = []
+        self._base_single = self._out_single = _Single(rows, table, pos, max_len)
+        base_pos = pos[None]
+        doc = rows[None]
+        self.layout = Layout(base_slot=rows[None], base_pos=base_pos, base_doc=doc, key_doc=doc, out_idx=rows[None],
+                             out_valid=torch.ones(1, B, dtype=torch.bool, device=dev), out_slot=rows[None].clone(),
+                             out_pos=base_pos, out_doc=doc, next_pos=base_pos[:, -1] + 1, last_doc=doc[:, -1])
+        self.num_outputs = B
+        return self
+
+    def _single(self, items) -> _Single:
+        dev = self.pool.device
+        rows = torch.tensor([r for r, _, _ in items], dtype=torch.long)
+        seg = torch.tensor([i for _, i, _ in items], dtype=torch.long)
+        pos = [p for _, _, p in items]
+        return _Single(rows.to(dev), self.table[seg.to(dev)], torch.tensor(pos, dtype=torch.long, device=dev),
+                       max(pos, default=0) + 1)
+
+    # ----------------------------------------------------------- the layers' API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # every slot is addressed through the plan, not a shared key axis
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Write the new tokens' k, v [1, T, Hkv, D] to their blocks; returns the pool
+        tensors (`attend` reads them through the plan)."""
+        self.pool.write(layer_idx, self.slots, k[0], v[0])
+        return self.pool.k[layer_idx], self.pool.v[layer_idx]
+
+    def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
+               dense_start=None, window_rows=None):
+        """Attention for one stream's queries q [1, M, H, D] (packed rows) -> [1, M, H, D].
+
+        Which stream it is comes from the layout tensor passed as `q_slot`; `window_rows`
+        marks a decode pair (one sequence: base row windowed, output row not)."""
+        pool = self.pool
+        H, Hkv = q.shape[2], pool.k[layer_idx].shape[1]
+        if pool.fp8:  # fold the K scale into the queries (q . (s k) = (s q) . k per head)
+            q = q * pool.k_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(q.dtype)
+        if window_rows is not None:  # the pair path: [base rows | output rows] of one decode
+            r = window_rows
+            o = torch.cat([self._attend_single(layer_idx, q[:, :r], self._base_single, window, scale),
+                           self._attend_single(layer_idx, q[:, r:], self._out_single, None, scale)], 1)
+        elif q_slot is self.layout.base_slot and not self._dense:  # every segment is one token: rows in order
+            o = self._attend_single(layer_idx, q, self._base_single, window, scale)
+        elif q_slot is self.layout.base_slot:
+            o = q.new_empty(q.shape)
+            if self._base_single.rows.numel():
+                o[:, self._base_single.rows] = self._attend_single(layer_idx, q[:, self._base_single.rows],
+                                                                   self._base_single, window, scale)
+            for d in self._dense:
+                kd, vd = pool.gather(layer_idx, d.slots, q.dtype)
+                n, S = d.r1 - d.r0, d.slots.numel()
+                qs = (d.dense_start + torch.arange(n, device=q.device))[None]
+                # A windowed chunk's compiled kernels are specialised to its length: a length off
+                # the engine's chunk grid (a prompt's last chunk) runs the blocked op instead.
+                be = "chunked" if window is not None and q.is_cuda and n % 128 else backend
+                o[:, d.r0:d.r1] = attention(q[:, d.r0:d.r1], kd, vd, qs, torch.zeros_like(qs),
+                                            torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
+                                            scale=scale, backend=be, dense_start=d.dense_start)
+        elif q_slot is self.layout.out_slot:
+            o = self._attend_single(layer_idx, q, self._out_single, window, scale)
+        else:
+            raise ValueError("PagedStepCache.attend: q_slot must be the layout's base_slot or out_slot")
+        if pool.fp8:
+            o = o * pool.v_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(o.dtype)
+        return o
+
+    def _attend_single(self, layer_idx, q, single: _Single, window, scale):
+        """q [1, R, H, D], one query per row of `single` -> [1, R, H, D]."""
+        if q.shape[1] == 0:
+            return q
+        o = paged_attention(q[0], self.pool.k[layer_idx], self.pool.v[layer_idx], single.table, single.pos,
+                            self.pool.block_size, window=window, scale=scale, max_len=single.max_len)
+        return o[None]

@@ -1,0 +1,190 @@
+"""Paged attention for single queries: each query reads its own sequence's keys
+from a shared block pool through a block table (no gather, no padding).
+
+A serving engine keeps K/V of all requests in one pool of fixed-size blocks,
+[num_blocks * block_size, Hkv, D] per layer; request r owns the blocks listed
+in row r of `table` [R, max_blocks], so its token at position p lives at pool
+slot `table[r, p // block_size] * block_size + p % block_size`. A decode
+query (or a prompt's output query) at position `pos[r]` sees its keys
+0..pos[r] (the last `window` of them with a window).
+
+    paged_attention        — the op: Triton split-KV kernel on CUDA (one
+                             program per (query, KV head, key split), the
+                             G query heads of a KV head stacked in one tile,
+                             splits merged by log-sum-exp), a gathered
+                             reference elsewhere.
+    paged_attention_ref    — the same function in plain PyTorch: gathers each
+                             query's visible keys into a padded batch and
+                             calls `naive_attention`.
+
+Static shapes and no host sync on the kernel path (the split size is a
+host-side argument), so a decode step that uses it can be captured in a CUDA
+graph. fp8 pools are read as stored; the caller folds the K/V scales into the
+queries and the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .masks import PAD_DOC
+from .naive import naive_attention
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
+                  sqr, sqh, sks, skh, svs, svh, s_table, sor, sop, soh, slr, slp,
+                  Hkv, scale, window, keys_per_split,
+                  BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        r = (pid // Hkv).to(tl.int64)
+        kvh = pid % Hkv
+        g = tl.arange(0, BLOCK_R)
+        gvalid = g < G
+        h = kvh * G + g
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(Q + r * sqr + h[:, None] * sqh + d[None, :], mask=gvalid[:, None] & dmask[None, :], other=0.0)
+        pos = tl.load(POS + r).to(tl.int64)
+        start = split.to(tl.int64) * keys_per_split
+        end = tl.minimum(start + keys_per_split, pos + 1)
+        if HAS_WINDOW:
+            start = tl.maximum(start, pos - window + 1)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for j0 in range(start, end, BLOCK_N):
+            j = j0 + n
+            jvalid = j < end
+            blk = tl.load(TABLE + r * s_table + j // BS, mask=jvalid, other=0).to(tl.int64)
+            slot = blk * BS + j % BS
+            kv_mask = jvalid[:, None] & dmask[None, :]
+            k = tl.load(K + slot[:, None] * sks + kvh * skh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(jvalid[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + slot[:, None] * svs + kvh * svh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(O + r * sor + split * sop + h[:, None] * soh + d[None, :], o, mask=gvalid[:, None] & dmask[None, :])
+        tl.store(LSE + r * slr + split * slp + h, lse, mask=gvalid)
+
+    return paged_fwd
+
+
+def paged_splits(max_len: int, rows: int, kv_heads: int, device, block_n: int = 64) -> int:
+    """Keys per split for queries over at most `max_len` keys: enough programs to fill the GPU."""
+    from .splitkv import _num_sms
+
+    want = max(1, 2 * _num_sms(device) // max(1, rows * kv_heads))
+    splits = max(1, min(want, -(-max_len // (4 * block_n))))
+    per = -(-max(max_len, 1) // splits)
+    return -(-per // block_n) * block_n
+
+
+def paged_attention(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
+                    scale: float | None = None, keys_per_split: int | None = None, max_len: int | None = None):
+    """Single queries over a paged pool.
+
+    Args:
+        q: [R, H, D] one query per row.
+        k_pool, v_pool: [num_blocks * block_size, Hkv, D] (any float dtype, fp8 included).
+        table: [R, max_blocks] int block ids of each row's sequence (entries past its length unused).
+        pos: [R] int position of each query (it sees keys 0..pos, or the last `window`).
+        keys_per_split: the kernel's split size (static: fixes the launch grid); default from
+            `max_len` (the longest sequence, default table.shape[1] * block_size).
+    Returns:
+        [R, H, D] in q's dtype.
+    """
+    from . import triton_available
+
+    if q.shape[0] == 0:
+        return q.new_zeros(q.shape)
+    if not (q.is_cuda and triton_available()):
+        return paged_attention_ref(q, k_pool, v_pool, table, pos, block_size, window, scale)
+    return paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size, window, scale, keys_per_split, max_len)
+
+
+def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
+                           scale: float | None = None, keys_per_split: int | None = None,
+                           max_len: int | None = None):
+    """`paged_attention` through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    import triton
+
+    from .splitkv import _merge_kernel
+
+    R, H, D = q.shape
+    scale = D ** -0.5 if scale is None else scale
+    Hkv = k_pool.shape[1]
+    G = H // Hkv
+    cap = table.shape[1] * block_size
+    block_n = 64
+    if keys_per_split is None and window is not None and window <= 1024:
+        keys_per_split = triton.cdiv(cap, block_n) * block_n  # a window's few keys: one split, no merge
+    per = keys_per_split or paged_splits(max_len or cap, R, Hkv, q.device, block_n)
+    P = max(1, triton.cdiv(cap, per))
+    o = torch.empty(R, P, H, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(R, P, H, device=q.device, dtype=torch.float32)
+    _kernel()[(R * Hkv, P)](
+        q, k_pool, v_pool, table, pos, o, lse,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        Hkv, scale, 0 if window is None else window, per,
+        BS=block_size, G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+    )
+    if P == 1:
+        return o[:, 0].to(q.dtype)
+    out = torch.empty(R, 1, H, D, device=q.device, dtype=q.dtype)
+    lse_out = torch.empty(R, 1, H, device=q.device, dtype=torch.float32)
+    # The merge kernel's layout is [B, P, M, H, D]: here B = R and M = 1.
+    o5, lse4 = o[:, :, None], lse[:, :, None]
+    _merge_kernel()[(R * H,)](
+        o5, lse4, out, lse_out, P, 1, H,
+        o5.stride(0), o5.stride(1), o5.stride(2), o5.stride(3), lse4.stride(0), lse4.stride(1), lse4.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), lse_out.stride(0), lse_out.stride(1),
+        D=D, BLOCK_P=min(64, triton.next_power_of_2(P)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+    return out[:, 0]
+
+
+def paged_attention_ref(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
+                        scale: float | None = None):
+    """`paged_attention` by gathering: each row's visible keys [lo, pos] into a padded
+    [R, S, Hkv, D] batch (S = the longest span), then the reference op."""
+    pos = pos.long()
+    lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_min(0)
+    span = int((pos - lo).max()) + 1
+    j = lo[:, None] + torch.arange(span, device=q.device)[None, :]  # [R, S] key positions
+    valid = j <= pos[:, None]
+    jc = torch.where(valid, j, 0)
+    slot = table.long().gather(1, jc // block_size) * block_size + jc % block_size
+    k = k_pool[slot].to(q.dtype)  # [R, S, Hkv, D]
+    v = v_pool[slot].to(q.dtype)
+    k_doc = torch.where(valid, 0, PAD_DOC)
+    q_slot = (pos - lo)[:, None]
+    o = naive_attention(q[:, None], k, v, q_slot, torch.zeros_like(q_slot), k_doc, window=window, scale=scale)
+    return o[:, 0]

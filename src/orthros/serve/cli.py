@@ -1,0 +1,79 @@
+"""Serve a model over an OpenAI-compatible HTTP API (continuous batching, paged KV cache).
+
+    orthros serve runs/tiny-orthros --port 8000
+    orthros serve --preset llama-3.1-8b --attention full --port 8000   # random weights, token-id prompts
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+Needs the `serve` extra: pip install 'orthros[serve]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .engine import EngineConfig
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-gib)")
+    g.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache memory (default: CUDA 90%% of what is free after loading, CPU 1 GiB)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one step (decodes first, then prompt chunks)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    g.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
+    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="run decode-only steps eagerly on CUDA")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        max_queue=args.max_queue, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
+                        prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs)
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default=None, help="serve a named config with random weights instead of MODEL_DIR")
+    g.add_argument("--attention", default=None, choices=("orthros", "full", "swa"), help="override the model's")
+    g.add_argument("--window", type=int, default=None, help="override the sliding window")
+    g.add_argument("--layers", type=int, default=None, help="preset only: number of layers")
+    g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="weights (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--served-model-name", default=None, help="the `model` clients send (default: the directory name)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="model directory (config.json, weights, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    add_model_arguments(p)
+    add_engine_arguments(p)
+
+
+def run(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise ValueError(f"orthros serve needs the serving extra: pip install 'orthros[serve]' ({e})") from e
+    from .launch import bind, build_app, load_model
+
+    model, tok, name = load_model(args.model, args.preset, args.device, args.dtype, args.attention, args.window,
+                                  args.layers, args.max_model_len)
+    app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args))
+    sock = bind(args.host, args.port)
+    kv = engine.pool.memory_bytes / 2**30
+    print(f"orthros serve: {name} ({model.config.attention}) on {args.device}, {engine.blocks.num_blocks} KV blocks "
+          f"x {engine.blocks.block_size} tokens ({kv:.2f} GiB, {engine.pool.storage}), "
+          f"http://{args.host}:{sock.getsockname()[1]}/v1", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="info", lifespan="on")).run(sockets=[sock])
+    return 0

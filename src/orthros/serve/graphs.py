@@ -1,0 +1,119 @@
+"""Captured CUDA graphs for the engine's decode-only steps.
+
+A step whose segments are all single decode tokens has static shapes once the
+batch is padded to a bucket (1, 2, 4, ... up to `max_num_seqs`): the model
+runs over `PagedStepCache.static_decode` buffers (token, position, block
+slot, block table per row), and the attention kernel's grid is fixed by the
+longest possible sequence. Each bucket is captured the first time it is
+needed (its first run is eager and produces that step's result; the
+capture writes the same K/V again, so it changes nothing) and replayed after
+that: one graph launch instead of hundreds of kernel launches per step.
+
+Padded rows decode token 0 at position 0 into a scratch block that no
+request owns (the pool's last block), so they read and write nothing real.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..models.paged_cache import PagedStepCache, Segment
+
+
+class DecodeGraphs:
+    def __init__(self, engine):
+        self.engine = engine
+        self.model = engine.model
+        pool = self.pool = engine.pool
+        self.scratch = engine.scratch_block
+        bs = pool.block_size
+        self.max_blocks = -(-engine.max_model_len // bs)
+        self.max_len = self.max_blocks * bs
+        n = engine.cfg.max_num_seqs
+        self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < n] + [n]
+        dev = pool.device
+        B = self.buckets[-1]
+        self.input_ids = torch.zeros(1, B, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(B, dtype=torch.long, device=dev)
+        self.table = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mempool = None
+        self.disabled = False
+
+    def _cache(self, b: int) -> PagedStepCache:
+        return PagedStepCache.static_decode(self.pool, self.input_ids[:, :b], self.pos[:b], self.slots[:b],
+                                            self.table[:b], self.max_len)
+
+    def _forward(self, cache: PagedStepCache) -> torch.Tensor:
+        m = self.model
+        h = m.model(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
+        return m.lm_head(h)[0].float()
+
+    def _fill(self, segments: list[Segment], b: int) -> None:
+        bs = self.pool.block_size
+        ids = torch.zeros(b, dtype=torch.long)
+        pos = torch.zeros(b, dtype=torch.long)
+        slots = torch.full((b,), self.scratch * bs, dtype=torch.long)
+        table = torch.full((b, self.max_blocks), self.scratch, dtype=torch.int32)
+        for i, s in enumerate(segments):
+            ids[i], pos[i] = s.tokens[0], s.start
+            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
+            slots[i] = s.blocks[s.start // bs] * bs + s.start % bs
+        self.input_ids[0, :b].copy_(ids, non_blocking=True)
+        self.pos[:b].copy_(pos, non_blocking=True)
+        self.slots[:b].copy_(slots, non_blocking=True)
+        self.table[:b].copy_(table, non_blocking=True)
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, every row on the scratch block (before any request)."""
+        for b in reversed(self.buckets):  # largest first: the others reuse its memory
+            if self.disabled:
+                return
+            self._fill([], b)
+            self._forward(self._cache(b))  # eager first: kernels compiled, memory warmed
+            self._capture(b, self._cache(b))
+
+    def run(self, segments: list[Segment]) -> torch.Tensor | None:
+        """Logits [len(segments), V] of a decode-only step, or None (run it eagerly) if it
+        does not fit a bucket or capturing failed."""
+        n = len(segments)
+        if self.disabled or n > self.buckets[-1] or any(len(s.blocks) > self.max_blocks for s in segments):
+            return None
+        b = next(x for x in self.buckets if x >= n)
+        self._fill(segments, b)
+        if b not in self.graphs:
+            cache = self._cache(b)
+            logits = self._forward(cache)  # eager: this step's result, and the kernels compiled
+            self._capture(b, cache)
+            return logits[:n].clone()
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[:n].clone()
+
+    def _capture(self, b: int, cache: PagedStepCache) -> None:
+        """Capture bucket `b`; on failure, say so once and run decode steps eagerly from now on."""
+        try:
+            self._capture_graph(b, cache)
+        except Exception as e:  # noqa: BLE001 - eager decoding still works
+            self.disabled = True
+            self.graphs.clear()
+            print(f"orthros serve: capturing the decode step failed ({type(e).__name__}: {e}); "
+                  "decoding eagerly", file=sys.stderr, flush=True)
+
+    def _capture_graph(self, b: int, cache: PagedStepCache) -> None:
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(cache)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.mempool is None:
+            self.mempool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            out = self._forward(cache)
+        torch.cuda.synchronize()
+        self.graphs[b] = (graph, out)

@@ -1,0 +1,120 @@
+"""Build an engine + app from a model directory or a preset, and run it under uvicorn
+(in this thread, or in a background thread for tests and in-process benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine import Engine, EngineConfig
+
+DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_model(model_dir: str | None, preset: str | None, device: str, dtype: str = "auto",
+               attention: str | None = None, window: int | None = None, layers: int | None = None,
+               max_model_len: int | None = None, seed: int = 0):
+    """(model, tokenizer or None, served name): a saved model directory, or a preset with
+    random weights (no tokenizer: prompts are token ids)."""
+    from ..models import OrthrosConfig, OrthrosForCausalLM
+
+    dev = torch.device(device)
+    want = DTYPES[dtype] or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    over = {k: v for k, v in (("attention", attention), ("window_size", window)) if v is not None}
+    if (model_dir is None) == (preset is None):
+        raise ValueError("give a model directory or --preset, not both")
+    if layers is not None and preset is None:
+        raise ValueError("--layers applies to --preset only (a saved model keeps its layers)")
+    if preset is not None:
+        if layers is not None:
+            over["num_hidden_layers"] = layers
+        from ..bench.common import build_model
+
+        cfg = OrthrosConfig.from_name(preset, **over)
+        if max_model_len:
+            cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_model_len)
+        torch.manual_seed(seed)
+        return build_model(cfg, dev, want), None, preset
+    d = Path(model_dir)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d} is not a model directory (no config.json)")
+    from ..data.tokenizer import load_tokenizer
+
+    model = OrthrosForCausalLM.from_pretrained(str(d), dtype=want, **over).to(dev).eval()
+    try:
+        tok = load_tokenizer(d, model.config.vocab_size)
+    except FileNotFoundError:
+        tok = None
+    return model, tok, d.name
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    for src in (model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+        if src is None:
+            continue
+        ids.update([src] if isinstance(src, int) else src)
+    return sorted(ids)
+
+
+def build_app(model, tokenizer, name: str, engine_config: EngineConfig):
+    from .api import create_app
+    from .metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    engine = Engine(model, engine_config, eos_token_ids=eos_ids(model, tokenizer), metrics=metrics)
+    return create_app(engine, tokenizer, name, metrics), engine
+
+
+def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening socket (port 0: a free one, no race with other processes)."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    return sock
+
+
+@dataclass
+class RunningServer:
+    """A uvicorn server in a background thread; `url` is its /v1 base."""
+
+    server: object
+    thread: threading.Thread
+    host: str
+    port: int
+    engine: Engine
+
+    @property
+    def base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def serve_in_thread(app, engine: Engine, host: str = "127.0.0.1", port: int = 0, timeout: float = 60) -> RunningServer:
+    import uvicorn
+
+    sock = bind(host, port)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="orthros-uvicorn", daemon=True)
+    thread.start()
+    t0 = time.monotonic()
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() - t0 > timeout:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    return RunningServer(server, thread, host, port, engine)

@@ -1,0 +1,173 @@
+"""OpenAI API schemas: request models (validated by pydantic) and response builders.
+
+Requests follow the OpenAI completions / chat completions APIs; beside them a
+few fields that vLLM and SGLang also take (`top_k`, `stop_token_ids`,
+`ignore_eos`, `min_tokens`, `return_token_ids`). Unknown fields are errors,
+so a misspelt parameter is a 400 rather than silently ignored. Responses are
+plain dicts in the OpenAI shapes (what the official client parses).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    return_token_ids: bool = False
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
+        stops = self.stop_strings()
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream=true")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def top_k_value(self) -> int | None:
+        return None if self.top_k in (None, -1, 0) else self.top_k
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _completion_supported(self):
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported (it must equal n)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        p = self.prompt
+        if (isinstance(p, (str, list)) and len(p) == 0) or (isinstance(p, list) and any(
+                isinstance(x, (str, list)) and len(x) == 0 for x in p)):
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool fields: passed to the template as given
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _chat_supported(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ------------------------------------------------------------------ responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    u = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
+
+
+def error_body(message: str, type_: str, code: str | int | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def completion_logprobs(tokens: list[str], logprobs: list[float], tops: list[dict[str, float] | None],
+                        offset0: int, texts: list[str]) -> dict:
+    """The completions API's `logprobs` object for a run of tokens."""
+    offsets, o = [], offset0
+    for t in texts:
+        offsets.append(o)
+        o += len(t)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops if any(t is not None for t in tops)
+            else None, "text_offset": offsets}
+
+
+def chat_logprobs(tokens: list[str], logprobs: list[float], tops: list[list[tuple[str, float]] | None]) -> dict:
+    """The chat API's `logprobs` object ({"content": [...]}) for a run of tokens."""
+    def entry(tok, lp):
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in (top or [])]}
+                        for t, lp, top in zip(tokens, logprobs, tops)]}

@@ -1,0 +1,54 @@
+"""`orthros bench serve` at the tiny scale on CPU: every scenario runs end to end against real
+servers (in-process, and once as a subprocess), writes JSON, a table spliced into the docs page
+and a plot; every request completes with its full length."""
+
+import json
+
+import pytest
+
+from orthros.cli import main
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def run(tmp_path, scenario, *argv):
+    doc = tmp_path / "serving.md"
+    doc.write_text(f"<!-- serve-{scenario}-table:begin -->\n(pending)\n<!-- serve-{scenario}-table:end -->\n")
+    rc = main(["bench", "serve", "--scenario", scenario, "--scale", "tiny", "--out-dir", str(tmp_path),
+               "--plot-dir", str(tmp_path), "--docs", str(doc), *argv])
+    assert rc == 0
+    assert (tmp_path / f"serve-{scenario}.png").stat().st_size > 0
+    assert "| attention |" in doc.read_text() and "(pending)" not in doc.read_text()
+    return json.loads((tmp_path / f"serve-{scenario}.json").read_text())
+
+
+def test_paper_scenario_both_attentions(tmp_path):
+    res = run(tmp_path, "paper", "--server", "inprocess")
+    assert {(r["variant"], r["run"]) for r in res["rows"]} == {(v, n) for v in ("orthros", "full")
+                                                               for n in ("128K/128", "127K/1K")}
+    for r in res["rows"]:
+        assert r["completed"] == 2 and r["failed"] == 0
+        assert r["total_output_tokens"] == 2 * r["output"] and r["total_input_tokens"] == 2 * r["input"]
+        assert 0 < r["ttft"]["p50"] <= r["e2el"]["p50"] and r["itl"]["n"] > 0 and r["output_throughput"] > 0
+
+
+def test_traffic_scenario_subprocess_server_and_merge(tmp_path):
+    res = run(tmp_path, "traffic", "--variants", "orthros", "--rates", "20", "--num-prompts", "4")
+    (row,) = res["rows"]
+    assert row["completed"] == 4 and row["rate"] == 20 and "orthros serve --preset tiny" in res["servers"]["orthros"]
+    assert all(16 <= q["prompt_len"] <= 256 and 4 <= q["output_len"] <= 16 for q in row["requests"])
+    # a run split in two (one per variant) is joined into one table
+    other = dict(res, rows=[dict(row, variant="full")], servers={"full": "(another run)"})
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    merged = run(tmp_path, "traffic", "--from-json", str(tmp_path / "serve-traffic.json"), str(tmp_path / "b.json"),
+                 "--tag", "serve-traffic")
+    assert [r["variant"] for r in merged["rows"]] == ["orthros", "full"] and set(merged["servers"]) == {"orthros", "full"}
+
+
+def test_interference_scenario(tmp_path):
+    res = run(tmp_path, "interference", "--server", "inprocess", "--budgets", "16")
+    assert [(r["variant"], r["budget"]) for r in res["rows"]] == [("orthros", 16), ("full", 16)]
+    for r in res["rows"]:
+        assert not r["errors"] and not r["background_finished_early"]
+        assert r["long_ttft_ms"] > 0 and r["itl_during_prefill"]["n"] > 0 and r["itl_before"]["n"] > 0

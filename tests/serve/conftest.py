@@ -1,0 +1,52 @@
+"""A tiny Orthros model directory with a BPE tokenizer and a chat template, and real servers
+on localhost for the API tests (uvicorn in a background thread, a free port each)."""
+
+import pytest
+import torch
+
+from orthros.convert.tiny import tiny_tokenizer
+from orthros.serve.engine import EngineConfig
+
+from ..conftest import make_model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve-model")
+    tok = tiny_tokenizer(vocab_size=300, corpus_bytes=30_000)
+    model = make_model("orthros", window=8, initializer_range=0.3, vocab_size=len(tok),
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def start_server(model_dir, **engine):
+    from orthros.serve.launch import build_app, load_model, serve_in_thread
+
+    model, tok, name = load_model(str(model_dir), None, "cpu")
+    cfg = dict(block_size=4, num_blocks=512, max_num_batched_tokens=32, max_num_seqs=16, max_model_len=256)
+    app, eng = build_app(model, tok, name, EngineConfig(**{**cfg, **engine}))
+    return serve_in_thread(app, eng), model, tok, name
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv, model, tok, name = start_server(model_dir)
+    yield srv, model, tok, name
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server[0].url, api_key="none", max_retries=0, timeout=60)
+
+
+def reference(model, tok, prompt_ids, max_new):
+    """Greedy tokens of the prompt alone (stopping after EOS, as the server does)."""
+    from orthros.generate import generate
+
+    with torch.no_grad():
+        ids = generate(model, [prompt_ids], max_new_tokens=max_new, stop_tokens=tok.eos_token_id)
+    return ids[0, len(prompt_ids):].tolist()

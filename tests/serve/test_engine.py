@@ -1,0 +1,182 @@
+"""The engine under batching: greedy outputs of requests served concurrently (different lengths,
+staggered arrivals, shared prefixes, cancellations, preemption for memory) equal
+`orthros.generate.generate` on each prompt alone, for Orthros and the full / SWA baselines."""
+
+import random
+
+import pytest
+import torch
+
+from orthros.generate import generate
+from orthros.serve.engine import Engine, EngineConfig, QueueFull, SamplingParams
+
+from ..conftest import make_model
+
+
+def _workload(seed=0):
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(21)]
+    prompts = [shared + [rng.randrange(256) for _ in range(rng.randrange(0, 25))] for _ in range(4)]
+    prompts += [[rng.randrange(256) for _ in range(rng.randrange(1, 45))] for _ in range(4)]
+    return prompts, [rng.randrange(1, 10) for _ in prompts]
+
+
+class Collector:
+    def __init__(self):
+        self.events = {}
+
+    def sink(self, key):
+        return lambda ev: self.events.setdefault(key, []).append(ev)
+
+    def tokens(self, key):
+        return [e.token_id for e in self.events.get(key, []) if e.token_id is not None]
+
+    def reason(self, key):
+        return self.events[key][-1].finish_reason
+
+
+@pytest.mark.parametrize("attention", ["orthros", "full", "swa"])
+def test_concurrent_greedy_equals_alone(attention):
+    model = make_model(attention, window=6, initializer_range=0.3)
+    prompts, max_tokens = _workload()
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=13, max_num_seqs=6,
+                                     chunk_align=4))
+    out = Collector()
+    reqs = {}
+    cancel = {2, 6}
+    for step in range(400):
+        if step % 2 == 0 and step // 2 < len(prompts):  # one arrival every other step
+            i = step // 2
+            reqs[i] = eng.submit(prompts[i], SamplingParams(max_tokens=max_tokens[i] + 6 * (i in cancel)),
+                                 out.sink(i))
+        for i in cancel:  # cancelled after their first token
+            if i in reqs and out.tokens(i) and not reqs[i].finished:
+                eng.abort(reqs[i].id)
+        if not eng.has_work() and len(reqs) == len(prompts):
+            break
+        eng.step()
+    assert not eng.has_work() and eng.blocks.num_used == 0
+    assert eng.blocks.hit_tokens > 0  # the shared prefix was reused
+    for i, p in enumerate(prompts):
+        got = out.tokens(i)
+        if i in cancel:
+            assert out.reason(i) == "abort" and 1 <= len(got) < max_tokens[i] + 6
+        else:
+            assert out.reason(i) == "length" and len(got) == max_tokens[i]
+        ref = generate(model, [p], max_new_tokens=len(got))[0, len(p):].tolist()
+        assert got == ref, (i, got, ref)
+
+
+def test_chunks_cut_by_the_budget_are_aligned():
+    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128))
+    assert [eng._chunk(left, budget) for left, budget in ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300),
+                                                          (1000, 100))] == [8192, 7168, 100, 256, 100]
+
+
+def test_preemption_recomputes_exactly():
+    """A pool too small for every running request: the newest is preempted, recomputed later
+    (prompt + its generated tokens), and its output is unchanged."""
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(256) for _ in range(14)] for _ in range(4)]  # 4 blocks each, 7 when done
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=18, max_num_batched_tokens=64, max_num_seqs=6,
+                                     prefix_caching=False))
+    out = Collector()
+    for i, p in enumerate(prompts):
+        eng.submit(p, SamplingParams(max_tokens=12), out.sink(i))
+    preempted = 0
+    real = eng._preempt
+
+    def counting(req):
+        nonlocal preempted
+        preempted += 1
+        real(req)
+
+    eng._preempt = counting
+    eng.run_until_done()
+    assert preempted > 0 and eng.blocks.num_used == 0
+    for i, p in enumerate(prompts):
+        assert out.tokens(i) == generate(model, [p], max_new_tokens=12)[0, len(p):].tolist()
+
+
+def test_stop_tokens_sampling_seed_and_logprobs():
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    prompt = list(range(30, 50))
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64))
+    ref = generate(model, [prompt], max_new_tokens=8)[0, len(prompt):].tolist()
+    out = Collector()
+    eng.submit(prompt, SamplingParams(max_tokens=8, stop_token_ids=(ref[3],)), out.sink("stop"))
+    eng.submit(prompt, SamplingParams(max_tokens=8, logprobs=3), out.sink("lp"))
+    for k in range(3):  # the same seed gives the same sample, alone or batched with others
+        eng.submit(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=7), out.sink(("seed", k)))
+        if k == 0:
+            eng.run_until_done()
+    eng.submit(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=8), out.sink("other"))
+    eng.run_until_done()
+    assert out.tokens("stop") == ref[: ref.index(ref[3]) + 1] and out.reason("stop") == "stop"
+    lp = [e for e in out.events["lp"] if e.token_id is not None]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:1]]), logits_to_keep=2).logits[0].float().log_softmax(-1)
+    assert abs(lp[0].logprob - float(logits[0, ref[0]])) < 1e-4
+    assert lp[0].top_logprobs[0][0] == ref[0] and len(lp[0].top_logprobs) == 3  # greedy: the top token
+    assert abs(lp[1].logprob - float(logits[1, ref[1]])) < 1e-4
+    seeded = [out.tokens(("seed", k)) for k in range(3)]
+    assert seeded[0] == seeded[1] == seeded[2] != out.tokens("other")
+
+
+def test_fp8_kv_matches_the_static_fp8_cache():
+    """The fp8 pool takes its scales from the first tokens written, as StaticOrthrosCache does
+    from its first chunk: one request prefilled whole gives generate(kv_dtype="fp8")'s tokens."""
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    prompt = list(range(60, 100))
+    ref = generate(model, [prompt], max_new_tokens=10, fast=True, compile=False, kv_dtype="fp8")
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=64, kv_dtype="fp8"))
+    assert eng.pool.storage == torch.float8_e4m3fn
+    out = Collector()
+    eng.submit(prompt, SamplingParams(max_tokens=10), out.sink(0))
+    eng.run_until_done()
+    assert out.tokens(0) == ref[0, len(prompt):].tolist()
+
+
+def test_bad_requests_and_queue_bound():
+    model = make_model("orthros")
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=8, max_queue=2, max_model_len=40))
+    sink = Collector().sink(0)
+    with pytest.raises(ValueError, match="maximum context length is 40"):
+        eng.submit([1] * 30, SamplingParams(max_tokens=11), sink)
+    with pytest.raises(ValueError, match="KV cache holds 32 tokens"):
+        eng.submit([1] * 30, SamplingParams(max_tokens=5), sink)
+    with pytest.raises(ValueError, match="token ids must lie"):
+        eng.submit([1, 256], SamplingParams(), sink)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    eng.submit([1], SamplingParams(), sink)
+    eng.submit([1], SamplingParams(), sink)
+    with pytest.raises(QueueFull):
+        eng.submit([1], SamplingParams(), sink)
+
+
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+@torch.no_grad()
+def test_static_decode_buffers_equal_the_eager_step(attention):
+    """What the CUDA graphs capture, run eagerly on CPU: a decode-only step over the static
+    buffers, padded to its bucket with scratch rows, gives the eager step's logits."""
+    from orthros.models.paged_cache import Segment
+    from orthros.serve.graphs import DecodeGraphs
+
+    model = make_model(attention, window=6, initializer_range=0.3)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=8, max_model_len=64))
+    for i, p in enumerate(([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9])):
+        eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
+    for _ in range(4):
+        eng.step()
+    assert len(eng.running) == 3 and all(len(r.tokens) - r.computed == 1 for r in eng.running)  # all decoding
+    for r in eng.running:
+        assert eng._grow(r, len(r.tokens))
+    segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+    eager = eng._forward(segments)
+    graphs = DecodeGraphs(eng)
+    assert graphs.buckets == [1, 2, 4, 8]
+    graphs._fill(segments, 4)
+    static = graphs._forward(graphs._cache(4))[:3]
+    assert torch.allclose(static, eager, atol=1e-5, rtol=1e-5)
