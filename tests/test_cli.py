@@ -11,7 +11,7 @@ def orthros(*args, timeout=300):
 
 def test_demo_then_generate_from_saved_model(tmp_path):
     out = tmp_path / "demo"
-    r = orthros("demo", "--quick", "--seconds", "3", "--seq-len", "64", "--batch-size", "2", "--max-new-tokens", "5",
+    r = orthros("demo", "--recall", "--quick", "--seconds", "3", "--seq-len", "64", "--batch-size", "2", "--max-new-tokens", "5",
                 "--prefill-lengths", "128", "256", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()

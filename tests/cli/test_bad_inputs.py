@@ -210,8 +210,13 @@ CASES = [
     # ---------------------------------------------------------------- demo
     ("demo-window-0", ["demo", "--window", "0"], ["--window", ">= 1"]),
     ("demo-max-new-tokens-negative", ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens", ">= 0"]),
-    ("demo-mqar-length-too-short", ["demo", "--mqar-lengths", "8"], ["--mqar-lengths 8", "seq_len"]),
     ("demo-out-is-file", ["demo", "--out", f"{W}/afile"], ["{w}/afile", "--out must be a directory"]),
+    ("demo-not-an-adapter", ["demo", "--adapter", f"{W}/nodata"], ["{w}/nodata", "not an adapter directory"]),
+    ("demo-recall-window-0", ["demo", "--recall", "--window", "0"], ["--window", ">= 1"]),
+    ("demo-recall-max-new-tokens-negative", ["demo", "--recall", "--max-new-tokens", "-1"],
+     ["--max-new-tokens", ">= 0"]),
+    ("demo-recall-mqar-length-too-short", ["demo", "--recall", "--mqar-lengths", "8"], ["--mqar-lengths 8", "seq_len"]),
+    ("demo-recall-out-is-file", ["demo", "--recall", "--out", f"{W}/afile"], ["{w}/afile", "--out must be a directory"]),
 ]
 
 

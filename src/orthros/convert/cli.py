@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(OUT_DTYPES), default=None,
                    help="output dtype (default: fp32 for an all-fp32 checkpoint, else bf16)")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--adapter", default=None,
+                   help="a light-CPT adapter directory (adapter.json) to merge into the converted weights, "
+                        "e.g. adapters/smollm2-135m-w128-lora")
 
 
 def run(args) -> int:
@@ -38,7 +41,49 @@ def run(args) -> int:
     if (src / "config.json").is_file() and not any((src / f).exists() for f in TOKENIZER_FILES):
         raise UserError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); the converted model could not "
                         f"read text (copy the source model's tokenizer files beside its config.json)")
-    out = convert_checkpoint(args.src, args.dst, window_size=args.window_size, scale_offset=args.scale_offset,
-                             dtype=args.dtype, max_shard_size=args.max_shard_size)
+    if args.adapter is not None:
+        out = convert_with_adapter(args)
+    else:
+        out = convert_checkpoint(args.src, args.dst, window_size=args.window_size, scale_offset=args.scale_offset,
+                                 dtype=args.dtype, max_shard_size=args.max_shard_size)
     print(f"wrote {out}")
     return 0
+
+
+def convert_with_adapter(args) -> Path:
+    """Convert into a staging directory beside DST, merge the adapter, save, rename into place."""
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    from ..errors import UserError, read_json
+    from ..loading import load_model
+    from ..models.adapter import apply_adapter
+    from .hf import WEIGHT_SUFFIXES
+
+    info = read_json(Path(args.adapter) / "adapter.json", "adapter description")
+    if info.get("window") not in (None, args.window_size):
+        raise UserError(f"{args.adapter}: trained for window {info['window']}, not --window-size {args.window_size}")
+    dst = Path(args.dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise UserError(f"destination {dst} already exists and is not an empty directory; choose another")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.adapter-", dir=dst.parent))
+    try:
+        conv = convert_checkpoint(args.src, staging / "conv", window_size=args.window_size,
+                                  scale_offset=args.scale_offset, dtype=args.dtype, max_shard_size=args.max_shard_size)
+        model = load_model(conv)
+        apply_adapter(model, args.adapter)
+        out = staging / "out"
+        model.save_pretrained(str(out), max_shard_size=args.max_shard_size)
+        for f in conv.iterdir():  # tokenizer, chat template, generation config
+            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and not (out / f.name).exists():
+                shutil.copy2(f, out / f.name)
+        (out / "orthros_adapter.json").write_text(json.dumps({"merged": str(args.adapter), **info}, indent=2))
+        if dst.exists():
+            dst.rmdir()
+        os.replace(out, dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dst

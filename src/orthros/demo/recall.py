@@ -1,4 +1,4 @@
-"""The paper's story, measured live on this machine: recall of full attention, prefill of a sliding window.
+"""`orthros demo --recall`: tiny models trained live — recall of full attention, prefill of a sliding window.
 
 Trains three tiny models of the same size on the same data for the same
 steps — Orthros, a full-attention Transformer and sliding-window attention
@@ -25,33 +25,31 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .data.tokenizer import ByteTokenizer
-from .eval.mqar import MQARConfig
-from .eval.tasks import eval_mqar
-from .experiments.presets import LABELS, Preset
-from .experiments.recall import TrainData, train_model
-from .generate import generate
+from ..data.tokenizer import ByteTokenizer
+from ..eval.mqar import MQARConfig
+from ..eval.tasks import eval_mqar
+from ..experiments.presets import LABELS, Preset
+from ..experiments.recall import TrainData, train_model
+from ..generate import generate
 
 ARCHS = ("orthros", "full", "swa")
 COLORS = {"orthros": "tab:blue", "full": "tab:orange", "swa": "tab:green"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The recall demo's own flags (--window, --max-new-tokens, --prompt, --out, --seed are shared)."""
     p.add_argument("--seconds", type=float, default=90.0,
-                   help="training time of the Orthros model (default 90); the baselines get the same number of steps")
-    p.add_argument("--quick", action="store_true", help="a smoke run in seconds (tiny budgets everywhere)")
-    p.add_argument("--window", type=int, default=32, help="sliding window W of the base stream")
-    p.add_argument("--seq-len", type=int, default=128, help="training sequence length (MQAR and text)")
-    p.add_argument("--batch-size", type=int, default=8, help="text sequences per step (MQAR uses 4x as many)")
-    p.add_argument("--lr", type=float, default=1e-3)
+                   help="--recall: training time of the Orthros model (default 90); the baselines get the same steps")
+    p.add_argument("--quick", action="store_true", help="--recall: a smoke run in seconds (tiny budgets everywhere)")
+    p.add_argument("--seq-len", type=int, default=128, help="--recall: training sequence length (MQAR and text)")
+    p.add_argument("--batch-size", type=int, default=8, help="--recall: text sequences per step (MQAR: 4x as many)")
+    p.add_argument("--lr", type=float, default=1e-3, help="--recall: learning rate")
     p.add_argument("--mqar-lengths", type=int, nargs="+", default=None,
-                   help="MQAR evaluation lengths (default: 2x, 4x, 8x the training length)")
-    p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
-                   help="prompt lengths for the prefill timing (default 2048 4096 8192 16384)")
-    p.add_argument("--prompt", default="def read_config(path):\n    ", help="text for the Orthros model to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--out", default="runs/demo", help="where the Orthros model, demo.json and demo.png go")
-    p.add_argument("--seed", type=int, default=0)
+                   help="--recall: MQAR evaluation lengths (default: 2x, 4x, 8x the training length)")
+
+
+DEFAULTS = {"window": 32, "max_new_tokens": 200, "prompt": "def read_config(path):\n    ", "out": "runs/demo",
+            "prefill_lengths": None}
 
 
 def demo_preset(args) -> Preset:
@@ -106,7 +104,7 @@ def plot(res: dict, W: int, path: Path) -> None:
 
 def check_args(args) -> None:
     """Every range check before the minutes of training."""
-    from .errors import UserError, check_output_dir
+    from ..errors import UserError, check_output_dir
 
     for problem, ok in (("--seconds must be > 0", args.seconds > 0),
                         ("--window must be >= 1", args.window >= 1),

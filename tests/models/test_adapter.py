@@ -1,0 +1,83 @@
+"""Light-CPT adapters: which parameters train, and a saved adapter applied to the base
+model reproduces the trained model (LoRA merged: the peft model's own output is the reference)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from orthros import OrthrosForCausalLM, cli
+from orthros.convert.tiny import make_tiny_checkpoint, tiny_tokenizer
+from orthros.experiments.cpt import PRESETS, train_arm
+from orthros.loading import load_model
+from orthros.models.adapter import apply_adapter, make_trainable, save_adapter
+
+from ..conftest import make_model, rel_err
+
+
+def trained(mode, seed=0):
+    model = make_model(perturb_so=False, seed=seed)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
+                            lr=5e-3)
+    rows = np.random.default_rng(seed).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
+    model, stats = train_arm(model, mode, p, rows, "cpu", mode)
+    return model, base, stats
+
+
+@pytest.mark.parametrize("mode", ["so", "so+norms", "lora+so"])
+def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(mode, tmp_path):
+    model, base, stats = trained(mode)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert names and all(("so_" in n) or ("norm" in n and mode != "so") or ("lora_" in n) for n in names)
+    assert any("lora_" in n for n in names) == (mode == "lora+so")
+    x = torch.randint(0, model.config.vocab_size, (2, 40))
+    with torch.no_grad():
+        want = model(x).logits
+    save_adapter(model, tmp_path / "a", {"mode": mode}, lora_dtype=torch.float32)
+    fresh = make_model(perturb_so=False)
+    fresh.load_state_dict(base)
+    apply_adapter(fresh, tmp_path / "a")
+    with torch.no_grad():
+        got = fresh(x).logits
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, make_model(perturb_so=False)(x).logits) > 1e-4  # training changed something
+
+
+def test_a_damaged_or_mismatched_adapter_is_an_error(tmp_path):
+    model, _, _ = trained("so")
+    save_adapter(model, tmp_path / "a")
+    other = OrthrosForCausalLM(type(model.config).from_name("tiny", hidden_size=32, num_attention_heads=2,
+                                                          num_key_value_heads=1, head_dim=16))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        apply_adapter(other, tmp_path / "a")
+    (tmp_path / "a" / "adapter.safetensors").write_bytes(b"\x00" * 12)
+    with pytest.raises(ValueError, match="damaged adapter"):
+        apply_adapter(model, tmp_path / "a")
+    with pytest.raises(ValueError, match="needs an Orthros model with scale-offset"):
+        make_trainable(make_model(attention="full"), "so")
+
+
+def test_convert_with_an_adapter_writes_the_merged_model(tmp_path):
+    src = tmp_path / "src"
+    make_tiny_checkpoint(src, "llama", tokenizer=tiny_tokenizer())
+    assert cli.main(["convert", str(src), str(tmp_path / "conv"), "--window-size", "8", "--dtype", "fp32"]) == 0
+    model = load_model(tmp_path / "conv")
+    model = make_trainable(model, "lora+so", rank=4)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    save_adapter(model, tmp_path / "ad", {"window": 8}, lora_dtype=torch.float32)
+    x = torch.randint(0, model.config.vocab_size, (1, 30))
+    with torch.no_grad():
+        want = model(x).logits
+    assert cli.main(["convert", str(src), str(tmp_path / "merged"), "--window-size", "8", "--dtype", "fp32",
+                     "--adapter", str(tmp_path / "ad")]) == 0
+    merged = load_model(tmp_path / "merged")
+    with torch.no_grad():
+        assert rel_err(merged(x).logits, want) < 1e-5
+    assert (tmp_path / "merged" / "tokenizer.json").exists() and (tmp_path / "merged" / "orthros_adapter.json").exists()
+    assert cli.main(["convert", str(src), str(tmp_path / "w16"), "--window-size", "16",
+                     "--adapter", str(tmp_path / "ad")]) == 2  # trained for another window
