@@ -154,8 +154,8 @@ def test_cache_follows_beam_reordering_and_batch_selection():
         model(ids[2:3], attention_mask=mask[2:3], past_key_values=alone, use_cache=True)
     cache.reorder_cache(torch.tensor([2, 2, 0], device=DEVICE))
     assert cache.batch_size == 3 and len(cache) == model.config.num_hidden_layers
-    torch.testing.assert_close(cache.keys[0][0], alone.keys[0][0])
+    torch.testing.assert_close(cache.layers[0].keys[0], alone.layers[0].keys[0])
     torch.testing.assert_close(cache.next_pos[:2], alone.next_pos.expand(2))
     cache.batch_repeat_interleave(2)
     assert cache.batch_size == 6 and cache.key_doc.shape == (6, ids.shape[1])
-    assert not cache.is_croppable and not cache.is_compileable and cache.is_sliding == [False] * 2
+    assert cache.is_croppable and not cache.is_compileable and cache.is_sliding == [False] * 2
