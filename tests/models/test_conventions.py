@@ -77,6 +77,19 @@ def test_what_hidden_states_and_attentions_mean_at_a_short_window(attention):
             torch.testing.assert_close(p.sum(-1), torch.ones_like(p[..., 0]))
 
 
+def test_recorded_tensors_are_on_the_graph():
+    """Gradients reach the returned hidden states and attention probabilities (they are
+    the tensors the forward computed with, not copies), as with transformers' eager attention."""
+    model = make_model(window=3).train()
+    ids, mask = ids_and_mask()
+    out = model(ids, attention_mask=mask, labels=ids, output_hidden_states=True, output_attentions=True)
+    recorded = [out.hidden_states[0], out.base_hidden_states[1], out.attentions[0], out.base_attentions[0]]
+    for t in recorded:
+        t.retain_grad()
+    out.loss.backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in recorded)
+
+
 def test_config_flags_and_decode_step_attentions():
     """The config's output_* flags are the defaults; a decode step's output row attends
     over the whole cache ([B, H, 1, S])."""

@@ -59,10 +59,12 @@ def naive_attention(
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing
     p = torch.exp(s - m)  # exp(-inf) = 0 on masked entries
     l = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p, vf) / torch.where(l > 0, l, torch.ones_like(l))
+    l_safe = torch.where(l > 0, l, torch.ones_like(l))
+    if return_probs:  # the output made from the returned probabilities (they get gradients, as eager attention's)
+        probs = p / l_safe
+        return torch.matmul(probs, vf).transpose(1, 2).to(q.dtype), probs.to(q.dtype)
+    o = torch.matmul(p, vf) / l_safe
     o = o.transpose(1, 2).to(q.dtype)
-    if return_probs:
-        return o, (p / torch.where(l > 0, l, torch.ones_like(l))).to(q.dtype)
     if return_lse:
         lse = (m + torch.log(l)).squeeze(-1).transpose(1, 2)  # [B, M, H]
         return o, lse
