@@ -157,7 +157,7 @@ def test_gradient_checkpointing_through_transformers_api(reentrant):
 
 def test_gradient_checkpointing_refuses_a_cache_it_would_write_twice():
     model = make_model(window=3).train()
-    enable_checkpointing(model)
+    enable_checkpointing(model, use_reentrant=False)
     ids, _ = ids_and_mask()
     with pytest.raises(ValueError, match="second time"):
         model(ids, labels=ids, past_key_values=model.new_cache())
