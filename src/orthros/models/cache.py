@@ -103,6 +103,7 @@ class OrthrosCache(Cache):
         """Drop the last `-tokens_to_remove` slots (transformers' convention: a negative
         count; 0 changes nothing). Exact: each row's next RoPE position and current
         document become those after its last remaining real token."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers' assisted decoding passes a 0-d tensor
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of slots to remove, got {tokens_to_remove}")
         n, S = -tokens_to_remove, self.get_seq_length()
