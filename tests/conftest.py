@@ -29,13 +29,34 @@ def make_model(attention="orthros", window=16, perturb_so=True, seed=0, **overri
     return model
 
 
+def llama_twin(model: OrthrosForCausalLM):
+    """The transformers Llama with an Orthros model's weights (eager attention, so it returns
+    attention probabilities). With W >= T and SO at identity the two compute the same function
+    (SPEC invariant 2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                      num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                      max_position_embeddings=c.max_position_embeddings, attn_implementation="eager")
+    llama = LlamaForCausalLM(cfg).to(DEVICE).eval()
+    missing, unexpected = llama.load_state_dict(model.state_dict(), strict=False)
+    assert not missing and all(".so_" in k for k in unexpected), (missing, unexpected)
+    return llama
+
+
 def require_triton_interpreter():
     """Skip unless Triton's CPU interpreter can run here (a platform limit, not a missing feature)."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     import numpy
 
-    if tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4):
-        pytest.skip("triton 3.6's interpreter fails under numpy >= 2.4 (triton-lang/triton#9171); constraints.txt pins it")
+    version = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+    # numpy 2.4 made int(1-element array) an error, which triton <= 3.6's interpreter relies on
+    # (triton-lang/triton#9171; 3.9 has the fix). constraints.txt pins numpy < 2.4 with triton 3.6.
+    if version(numpy.__version__) >= (2, 4) and version(triton.__version__) < (3, 7):
+        pytest.skip(f"triton {triton.__version__}'s interpreter fails under numpy >= 2.4 (triton-lang/triton#9171)")
 
 
 def run_triton_interpreted(*python_args: str, timeout: int = 600) -> subprocess.CompletedProcess:

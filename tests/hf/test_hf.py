@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from orthros import OrthrosCache, OrthrosForCausalLM
 from orthros.generate import generate as _generate
+from orthros.models.compat import GENERATE_CACHE_KEY
 
 from ..conftest import DEVICE, make_model
 
@@ -67,6 +68,19 @@ def test_hf_greedy_equals_orthros_generate_batched_left_padded(attention):
     assert theirs.tolist() == ours.tolist()
 
 
+def test_hf_greedy_equals_the_argmax_of_a_teacher_forced_forward():
+    """Regression: on transformers 5.24 generate() passed the cache as `cache=`, which the
+    model ignored, so each step ran without the past and greedy tokens were wrong."""
+    model = lively_model()
+    ids, mask = left_padded()
+    seq = hf_generate(model, ids, mask, max_new_tokens=8, do_sample=False)
+    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 8)], 1)
+    with torch.no_grad():
+        logits = model(seq, attention_mask=full_mask).logits
+    T = ids.shape[1]
+    assert seq[:, T:].tolist() == logits[:, T - 1:-1].argmax(-1).tolist()
+
+
 def test_hf_sampling_equals_orthros_sampling_with_the_same_seed():
     """Both draw with torch.multinomial from softmax(logits / T) after the same top-k
     filter; transformers uses the global generator, orthros a private one seeded alike."""
@@ -107,11 +121,11 @@ def test_four_tokens_at_once_equal_three_then_one_from_the_returned_cache():
     ids, mask = left_padded()
     four = hf_generate(model, ids, mask, max_new_tokens=4, do_sample=False)
     out = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-    cache = out.past_key_values
+    cache = out[GENERATE_CACHE_KEY]
     assert isinstance(cache, OrthrosCache)
     assert cache.get_seq_length() == ids.shape[1] + 2  # the last new token is not in the cache yet
     mask3 = torch.cat([mask, mask.new_ones(mask.shape[0], 3)], dim=1)
-    more = hf_generate(model, out.sequences, mask3, max_new_tokens=1, do_sample=False, past_key_values=cache)
+    more = hf_generate(model, out.sequences, mask3, max_new_tokens=1, do_sample=False, **{GENERATE_CACHE_KEY: cache})
     assert more.tolist() == four.tolist()
     assert cache.get_seq_length() == ids.shape[1] + 3
 
@@ -130,16 +144,41 @@ def test_hf_generate_prefill_has_one_output_position():
     assert seen == [(ids.shape[1], 1), (1, 1), (1, 1)]
 
 
+def test_generate_returns_hidden_states_and_attentions_per_step():
+    """Prefill: the one output row (and its attention over the prompt); then one row per step."""
+    model = lively_model()
+    ids, mask = left_padded()
+    out = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+                      output_attentions=True, output_hidden_states=True)
+    T, L = ids.shape[1], model.config.num_hidden_layers
+    assert [a[0].shape for a in out.attentions] == [(3, 4, 1, T + i) for i in range(3)]
+    assert all(len(h) == L + 1 and h[-1].shape == (3, 1, model.config.hidden_size) for h in out.hidden_states)
+
+
+def test_the_cache_under_both_of_transformers_names():
+    """forward() takes the cache as `past_key_values` (transformers 5.17) or `cache` (later
+    releases) and its output answers to both names."""
+    model = lively_model()
+    ids, mask = left_padded()
+    with torch.no_grad():
+        a = model(ids, attention_mask=mask, past_key_values=model.new_cache(), use_cache=True)
+        b = model(ids, attention_mask=mask, cache=model.new_cache(), use_cache=True)
+    assert a.cache is a.past_key_values and b.cache.get_seq_length() == ids.shape[1]
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="once"):
+        model(ids, cache=model.new_cache(), past_key_values=model.new_cache())
+
+
 def test_foreign_caches():
     model = make_model()
     ids = torch.randint(0, 256, (1, 5), device=DEVICE)
     out = model(ids, past_key_values=DynamicCache(), use_cache=True)  # empty: replaced
-    assert isinstance(out.past_key_values, OrthrosCache) and out.past_key_values.get_seq_length() == 5
+    assert isinstance(out.cache, OrthrosCache) and out.cache.get_seq_length() == 5
     filled = DynamicCache()
     filled.update(torch.zeros(1, 2, 3, 16), torch.zeros(1, 2, 3, 16), 0)
     with pytest.raises(ValueError, match="OrthrosCache"):
         model(ids, past_key_values=filled)
-    with pytest.raises(ValueError, match="cache_implementation"):
+    with pytest.raises(ValueError, match="cache_implementation='static' is not supported.*fast=True"):
         model.generate(ids, max_new_tokens=2, cache_implementation="static")
 
 
@@ -154,8 +193,8 @@ def test_cache_follows_beam_reordering_and_batch_selection():
         model(ids[2:3], attention_mask=mask[2:3], past_key_values=alone, use_cache=True)
     cache.reorder_cache(torch.tensor([2, 2, 0], device=DEVICE))
     assert cache.batch_size == 3 and len(cache) == model.config.num_hidden_layers
-    torch.testing.assert_close(cache.keys[0][0], alone.keys[0][0])
+    torch.testing.assert_close(cache.layers[0].keys[0], alone.layers[0].keys[0])
     torch.testing.assert_close(cache.next_pos[:2], alone.next_pos.expand(2))
     cache.batch_repeat_interleave(2)
     assert cache.batch_size == 6 and cache.key_doc.shape == (6, ids.shape[1])
-    assert not cache.is_croppable and not cache.is_compileable and cache.is_sliding == [False] * 2
+    assert cache.is_croppable and not cache.is_compileable and cache.is_sliding == [False] * 2

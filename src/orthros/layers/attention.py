@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import nn
 
-from ..ops import attention
+from ..ops import attention, naive_attention
 from .mlp import RMSNorm
 from .fused import fused_heads
 
@@ -104,7 +104,8 @@ class OrthrosAttention(nn.Module):
             o = torch.cat([ob, oo], 1)
         return self.o_proj(o.flatten(2))
 
-    def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False, pair_rope=None):
+    def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False, pair_rope=None,
+                probs: list | None = None):
         """
         Args:
             xb: [B, T, C] normed base stream (always needed: it makes K/V).
@@ -115,6 +116,8 @@ class OrthrosAttention(nn.Module):
             skip_base: compute K/V only (the last layer's base stream is never read).
             pair_rope: (cos, sin) of both streams' rows: xb then holds both streams as one
                 tensor [B, T + N, C] (base rows first), xo is None, and so is the second output.
+            probs: a list: both streams then run the reference op, which appends each
+                stream's attention probabilities [B, H, M, S] (base first, if computed).
         Returns:
             (ob [B, T, C] or None, oo [B, N, C] or None)
         """
@@ -126,7 +129,9 @@ class OrthrosAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         attend = attention
-        if hasattr(cache, "attend"):  # a cache with its own storage format (fp8) or capturable kernels
+        if probs is not None:
+            attend = functools.partial(_reference_attention, probs)
+        elif hasattr(cache, "attend"):  # a cache with its own storage format (fp8) or capturable kernels
             attend = functools.partial(cache.attend, self.layer_idx)
         ob = oo = None
         if qb is not None:
@@ -138,3 +143,10 @@ class OrthrosAttention(nn.Module):
             oo = attend(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
                         window=self.out_window, backend=self.backend, dense_start=layout.out_dense).flatten(2)
         return rows(self.o_proj, ob, oo)
+
+
+def _reference_attention(probs: list, q, k, v, q_slot, q_doc, k_doc, window=None, backend=None, dense_start=None):
+    """`ops.attention`'s signature on the reference op; appends the probabilities [B, H, M, S] to `probs`."""
+    o, p = naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, return_probs=True)
+    probs.append(p)
+    return o

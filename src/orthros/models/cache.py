@@ -2,30 +2,41 @@
 
 Sliding-window caches evict old keys; Orthros cannot, because each output
 token reads the whole cache. Besides K/V the cache keeps, per slot, the
-document id of the token (padding = -1) and, per row, the next RoPE
-position and the current document id.
+document id (padding = -1) and the RoPE position of the token and, per row,
+the next RoPE position and the current document id.
 
-It is a `transformers.Cache`, so transformers' own `generate()` carries it
-from step to step (and returns it with `return_dict_in_generate=True`);
-the per-layer storage is Orthros' own ([B, S, Hkv, D], nothing evicted),
-not transformers' layer objects.
+It is a `transformers.Cache` whose `layers` are transformers' own
+`DynamicLayer`s (K/V [B, Hkv, S, D], grown by concatenation, nothing
+evicted), so transformers' generate() carries it from step to step and its
+cache utilities (crop, beam reordering, batch selection, `layers[i].keys`)
+work on it. Orthros layers call `update(layer_idx, k, v)` with [B, T, Hkv, D]
+and get the whole layer back as [B, S, Hkv, D] views.
+
+Cropping is exact: a base token's K/V depend only on the tokens at or before
+it, so dropping the last k slots leaves the cache the earlier, shorter call
+built, once each row's next position and document are recomputed from the
+slots that remain. This is what assisted generation and prompt-lookup
+decoding do after verifying drafted tokens.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+from ..ops.masks import PAD_DOC
 
 
 class OrthrosCache(Cache):
     is_compileable = False  # grows by concatenation
 
     def __init__(self, num_layers: int):
-        super().__init__(layers=[])  # no transformers layer objects: K/V live in `keys` / `values`
+        super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
         self.num_layers = num_layers
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.key_doc: torch.Tensor | None = None  # [B, S]
+        self.key_doc: torch.Tensor | None = None  # [B, S] document of each slot (PAD_DOC = padding)
+        self.key_pos: torch.Tensor | None = None  # [B, S] RoPE position of each slot
         self.next_pos: torch.Tensor | None = None  # [B] RoPE position of the next token
         self.last_doc: torch.Tensor | None = None  # [B]
 
@@ -37,9 +48,14 @@ class OrthrosCache(Cache):
     def batch_size(self) -> int | None:
         return None if self.key_doc is None else self.key_doc.shape[0]
 
-    def append_tokens(self, doc: torch.Tensor, next_pos: torch.Tensor, last_doc: torch.Tensor) -> None:
-        """Record the new slots' documents [B, T] and the rows' running state."""
+    def append_tokens(self, doc: torch.Tensor, next_pos: torch.Tensor, last_doc: torch.Tensor,
+                      pos: torch.Tensor | None = None) -> None:
+        """Record the new slots' documents and positions [B, T] and the rows' running state."""
+        if pos is None:
+            raise ValueError("OrthrosCache.append_tokens needs the new slots' positions (pos=[B, T])")
+        pos = pos.expand_as(doc)
         self.key_doc = doc if self.key_doc is None else torch.cat([self.key_doc, doc], dim=1)
+        self.key_pos = pos if self.key_pos is None else torch.cat([self.key_pos, pos], dim=1)
         self.next_pos, self.last_doc = next_pos, last_doc
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
@@ -47,67 +63,102 @@ class OrthrosCache(Cache):
 
         (Argument order differs from `transformers.Cache.update`; only Orthros
         layers call it.)"""
-        if self.keys[layer_idx] is not None:
-            k = torch.cat([self.keys[layer_idx], k], dim=1)
-            v = torch.cat([self.values[layer_idx], v], dim=1)
-        self.keys[layer_idx], self.values[layer_idx] = k, v
-        return k, v
+        keys, values = self.layers[layer_idx].update(k.transpose(1, 2), v.transpose(1, 2))
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer_idx`'s K/V as [B, S, Hkv, D] (None before the first forward)."""
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            return None
+        return layer.keys.transpose(1, 2), layer.values.transpose(1, 2)
+
+    # ------------------------------------------------------------ row state
+    def _select_state(self, index: torch.Tensor) -> None:
+        for name in ("key_doc", "key_pos", "next_pos", "last_doc"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t[index.to(t.device)])
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only batch rows `index` (e.g. drop finished sequences)."""
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i], self.values[i] = k[index], self.values[i][index]
-        for name in ("key_doc", "next_pos", "last_doc"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t[index])
-
-    # ------------------------------------------------ transformers.Cache API
-    def __len__(self) -> int:
-        return self.num_layers
-
-    def __repr__(self) -> str:
-        return f"OrthrosCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.get_seq_length()})"
-
-    @property
-    def is_initialized(self) -> bool:
-        return self.key_doc is not None
-
-    @property
-    def is_croppable(self) -> bool:
-        return False  # the rows' next RoPE positions cannot be recovered after dropping slots
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * self.num_layers  # nothing is ever evicted
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1  # grows without bound
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        self.batch_select_indices(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row beam_idx[i]."""
-        if self.key_doc is not None:
-            self.select_rows(beam_idx.to(self.key_doc.device))
+        super().reorder_cache(beam_idx)
+        self._select_state(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(indices)
+        super().batch_select_indices(indices)
+        self._select_state(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
         if self.key_doc is not None:
             rows = torch.arange(self.key_doc.shape[0], device=self.key_doc.device)
-            self.select_rows(rows.repeat_interleave(repeats))
+            self._select_state(rows.repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` slots (transformers' convention: a negative
+        count; 0 changes nothing). Exact: each row's next RoPE position and current
+        document become those after its last remaining real token."""
+        tokens_to_remove = int(tokens_to_remove)  # transformers' assisted decoding passes a 0-d tensor
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of slots to remove, got {tokens_to_remove}")
+        n, S = -tokens_to_remove, self.get_seq_length()
+        if n == 0:
+            return
+        if n > S:
+            raise ValueError(f"cannot remove {n} slots from a cache that holds {S}")
+        if n == S:
+            self.reset()
+            return
+        super().crop(tokens_to_remove)
+        self.key_doc, self.key_pos = self.key_doc[:, : S - n], self.key_pos[:, : S - n]
+        real = self.key_doc != PAD_DOC
+        last = S - n - 1 - real.flip(1).int().argmax(1)  # each row's last real slot
+        self.next_pos = torch.where(real.any(1), self.key_pos.gather(1, last[:, None]).squeeze(1) + 1, 0)
+        self.last_doc = self.key_doc.amax(1).clamp_min(-1)
 
     def reset(self) -> None:
         self.__init__(self.num_layers)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise NotImplementedError("OrthrosCache cannot be cropped (assisted / speculative decoding is not supported)")
+    def __repr__(self) -> str:
+        return f"OrthrosCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.get_seq_length()})"
 
-    def activate_past_recording(self) -> None:
-        pass  # every position is always kept
+
+# --------------------------------------------------------------- torch.export
+_STATE = ("key_doc", "key_pos", "next_pos", "last_doc")
+
+
+def _flatten(cache: OrthrosCache):
+    """An OrthrosCache as pytree leaves, so that torch.export can take and return one:
+    every layer's K and V, then the slot / row state; the context says which are set."""
+    slots = [t for layer in cache.layers for t in ((layer.keys, layer.values) if layer.is_initialized else (None, None))]
+    slots += [getattr(cache, name) for name in _STATE]
+    return [t for t in slots if t is not None], (cache.num_layers, tuple(t is not None for t in slots))
+
+
+def _unflatten(leaves, context) -> OrthrosCache:
+    num_layers, present = context
+    it = iter(leaves)
+    slots = [next(it) if p else None for p in present]
+    cache = OrthrosCache(num_layers)
+    for i, layer in enumerate(cache.layers):
+        k, v = slots[2 * i], slots[2 * i + 1]
+        if k is not None:
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+    for name, t in zip(_STATE, slots[2 * num_layers:]):
+        setattr(cache, name, t)
+    return cache
+
+
+def _flatten_with_keys(cache: OrthrosCache):
+    leaves, context = _flatten(cache)
+    return [(pytree.SequenceKey(i), t) for i, t in enumerate(leaves)], context
+
+
+pytree.register_pytree_node(OrthrosCache, _flatten, _unflatten, flatten_with_keys_fn=_flatten_with_keys,
+                            serialized_type_name=f"{OrthrosCache.__module__}.{OrthrosCache.__qualname__}")

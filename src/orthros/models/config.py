@@ -76,7 +76,8 @@ class OrthrosConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = float(rope_theta)
-        self.rope_scaling = copy.deepcopy(rope_scaling)
+        # transformers keeps RoPE scaling as `rope_parameters` (`rope_scaling` is its deprecated alias)
+        self.rope_parameters = copy.deepcopy(rope_scaling)
         self.qk_norm = qk_norm
         self.attention_bias = attention_bias
         self.window_size = window_size

@@ -8,39 +8,86 @@
 The same code builds the paper's baselines: `attention="full"` (causal
 transformer) and `"swa"` (sliding window only). For those the "output
 stream" is just the last layer evaluated at the output positions.
+
+What `output_hidden_states` / `output_attentions` return (transformers'
+conventions, per stream):
+
+    hidden_states       L+1 tensors [B, N, C]: the rows that make the logits (the
+                        output stream; for "full" / "swa" the base stream at the
+                        output positions), entering each layer, then after the
+                        final norm (`logits == lm_head(hidden_states[-1])`).
+    base_hidden_states  L+1 tensors [B, T, C]: the base stream likewise (its last
+                        entry is computed only when asked: logits never read it).
+    attentions          L tensors [B, H, N, S]: the attention probabilities of
+                        the output rows over the layer's keys (S = cache + T).
+    base_attentions     L tensors [B, H, T, S]: those of the base stream (0 outside
+                        its window).
+The probabilities come from the reference op (`ops.naive_attention`), which
+then also computes the attention outputs of that forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import Cache, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 
 from ..layers.attention import OrthrosAttention, rows
 from ..layers.mlp import RMSNorm, SwiGLU
 from ..layers.rope import RotaryEmbedding, rope_inv_freq
 from .cache import OrthrosCache
+from .compat import GENERATE_CACHE_KEY, OUTPUT_CACHE_FIELD
 from .config import OrthrosConfig
 from .layout import Layout, build_layout, pad_rows
 
 IGNORE_INDEX = -100
+logger = logging.get_logger(__name__)
 
 
 @dataclass
 class OrthrosOutput(CausalLMOutputWithPast):
     """`logits` are [B, N, V] at the output positions; `output_positions` [B, N]
-    gives each one's index in the input (-1 where a row has fewer than N)."""
+    gives each one's index in the input (-1 where a row has fewer than N).
+    The cache answers to both of transformers' names, `cache` and `past_key_values`;
+    see the module docstring for the hidden states and attentions."""
 
     output_positions: torch.LongTensor | None = None
+    base_hidden_states: tuple[torch.Tensor, ...] | None = None
+    base_attentions: tuple[torch.Tensor, ...] | None = None
+
+    if OUTPUT_CACHE_FIELD == "cache":
+        @property
+        def past_key_values(self):
+            return self.cache
+    else:
+        @property
+        def cache(self):
+            return self.past_key_values
 
 
-class OrthrosBlock(nn.Module):
+@dataclass
+class Trace:
+    """What one forward records when asked (see the module docstring)."""
+
+    hidden_states: bool = False
+    attentions: bool = False
+    base_hidden: list = field(default_factory=list)
+    out_hidden: list = field(default_factory=list)
+    base_attn: list = field(default_factory=list)
+    out_attn: list = field(default_factory=list)
+
+
+class OrthrosBlock(GradientCheckpointingLayer):
+    """One layer for both streams. A `GradientCheckpointingLayer`, so transformers'
+    `gradient_checkpointing_enable()` recomputes it in the backward pass."""
+
     def __init__(self, config: OrthrosConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -48,18 +95,20 @@ class OrthrosBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hb, ho, layout, rope_base, rope_out, cache=None, last: bool = False, pair_rope=None):
+    def forward(self, hb, ho, layout, rope_base, rope_out, cache=None, last: bool = False, pair_rope=None,
+                probs: list | None = None):
         """hb: [B, T, C] base stream; ho: [B, N, C] output stream or None.
         In the last layer the base stream only makes K/V; its output is None.
         pair_rope: hb holds both streams as one [B, T + N, C] tensor (a decode step; see
-        `OrthrosAttention`); returns (that tensor, None)."""
+        `OrthrosAttention`); returns (that tensor, None).
+        probs: a list that receives the attention probabilities (see `OrthrosAttention`)."""
         if pair_rope is not None:
             a, _ = self.self_attn(self.input_layernorm(hb), None, layout, rope_base, rope_out, cache, pair_rope=pair_rope)
             h, x = self.post_attention_layernorm.add_norm(hb, a)
             return h + self.mlp(x), None
         xb = self.input_layernorm(hb)
         xo = None if ho is None else self.input_layernorm(ho)
-        ab, ao = self.self_attn(xb, xo, layout, rope_base, rope_out, cache, skip_base=last)
+        ab, ao = self.self_attn(xb, xo, layout, rope_base, rope_out, cache, skip_base=last, probs=probs)
         hb, xb = (None, None) if last else self.post_attention_layernorm.add_norm(hb, ab)
         ho, xo = (None, None) if ho is None else self.post_attention_layernorm.add_norm(ho, ao)
         mb, mo = rows(self.mlp, xb, xo)
@@ -96,11 +145,12 @@ class OrthrosModel(OrthrosPreTrainedModel):
         if rs is not None and rs.get("rope_type", rs.get("type", "default")) == "default":
             rs = None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, rs)
-        self.gradient_checkpointing = False
         self.post_init()
 
-    def forward(self, inputs_embeds: torch.Tensor, layout: Layout, cache: OrthrosCache | None = None):
-        """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C]."""
+    def forward(self, inputs_embeds: torch.Tensor, layout: Layout, cache: OrthrosCache | None = None,
+                trace: Trace | None = None):
+        """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C].
+        trace: records hidden states / attention probabilities (`OrthrosForCausalLM` fills it in)."""
         dtype = inputs_embeds.dtype
         rope_base = self.rotary(layout.base_pos, dtype)
         rope_out = self.rotary(layout.out_pos, dtype)
@@ -109,7 +159,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
         two_streams = self.config.has_output_stream
         ho = gather(hb) if two_streams else None
         L = len(self.layers)
-        if two_streams and hb.shape[1] == ho.shape[1] == 1 and not torch.is_grad_enabled():
+        if trace is None and two_streams and hb.shape[1] == ho.shape[1] == 1 and not torch.is_grad_enabled():
             # A decode step: the token's base and output rows travel as one [B, 2, C] tensor,
             # so each norm, residual add and projection runs once for the two. The last
             # layer's base row is computed too (two rows cost what one does) and dropped.
@@ -122,12 +172,26 @@ class OrthrosModel(OrthrosPreTrainedModel):
             last = i == L - 1
             if last and not two_streams:
                 ho = gather(hb)  # baselines: the last layer runs at the output positions only
-            args = (hb, ho, layout, rope_base, rope_out, cache, last)
-            if self.gradient_checkpointing and self.training and cache is None:
-                hb, ho = checkpoint(block, *args, use_reentrant=False)
-            else:
-                hb, ho = block(*args)
-        return self.norm(ho)
+            probs = [] if trace is not None and trace.attentions else None
+            if trace is not None and trace.hidden_states:
+                trace.base_hidden.append(hb)
+                trace.out_hidden.append(ho if ho is not None else gather(hb))
+            # A trace needs the last layer's base stream too (it is never read otherwise).
+            hb, ho = block(hb, ho, layout, rope_base, rope_out, cache, last and trace is None, probs=probs)
+            if probs is not None:
+                trace.base_attn.append(probs[0])
+                trace.out_attn.append(probs[1] if len(probs) > 1 else _gather_rows(probs[0], layout.out_idx))
+        out = self.norm(ho)
+        if trace is not None and trace.hidden_states:
+            trace.base_hidden.append(self.norm(hb))
+            trace.out_hidden.append(out)
+        return out
+
+
+def _gather_rows(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """p: [B, H, T, S] attention probabilities -> the rows idx [B, N]: [B, H, N, S]."""
+    B, H, _, S = p.shape
+    return p.gather(2, idx[:, None, :, None].expand(B, H, idx.shape[1], S))
 
 
 class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
@@ -154,12 +218,14 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """transformers' `generate()` hook: give it an `OrthrosCache` (every position of
         every layer) instead of its default DynamicCache / sliding / static caches."""
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+        if model_kwargs.get(GENERATE_CACHE_KEY) is None and generation_config.use_cache is not False:
             impl = generation_config.cache_implementation
             if impl not in (None, "dynamic"):
-                raise ValueError(f"cache_implementation={impl!r} is not supported: Orthros generates with an "
-                                 "OrthrosCache, which keeps every position (leave cache_implementation unset)")
-            model_kwargs["past_key_values"] = self.new_cache()
+                raise ValueError(
+                    f"cache_implementation={impl!r} is not supported: transformers' generate() runs Orthros on an "
+                    "OrthrosCache, which keeps every position (leave cache_implementation unset). The static, "
+                    "preallocated cache is orthros.generate.generate(model, ..., fast=True).")
+            model_kwargs[GENERATE_CACHE_KEY] = self.new_cache()
             return
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
@@ -174,35 +240,61 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
+        cache: OrthrosCache | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
         **unused,
-    ) -> OrthrosOutput:
+    ) -> OrthrosOutput | tuple:
         """
         Args:
             input_ids: [B, T] token ids (or `inputs_embeds` [B, T, C]).
             attention_mask: [B, T] or [B, past + T]; 0 marks padding (left or right).
             position_ids: [B, T]; a 0 inside a row starts a new packed document.
-            past_key_values: an `OrthrosCache` (created when `use_cache` and absent).
+            past_key_values / cache: an `OrthrosCache` (created when `use_cache` and
+                absent); transformers' two names for it, pass at most one.
             labels: [B, T] next-token targets, shifted inside; -100 = no loss.
             logits_to_keep: which positions are output positions —
                 0: all (pre-training), or, when `labels` are given, those whose
                 next-token label is not -100 (SFT); k > 0: the last k (k=1 is
                 prefill); a 1-D index tensor; a [B, T] bool mask; or a [B, N]
                 index tensor padded with -1.
+            output_hidden_states / output_attentions: also return both streams'
+                hidden states / attention probabilities (see the module docstring);
+                default: the config's.
+            return_dict: False returns `OrthrosOutput.to_tuple()` (the fields that
+                are not None, in order); default: the config's.
         """
-        ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
-        past_key_values = _own_cache(past_key_values, self)
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
+        past_key_values = _own_cache(cache if cache is not None else past_key_values, self)
         _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels, past_key_values)
+        ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
         B, T = ids_or_embeds.shape[:2]
         device = ids_or_embeds.device
         cache = past_key_values
-        if cache is None and (use_cache if use_cache is not None else (self.config.use_cache and not self.training)):
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if self.training and torch.is_grad_enabled() and any(b.gradient_checkpointing for b in self.model.layers):
+            if cache is not None:
+                raise ValueError("gradient checkpointing recomputes every block in the backward pass, which would "
+                                 "append its K/V to the cache a second time: train without a cache or disable "
+                                 "gradient checkpointing")
+            if use_cache:
+                logger.warning_once("use_cache=True is incompatible with gradient checkpointing; running without a cache")
+                use_cache = False
+        if cache is None and use_cache:
             cache = self.new_cache()
+        flag = lambda value, name: bool(value if value is not None else getattr(self.config, name, False))
+        trace = Trace(flag(output_hidden_states, "output_hidden_states"), flag(output_attentions, "output_attentions"))
+        if trace.attentions and hasattr(cache, "attend"):
+            raise ValueError(f"output_attentions needs an OrthrosCache or no cache, not a {type(cache).__name__} "
+                             "(its kernels return no attention probabilities)")
         out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)
         layout = build_layout(B, T, device, out_idx, out_valid, attention_mask, position_ids, cache)
         if cache is not None:
-            cache.append_tokens(layout.base_doc, layout.next_pos, layout.last_doc)
+            cache.append_tokens(layout.base_doc, layout.next_pos, layout.last_doc, pos=layout.base_pos)
         embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h = self.model(embeds, layout, cache)
+        h = self.model(embeds, layout, cache, trace if trace.hidden_states or trace.attentions else None)
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
@@ -210,7 +302,15 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
             target = torch.where(out_valid & (out_idx + 1 < T), labels.gather(1, nxt), IGNORE_INDEX)
             loss = lm_loss(logits, target, num_items_in_batch)
         positions = torch.where(out_valid, out_idx, -1)
-        return OrthrosOutput(loss=loss, logits=logits, past_key_values=cache, output_positions=positions)
+        seq = lambda on, xs: tuple(xs) if on else None
+        out = OrthrosOutput(
+            loss=loss, logits=logits, output_positions=positions,
+            hidden_states=seq(trace.hidden_states, trace.out_hidden), attentions=seq(trace.attentions, trace.out_attn),
+            base_hidden_states=seq(trace.hidden_states, trace.base_hidden),
+            base_attentions=seq(trace.attentions, trace.base_attn),
+            **{OUTPUT_CACHE_FIELD: cache})
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        return out if return_dict else out.to_tuple()
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor, num_items: int | torch.Tensor | None = None):

@@ -96,8 +96,10 @@ class StaticOrthrosCache(OrthrosCache):
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return self.capacity
 
-    def append_tokens(self, doc: torch.Tensor, next_pos: torch.Tensor, last_doc: torch.Tensor) -> None:
-        """Prefill: record a chunk's documents [B, T]; the layers' `update` then fill the same slots."""
+    def append_tokens(self, doc: torch.Tensor, next_pos: torch.Tensor, last_doc: torch.Tensor,
+                      pos: torch.Tensor | None = None) -> None:
+        """Prefill: record a chunk's documents [B, T]; the layers' `update` then fill the same slots.
+        (Per-slot positions are not kept: this cache is never cropped.)"""
         T = doc.shape[1]
         if self.length + T > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} slots; {self.length} are filled and {T} more "
@@ -175,9 +177,37 @@ class StaticOrthrosCache(OrthrosCache):
             o = o * self.v_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(o.dtype)
         return o
 
+    @property
+    def is_initialized(self) -> bool:
+        return self.length > 0
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * self.num_layers  # nothing is ever evicted
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.length + query_length, 0
+
     # --------------------------------------------------------- unsupported
     def select_rows(self, index: torch.Tensor) -> None:
         raise NotImplementedError("StaticOrthrosCache keeps its rows (finished rows are masked instead)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.select_rows(torch.arange(self.batch_size))
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise NotImplementedError("StaticOrthrosCache cannot be cropped (use an OrthrosCache: model.new_cache())")
 
     def reset(self) -> None:
         self.length, self._start, self.decoding = 0, 0, False

@@ -17,7 +17,7 @@ the fast paths below compute the same function:
 
 `backend="auto"` picks, on CUDA: split-KV for few queries without autograd,
 SDPA for a plain causal batch (a prefix, or a later chunk without autograd),
-FlexAttention otherwise; on CPU: chunked.
+FlexAttention otherwise; on CPU: chunked (naive under torch.export).
 A named backend is used where it applies and falls back (in the order
 above) where it does not, e.g. "triton" with autograd runs FlexAttention.
 Kernels are imported lazily: `import orthros` never needs Triton.
@@ -98,6 +98,9 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
             a = max(0, dense_start - window + 1)
             k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
         return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
+    if not q.is_cuda and torch.compiler.is_exporting():
+        # torch.export cannot trace the chunked op's host sync (its chunks' key ranges)
+        return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     if not q.is_cuda or backend == "chunked":
         if backend == "flex":  # uncompiled FlexAttention on CPU: for tests of the mask logic
             from .flex import flex_attention_op

@@ -23,6 +23,7 @@ def naive_attention(
     window: int | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    return_probs: bool = False,
 ):
     """Masked softmax attention, computed in fp32 (fp64 for fp64 inputs).
 
@@ -36,6 +37,8 @@ def naive_attention(
         scale: softmax scale, default D ** -0.5.
         return_lse: also return the log-sum-exp [B, M, H] (-inf for rows
             that see no key), for split-KV merging.
+        return_probs: also return the attention probabilities [B, H, M, S]
+            in q's dtype (0 on masked keys; all 0 for a row that sees no key).
 
     Returns:
         o: [B, M, H, D] in q's dtype. A query that sees no key gets 0.
@@ -56,7 +59,11 @@ def naive_attention(
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows that see nothing
     p = torch.exp(s - m)  # exp(-inf) = 0 on masked entries
     l = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p, vf) / torch.where(l > 0, l, torch.ones_like(l))
+    l_safe = torch.where(l > 0, l, torch.ones_like(l))
+    if return_probs:  # the output made from the returned probabilities (they get gradients, as eager attention's)
+        probs = p / l_safe
+        return torch.matmul(probs, vf).transpose(1, 2).to(q.dtype), probs.to(q.dtype)
+    o = torch.matmul(p, vf) / l_safe
     o = o.transpose(1, 2).to(q.dtype)
     if return_lse:
         lse = (m + torch.log(l)).squeeze(-1).transpose(1, 2)  # [B, M, H]
