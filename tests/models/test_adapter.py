@@ -20,7 +20,7 @@ def trained(mode, seed=0):
     model = make_model(perturb_so=False, seed=seed)
     base = {k: v.clone() for k, v in model.state_dict().items()}
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
-                            lr=5e-3)
+                            lr=5e-3, gradient_checkpointing=True)  # as the GPU preset trains
     rows = np.random.default_rng(seed).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
     model, stats = train_arm(model, mode, p, rows, "cpu", mode)
     return model, base, stats

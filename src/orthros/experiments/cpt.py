@@ -131,11 +131,12 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, desc: str, position: int = 0):
     """CPT of one arm on `rows` [steps * batch, seq_len] (the same rows, in order, for every arm)."""
     from ..models.adapter import make_trainable
+    from ..models.compat import set_checkpointing
 
     model = make_trainable(model, mode, rank=preset.lora_rank)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if preset.gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(base, True)
     groups = {"decay": [], "vec": [], "lora": []}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -167,7 +168,7 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
             synced.append((step + 1, time.time() - t0))
     bar.close()
     if preset.gradient_checkpointing:
-        base.gradient_checkpointing_disable()
+        set_checkpointing(base, False)
     curve = torch.stack(losses).float().cpu().tolist() if losses else []
     return model.eval(), {"steps": preset.steps, "tokens": preset.train_tokens, "seconds": time.time() - t0,
                           "loss_curve": curve, "synced": synced,

@@ -20,3 +20,17 @@ GENERATE_CACHE_KEY = ("cache" if "cache" in inspect.signature(GenerationMixin.pr
                       else "past_key_values")
 # The name of the cache field of transformers' model outputs.
 OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def set_checkpointing(model, enable: bool) -> None:
+    """Activation checkpointing on or off: `activation_checkpointing_enable` on releases that
+    have it (5.24; the old name warns there), `gradient_checkpointing_enable` before."""
+    if enable:
+        fn = getattr(model, "activation_checkpointing_enable", None)
+        if fn is not None:
+            fn(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        fn = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        fn()

@@ -241,7 +241,9 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
     log(d, f"model: {mc.attention}, {n_params / 1e6:.1f}M parameters, window {mc.window_size}, "
            f"{mc.num_hidden_layers} layers, backend {mc.attn_backend}; device {d.device}, {d.world} process(es)")
     if tc.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        from ..models.compat import set_checkpointing
+
+        set_checkpointing(model, True)
     if tc.compile:
         try:  # aliased outputs of a compiled block (views of one projection) failed view replay on torch 2.13 CPU
             import torch._functorch.config as functorch_config
