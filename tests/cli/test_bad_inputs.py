@@ -92,6 +92,14 @@ CASES = [
      ["{w}/byte/config.json", "prompt (100 tokens)", "max_position_embeddings=64"]),
     ("gen-bad-device", gen("byte", "--device", "tpu0"), ["--device", "not a device"]),
     ("gen-absent-cuda-device", gen("byte", "--device", "cuda:99"), ["--device cuda:99"]),
+    # --------------------------------------------------------------- serve
+    ("serve-missing-dir", ["serve", f"{W}/nope", "--device", "cpu"], ["{w}/nope", "not a model directory"]),
+    ("serve-truncated-weights", ["serve", f"{W}/trunc", "--device", "cpu"], ["{w}/trunc/model.safetensors",
+                                                                             "truncated"]),
+    ("serve-pickle-only", ["serve", f"{W}/pickle_bin", "--device", "cpu"], ["{w}/pickle_bin/pytorch_model.bin",
+                                                                            PICKLE]),
+    ("serve-model-and-preset", ["serve", f"{W}/byte", "--preset", "tiny", "--device", "cpu"],
+     ["a model directory or --preset, not both"]),
     # ------------------------------------------------------------ download
     ("download-occupied-dst", ["download", f"{W}/occupied"], ["{w}/occupied", "already exists"]),
     ("download-dst-is-file", ["download", f"{W}/afile"], ["{w}/afile", "already exists"]),

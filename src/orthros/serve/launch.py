@@ -21,7 +21,7 @@ def load_model(model_dir: str | None, preset: str | None, device: str, dtype: st
                max_model_len: int | None = None, seed: int = 0):
     """(model, tokenizer or None, served name): a saved model directory, or a preset with
     random weights (no tokenizer: prompts are token ids)."""
-    from ..models import OrthrosConfig, OrthrosForCausalLM
+    from ..models import OrthrosConfig
 
     dev = torch.device(device)
     want = DTYPES[dtype] or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -40,12 +40,15 @@ def load_model(model_dir: str | None, preset: str | None, device: str, dtype: st
             cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_model_len)
         torch.manual_seed(seed)
         return build_model(cfg, dev, want), None, preset
-    d = Path(model_dir)
-    if not (d / "config.json").exists():
-        raise FileNotFoundError(f"{d} is not a model directory (no config.json)")
     from ..data.tokenizer import load_tokenizer
+    from ..loading import load_model as load_checked, read_config
 
-    model = OrthrosForCausalLM.from_pretrained(str(d), dtype=want, **over).to(dev).eval()
+    d = Path(model_dir)
+    cfg = read_config(d)  # config, weights and tokenizer checked before a weight is read; safetensors only
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    cfg.validate()
+    model = load_checked(d, dtype=want, config=cfg).to(dev).eval()
     try:
         tok = load_tokenizer(d, model.config.vocab_size)
     except FileNotFoundError:
