@@ -13,11 +13,12 @@
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from .recall import time_prefill
 
 ADAPTERS = Path(__file__).resolve().parents[3] / "adapters"
 DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-w128-lora"
@@ -84,18 +85,6 @@ def answer(model, ids: list[int], max_new_tokens: int, eos: int, hf: bool) -> tu
     return out, ttft
 
 
-@torch.no_grad()
-def prefill_seconds(model, length: int, vocab: int, repeats: int = 1) -> float:
-    """Median seconds of one prefill forward (logits for the last position only) of [1, length]."""
-    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        model(ids, logits_to_keep=1, use_cache=False)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -139,8 +128,8 @@ def run(args) -> int:
     print(f"[4/4] prefill time (one forward, logits at the last position), source vs Orthros:", flush=True)
     print(f"      {'tokens':>7} {'source':>9} {'Orthros':>9} {'speed-up':>9}")
     for L in args.prefill_lengths or DEFAULTS["prefill_lengths"]:
-        s = prefill_seconds(src, L, tok.vocab_size)
-        o = prefill_seconds(model, L, tok.vocab_size)
+        s = time_prefill(src, L, repeats=1)
+        o = time_prefill(model, L, repeats=1)
         res["prefill"][str(L)] = {"source": s, "orthros": o}
         print(f"      {L:>7} {s:>8.2f}s {o:>8.2f}s {s / o:>8.2f}x", flush=True)
     plot(res, out / "demo.png")
