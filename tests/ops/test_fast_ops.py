@@ -59,8 +59,8 @@ def test_chunked_base_stream_is_linear(monkeypatch):
     seen = []
     import orthros.ops.chunked as ch
 
-    real = ch.naive_attention
-    monkeypatch.setattr(ch, "naive_attention", lambda q, k, *a, **kw: seen.append((q.shape[1], k.shape[1])) or real(q, k, *a, **kw))
+    real = ch.masked_attention
+    monkeypatch.setattr(ch, "masked_attention", lambda q, k, *a, **kw: seen.append((q.shape[1], k.shape[1])) or real(q, k, *a, **kw))
     case = make_case("base", B=1, T=4096, H=2, Hkv=1, D=16, window=32, docs="packed")
     attention(case["q"], case["k"], case["v"], case["q_slot"], case["q_doc"], case["k_doc"], window=32, backend="auto")
     assert len(seen) > 1 and all(nk <= nq + 32 - 1 for nq, nk in seen)
