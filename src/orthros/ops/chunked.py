@@ -4,7 +4,9 @@ With the `dense_start` promise (one document per row, no padding) the
 masks are simple shapes and `sdpa_cpu.dense_attention` needs no document
 lookups: causal, unmasked, or a band of C x (C + W - 1) scores per chunk.
 
-Otherwise queries are cut into chunks; each chunk attends only to the key
+A windowed stream at consecutive slots (the base stream) with documents or
+padding is the same band with the documents in its mask
+(`sdpa_cpu.band_attention`). Otherwise queries are cut into chunks; each chunk attends only to the key
 range its queries can see (`key_bounds`), through SDPA under the exact mask
 of that chunk (`sdpa_cpu.masked_attention`). For the base stream (window W,
 chunk C) that is C x (C + W - 1) scores per chunk, so a whole pass touches
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import key_bounds
-from .sdpa_cpu import MASK_BUDGET, dense_attention, masked_attention
+from .sdpa_cpu import MASK_BUDGET, band_attention, dense_attention, masked_attention
 
 
 def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None, chunk=None):
@@ -32,6 +34,12 @@ def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
         return q.new_zeros(B, M, H, D)
     if dense_start is not None and chunk is None:
         return dense_attention(q, k, v, dense_start, window, scale)
+    if window is not None and chunk is None and q_slot.shape[0] == 1:  # the base stream's slots are consecutive
+        s0 = q_slot[0, 0]
+        run = (q_slot[0] - s0 == torch.arange(M, device=q.device)).all()
+        first, run = torch.stack([s0.long(), run.long()]).tolist()  # one host sync
+        if run:
+            return band_attention(q, k, v, first, q_doc, k_doc, window, scale)
     lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
     if chunk is None:
         span = S if window is None else min(S, window + 256)

@@ -14,6 +14,9 @@ scores) for fp32, fp64 and bf16 alike. These functions compute exactly
         of C queries, each over its C + W - 1 keys, cut from K/V as
         overlapping strided views (`unfold`, no copy) so that every chunk
         goes through one SDPA call under one [C, C + W - 1] mask.
+    band_attention   — the base stream of any batch (documents, padding, a
+        cache offset): the same unfolded band, its mask also comparing the
+        documents of each chunk's queries and keys.
     masked_attention — any documents / padding / windows / slots, one chunk
         of queries over a key range, with the mask of `masks.visible`.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .blocks import PAD_K_DOC, PAD_Q_DOC
 from .masks import visible
 
 MASK_BUDGET = 1 << 22  # mask elements per SDPA call (B * queries * keys), ~16 MB as fp32
@@ -80,13 +84,17 @@ def _offset_causal(q, k, v, start: int, scale):
     return _heads_first(torch.cat(outs, 2))
 
 
-def _band(q, k, v, first: int, window: int, scale):
-    """Queries at slots first..first+M-1 (first >= window - 1: every query sees W keys),
-    keys k/v [B, first + M, Hkv, D] -> [B, M, H, D]."""
+def _band(q, k, v, first: int, window: int, scale, q_doc=None, k_doc=None):
+    """Queries at slots first..first+M-1, each over its last W key slots: q [B, M, H, D],
+    k/v [B, S >= first + M, Hkv, D] -> [B, M, H, D]. Without documents every query must see
+    W keys (first >= W - 1); with q_doc [B, M] and k_doc [B, S] the mask also keeps each
+    query inside its document, and key slots before 0 are padding that nobody sees."""
     B, M, H, D = q.shape
-    a = first - window + 1  # first key any query reads
-    k, v = k[:, a:], v[:, a:]  # [B, M + W - 1, Hkv, D]
-    if M == 1:
+    docs = q_doc is not None
+    a = first - window + 1  # first key slot any query reads
+    lead = max(0, -a)  # key slots before 0 (only with documents)
+    k, v = k[:, a + lead:first + M], v[:, a + lead:first + M]
+    if M == 1 and not docs:
         return _single_query(q, k, v, scale)
     C = min(M, band_chunk(window))
     n = -(-M // C)
@@ -94,18 +102,37 @@ def _band(q, k, v, first: int, window: int, scale):
     pad = n * C - M  # queries (and their keys) padded at the end; dropped from the output
     if pad:
         q = F.pad(q, (0, 0, 0, 0, 0, pad))
-        k, v = F.pad(k, (0, 0, 0, 0, 0, pad)), F.pad(v, (0, 0, 0, 0, 0, pad))
+    if pad or lead:
+        k, v = F.pad(k, (0, 0, 0, 0, lead, pad)), F.pad(v, (0, 0, 0, 0, lead, pad))
     i = torch.arange(C, device=q.device)[:, None]
     j = torch.arange(L, device=q.device)[None]
     mask = (j >= i) & (j < i + window)  # chunk-relative: query i (slot a + W - 1 + cC + i), key j (slot a + cC + j)
+    if docs:
+        kd = F.pad(k_doc[:, a + lead:first + M], (lead, pad), value=PAD_K_DOC).unfold(1, L, C)  # [B, n, L]
+        qd = F.pad(q_doc, (0, pad), value=PAD_Q_DOC).reshape(B, n, C, 1)
+        mask = mask & (qd == kd[:, :, None, :])  # [B, n, C, L]
+        seen = mask.any(-1, keepdim=True)
+        mask = (mask | ~seen)[:, :, None]  # rows that see nothing read every key (finite), then give 0
     outs = []
     for b in range(B):  # flattening (row, chunk) is a view only for one row at a time
         qc = q[b].view(n, C, H, D).transpose(1, 2)  # [n, H, C, D]
         kc = k[b].unfold(0, L, C).transpose(2, 3)  # [n, Hkv, L, D], overlapping views
         vc = v[b].unfold(0, L, C).transpose(2, 3)
-        outs.append(_sdpa(qc, kc, vc, mask, scale=scale).transpose(1, 2).reshape(n * C, H, D))
+        outs.append(_sdpa(qc, kc, vc, mask[b] if docs else mask, scale=scale).transpose(1, 2).reshape(n * C, H, D))
     o = torch.stack(outs) if B > 1 else outs[0][None]
+    if docs:
+        o = torch.where(seen.view(B, n * C, 1, 1), o, o.new_zeros(()))
     return o[:, :M]
+
+
+def band_attention(q, k, v, first: int, q_doc, k_doc, window: int, scale: float | None = None):
+    """`naive_attention` for queries at consecutive slots first..first+M-1 (the base stream)
+    with a window and any documents / padding: q [B, M, H, D], q_doc [B, M], k/v [B, S, Hkv, D],
+    k_doc [B, S] -> [B, M, H, D]."""
+    cdt = compute_dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o = _band(q.to(cdt), k.to(cdt), v.to(cdt), first, window, scale, q_doc.expand(q.shape[0], -1), k_doc)
+    return o.to(q.dtype)
 
 
 def dense_attention(q, k, v, start: int, window: int | None = None, scale: float | None = None):
