@@ -12,7 +12,9 @@ Phases:
     train     — pre-training forward + backward with `labels` (the loss at every position).
 Each model runs once to warm up, then `--reps` times, the models taking turns so that
 load from other processes hits them alike; the table gives the fastest run in seconds
-and its ratio to Llama's fastest run of the same phase and length. Writes JSON.
+(wall clock) and its ratio to Llama's fastest run of the same phase and length, and the
+same for the process's CPU time (user + system, all threads), which load from other
+processes disturbs less on a shared machine. Writes JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -61,10 +64,11 @@ def step_fn(model, phase: str, ids: torch.Tensor):
     return step
 
 
-def timed(fn) -> float:
-    t = time.perf_counter()
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process)."""
+    t, c = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def run_phase(models: dict, phase: str, T: int, reps: int) -> dict:
@@ -92,22 +96,27 @@ def main():
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()  # 1/5/15-minute load averages: other processes on the machine
     models = {name: build(name) for name in args.models}
     base = "llama" if "llama" in models else None
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"{'phase':>8} {'T':>6} {'model':>13} {'seconds':>9} {'vs llama':>9}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"load average {load_start[0]:.1f}")
+    print(f"{'phase':>8} {'T':>6} {'model':>13} {'seconds':>9} {'vs llama':>9} {'CPU s':>9} {'vs llama':>9}")
+    fmt = lambda r: "" if r is None else f"{r:.2f}x"
     for phase, lengths in (("prefill", args.prefill), ("forward", args.forward), ("train", args.train)):
         for T in lengths:
             times = run_phase(models, phase, T, args.reps)
-            ref = min(times[base]) if base else None
+            ref = (min(w for w, _ in times[base]), min(c for _, c in times[base])) if base else None
             for name, ts in times.items():
-                best = min(ts)
-                ratio = best / ref if ref else None
-                rows.append(dict(phase=phase, T=T, model=name, seconds=best, runs=ts, vs_llama=ratio))
-                print(f"{phase:>8} {T:>6} {name:>13} {best:>9.3f} {'' if ratio is None else f'{ratio:.2f}x':>9}",
+                wall, cpu = min(w for w, _ in ts), min(c for _, c in ts)
+                ratio, cpu_ratio = (wall / ref[0], cpu / ref[1]) if ref else (None, None)
+                rows.append(dict(phase=phase, T=T, model=name, seconds=wall, cpu_seconds=cpu, vs_llama=ratio,
+                                 cpu_vs_llama=cpu_ratio, runs=[w for w, _ in ts], cpu_runs=[c for _, c in ts]))
+                print(f"{phase:>8} {T:>6} {name:>13} {wall:>9.3f} {fmt(ratio):>9} {cpu:>9.3f} {fmt(cpu_ratio):>9}",
                       flush=True)
-    out = dict(torch=torch.__version__, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
+    out = dict(command=" ".join(["python", *sys.argv]), load_average=dict(start=load_start, end=os.getloadavg()),
+               torch=torch.__version__, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
                cpu_count=os.cpu_count(), window=WINDOW, sizes=SIZES, dtype="float32", reps=args.reps, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
