@@ -100,9 +100,10 @@ def main():
     models = {name: build(name) for name in args.models}
     base = "llama" if "llama" in models else None
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-          f"load average {load_start[0]:.1f}")
-    print(f"{'phase':>8} {'T':>6} {'model':>13} {'seconds':>9} {'vs llama':>9} {'CPU s':>9} {'vs llama':>9}")
+    cpu = platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {cpu}, load average {load_start[0]:.1f}")
+    head = ("phase", "T", "model", "seconds", "vs llama", "CPU s", "vs llama")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, (8, 6, 13, 9, 9, 9, 9))))
     fmt = lambda r: "" if r is None else f"{r:.2f}x"
     for phase, lengths in (("prefill", args.prefill), ("forward", args.forward), ("train", args.train)):
         for T in lengths:
@@ -116,7 +117,7 @@ def main():
                 print(f"{phase:>8} {T:>6} {name:>13} {wall:>9.3f} {fmt(ratio):>9} {cpu:>9.3f} {fmt(cpu_ratio):>9}",
                       flush=True)
     out = dict(command=" ".join(["python", *sys.argv]), load_average=dict(start=load_start, end=os.getloadavg()),
-               torch=torch.__version__, threads=torch.get_num_threads(), cpu=platform.processor() or platform.machine(),
+               torch=torch.__version__, threads=torch.get_num_threads(), cpu=cpu,
                cpu_count=os.cpu_count(), window=WINDOW, sizes=SIZES, dtype="float32", reps=args.reps, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

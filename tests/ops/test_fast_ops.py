@@ -62,8 +62,8 @@ def test_chunked_base_stream_is_linear(monkeypatch, docs):
 
     seen = []
     real = sc._sdpa
-    monkeypatch.setattr(sc, "_sdpa", lambda q, k, *a, **kw: seen.append((q.shape[0] * q.shape[2], q.shape[2], k.shape[2]))
-                        or real(q, k, *a, **kw))
+    spy = lambda q, k, *a, **kw: seen.append((q.shape[0] * q.shape[2], q.shape[2], k.shape[2])) or real(q, k, *a, **kw)
+    monkeypatch.setattr(sc, "_sdpa", spy)
     W, T = 32, 4096
     case = make_case("base", B=1, T=T, H=2, Hkv=1, D=16, window=W, docs=docs)
     out = attention(case["q"], case["k"], case["v"], case["q_slot"], case["q_doc"], case["k_doc"], window=W,

@@ -3,7 +3,8 @@
 The dense path (`dense_start`) splits a windowed stream into a causal head
 and a band of unfolded chunks; these cases put the split, the chunk edges
 and the cache offset everywhere it can fall (windows 1 / 16 / >= T, offsets
-inside and past the first window, rows of any length). The masked path is
+inside and past the first window, rows of any length). The band with
+documents (any base stream) and the masked chunks (output queries) are
 checked on packed documents, padding and rows that see nothing. fp64 goes
 through gradcheck; every path must run on SDPA's flash kernel (no math
 fallback that would materialise scores).
