@@ -116,7 +116,7 @@ def _band(q, k, v, first: int, window: int, scale, q_doc=None, k_doc=None):
         mask = (mask | ~seen)[:, :, None]  # rows that see nothing read every key (finite), then give 0
     outs = []
     for b in range(B):  # flattening (row, chunk) is a view only for one row at a time
-        qc = q[b].view(n, C, H, D).transpose(1, 2)  # [n, H, C, D]
+        qc = q[b].reshape(n, C, H, D).transpose(1, 2)  # [n, H, C, D]
         kc = k[b].unfold(0, L, C).transpose(2, 3)  # [n, Hkv, L, D], overlapping views
         vc = v[b].unfold(0, L, C).transpose(2, 3)
         outs.append(_sdpa(qc, kc, vc, mask[b] if docs else mask, scale=scale).transpose(1, 2).reshape(n * C, H, D))
