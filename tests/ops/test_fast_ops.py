@@ -54,16 +54,25 @@ def test_chunked_bf16_sft_subset(window):
     check(op("chunked"), case)
 
 
-def test_chunked_base_stream_is_linear(monkeypatch):
-    """The CPU base stream never builds a T x T score matrix: every chunk's keys stay within chunk + W."""
-    seen = []
-    import orthros.ops.chunked as ch
+@pytest.mark.parametrize("docs", ["packed", "dense"])
+def test_chunked_base_stream_is_linear(monkeypatch, docs):
+    """The CPU base stream never builds a T x T score matrix: every SDPA call reads at most
+    C + W - 1 keys per chunk of C queries, and the chunks go in a few calls, not T / C."""
+    import orthros.ops.sdpa_cpu as sc
 
-    real = ch.naive_attention
-    monkeypatch.setattr(ch, "naive_attention", lambda q, k, *a, **kw: seen.append((q.shape[1], k.shape[1])) or real(q, k, *a, **kw))
-    case = make_case("base", B=1, T=4096, H=2, Hkv=1, D=16, window=32, docs="packed")
-    attention(case["q"], case["k"], case["v"], case["q_slot"], case["q_doc"], case["k_doc"], window=32, backend="auto")
-    assert len(seen) > 1 and all(nk <= nq + 32 - 1 for nq, nk in seen)
+    seen = []
+    real = sc._sdpa
+    spy = lambda q, k, *a, **kw: seen.append((q.shape[0] * q.shape[2], q.shape[2], k.shape[2])) or real(q, k, *a, **kw)
+    monkeypatch.setattr(sc, "_sdpa", spy)
+    W, T = 32, 4096
+    case = make_case("base", B=1, T=T, H=2, Hkv=1, D=16, window=W, docs=docs)
+    out = attention(case["q"], case["k"], case["v"], case["q_slot"], case["q_doc"], case["k_doc"], window=W,
+                    backend="auto", dense_start=case["dense_start"])
+    assert [c for c in seen if c[2] > c[1] + W - 1] == [] and sum(c[0] for c in seen) >= T and len(seen) <= 3
+    s = T - 200  # the last 200 queries against the reference on their keys
+    ref = naive_attention(case["q"][:, s:], case["k"][:, s - W:], case["v"][:, s - W:], case["q_slot"][:, s:] - (s - W),
+                          case["q_doc"][:, s:], case["k_doc"][:, s - W:], window=W)
+    assert rel_err(out[:, s:], ref) < 1e-5
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -3,8 +3,9 @@
 `attention(...)` has the contract of `naive_attention` (the reference);
 the fast paths below compute the same function:
 
-    chunked — blocked PyTorch: each query chunk reads only the keys it can
-              see (O(T·W) scores for the base stream). CPU default, and the
+    chunked — blocked SDPA (`chunked.py`, `sdpa_cpu.py`): each query chunk
+              reads only the keys it can see (O(T·W) scores for the base
+              stream), through SDPA's CPU flash kernel. CPU default, and the
               fallback wherever nothing faster applies.
     sdpa    — F.scaled_dot_product_attention (cuDNN first), only for a plain
               causal batch whose queries are slots 0..M-1 and no window; and,

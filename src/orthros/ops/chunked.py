@@ -1,22 +1,29 @@
-"""Blocked attention in plain PyTorch: the CPU path (and the fallback anywhere).
+"""Blocked attention on SDPA: the CPU path (and the fallback anywhere).
 
-Queries are cut into chunks; each chunk attends only to the key range its
-queries can see (`key_bounds`), through the reference op. For the base
-stream (window W, chunk C) that is C x (C + W - 1) scores per chunk, so a
-whole pass touches O(T * W) scores and never a T x T matrix. For the output
-stream it is O(M * S) in chunks of bounded size. Autograd gives the
-gradients, and since every chunk is the reference op on a slice, the result
-equals `naive_attention` up to rounding.
+With the `dense_start` promise (one document per row, no padding) the
+masks are simple shapes and `sdpa_cpu.dense_attention` needs no document
+lookups: causal, unmasked, or a band of C x (C + W - 1) scores per chunk.
+
+A windowed stream at consecutive slots (the base stream) with documents or
+padding is the same band with the documents in its mask
+(`sdpa_cpu.band_attention`). Otherwise queries are cut into chunks; each chunk attends only to the key
+range its queries can see (`key_bounds`), through SDPA under the exact mask
+of that chunk (`sdpa_cpu.masked_attention`). For the base stream (window W,
+chunk C) that is C x (C + W - 1) scores per chunk, so a whole pass touches
+O(T * W) scores and never a T x T matrix. For the output stream it is
+O(M * S) in chunks of bounded size.
+
+Both compute `naive_attention`'s function in its compute dtype (fp32, fp64
+for fp64 inputs), so results equal it up to rounding; SDPA's kernel gives
+the gradients.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blocks import dense_bounds, key_bounds
-from .naive import naive_attention
-
-SCORE_BUDGET = 1 << 22  # score elements per chunk (B * H * C * keys), ~16 MB of fp32
+from .blocks import key_bounds
+from .sdpa_cpu import MASK_BUDGET, band_attention, dense_attention, masked_attention
 
 
 def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None, chunk=None):
@@ -25,16 +32,20 @@ def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
     S = k.shape[1]
     if M == 0 or S == 0:
         return q.new_zeros(B, M, H, D)
-    if dense_start is not None:
-        lo, hi = dense_bounds(dense_start, M, window, q.device)
-        lo, hi = lo.expand(B, M), hi.expand(B, M)
-    else:
-        lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
+    if dense_start is not None and chunk is None:
+        return dense_attention(q, k, v, dense_start, window, scale)
+    if window is not None and chunk is None and q_slot.shape[0] == 1:  # the base stream's slots are consecutive
+        s0 = q_slot[0, 0]
+        run = (q_slot[0] - s0 == torch.arange(M, device=q.device)).all()
+        first, run = torch.stack([s0.long(), run.long()]).tolist()  # one host sync
+        if run:
+            return band_attention(q, k, v, first, q_doc, k_doc, window, scale)
+    lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
     if chunk is None:
-        span = S if window is None else min(S, window + 128)
-        chunk = max(16, min(1024, SCORE_BUDGET // max(1, B * H * span)))
+        span = S if window is None else min(S, window + 256)
+        chunk = max(16, min(1024, MASK_BUDGET // max(1, B * span)))
         if window is not None:  # a chunk of C queries reads C + W - 1 keys: keep C near a few W
-            chunk = min(chunk, max(64, 4 * window))
+            chunk = min(chunk, max(64, 2 * window))
     n = -(-M // chunk)
     # One host sync for every chunk's key range.
     lo_c = torch.nn.functional.pad(lo, (0, n * chunk - M), value=S).view(B, n, chunk).amin((0, 2))
@@ -47,6 +58,6 @@ def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
         if b < a:  # no query of this chunk sees any key
             outs.append(q.new_zeros(B, e - s, H, D))
             continue
-        outs.append(naive_attention(q[:, s:e], k[:, a:b + 1], v[:, a:b + 1], slot[:, s:e] - a, q_doc[:, s:e],
-                                    k_doc[:, a:b + 1], window=window, scale=scale))
+        outs.append(masked_attention(q[:, s:e], k[:, a:b + 1], v[:, a:b + 1], slot[:, s:e] - a, q_doc[:, s:e],
+                                     k_doc[:, a:b + 1], window=window, scale=scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
