@@ -30,3 +30,19 @@ def test_generate_from_missing_directory_is_a_clear_error(tmp_path):
     r = orthros("generate", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode == 2
     assert "not a model directory" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_real_model_demo_answers_and_times_both_models(tmp_path):
+    """`orthros demo` on SmolLM2 (a short document here): both answers, both times, the plot."""
+    from .conftest import smollm2_dir
+
+    hf = smollm2_dir("hf")
+    r = orthros("demo", "--model-dir", str(hf), "--document-chars", "1200", "--prefill-lengths", "64",
+                "--max-new-tokens", "6", "--out", str(tmp_path / "d"))
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "d" / "demo.json").read_text())
+    assert set(res["answers"]) == {"source", "orthros"}
+    assert all(a["text"] and a["ttft_s"] > 0 for a in res["answers"].values())
+    assert "adapter" in res["orthros_model"] and res["prefill"]["64"]["orthros"] > 0
+    assert (tmp_path / "d" / "demo.png").stat().st_size > 0
+    assert "time to first token" in r.stdout

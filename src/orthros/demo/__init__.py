@@ -24,6 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None,
                    help=f"light-CPT adapter to apply, or 'none' (default {real.DEFAULT_ADAPTER.name} from adapters/)")
     p.add_argument("--question", default=None, help=f"the question about the document (default: {real.QUESTION})")
+    p.add_argument("--document-chars", type=int, default=real.DOC_CHARS,
+                   help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
     p.add_argument("--window", type=int, default=None, help="sliding window W (default 128; --recall: 32)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
@@ -49,6 +51,8 @@ def run(args) -> int:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if min(args.prefill_lengths) < 1:
         raise UserError("--prefill-lengths must all be >= 1")
+    if args.document_chars < 1:
+        raise UserError(f"--document-chars must be >= 1, got {args.document_chars}")
     check_output_dir(args.out, "--out")
     if args.adapter is None:
         if real.DEFAULT_ADAPTER.is_dir() and args.window == 128:

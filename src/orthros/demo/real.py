@@ -28,10 +28,10 @@ QUESTION = 'Which PEP specified the "with" statement?'
 DEFAULTS = {"window": 128, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096]}
 
 
-def document() -> str:
+def document(chars: int = DOC_CHARS) -> str:
     from pydoc_data.topics import topics
 
-    return topics[DOC_TOPIC][:DOC_CHARS]
+    return topics[DOC_TOPIC][:chars]
 
 
 def prepare_models(args):
@@ -112,7 +112,7 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok, src, model, what = prepare_models(args)
-    doc = document()
+    doc = document(args.document_chars)
     question = args.question or QUESTION
     ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}],
                                        add_generation_prompt=True, tokenize=True, return_dict=False))
