@@ -1,0 +1,90 @@
+"""Run under TRITON_INTERPRET=1 (see test_lowbit_cache.py): the low-bit split-KV kernel against
+dequantize-then-attend (`ops.lowbit.dense_kv` + the fp32 naive op) on caches filled through
+`LowBitStaticCache`: int4 / int2, GQA (2 and 3 query heads per KV head), odd lengths, sinks or
+none, bounds below / at / past the sinks, padded rows, a decode pair (windowed base row +
+output row), all rows windowed, one split and several."""
+
+import sys
+
+import torch
+
+from orthros import OrthrosConfig
+from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.ops.naive import naive_attention
+from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
+
+W = 8
+
+
+def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed):
+    """A one-layer cache with `length` random slots written in `chunks` (then decode steps)."""
+    torch.manual_seed(seed)
+    cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=Hkv,
+                                  head_dim=D, window_size=W)
+    B = 2
+    cache = LowBitStaticCache(cfg, B, length + 4, "cpu", torch.float32, kv_dtype, key_group=16, value_group=min(D, 16),
+                              sinks=sinks)
+    k = 2 * torch.randn(B, length, Hkv, D) + torch.linspace(-3, 3, D)  # channel offsets: per-channel ranges differ
+    v = torch.randn(B, length, Hkv, D)
+    doc = torch.zeros(B, length, dtype=torch.long)
+    doc[1, :pad] = -1  # row 1 left-padded
+    a = 0
+    for c in chunks:
+        if a >= length:
+            break
+        c = min(c, length - a)
+        cache.append_tokens(doc[:, a: a + c], torch.full((B,), a + c), torch.zeros(B, dtype=torch.long))
+        cache.update(0, k[:, a: a + c], v[:, a: a + c])
+        a += c
+    while a < length:  # the rest as decode steps
+        cache.doc[:, a] = doc[:, a]
+        cache.decoding = True
+        cache.update(0, k[:, a: a + 1], v[:, a: a + 1])
+        cache.decoding = False
+        cache.advance()
+        a += 1
+    return cache
+
+
+def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
+          dtype=torch.float32, seed=0):
+    cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed)
+    B = cache.batch_size
+    q = torch.randn(B, M, H, D).to(dtype)
+    slot = torch.full((B, M), length - 1)
+    slot[:, : M - 1] -= torch.arange(M - 1, 0, -1)  # earlier rows at earlier slots
+    qd = torch.zeros(B, M, dtype=torch.long)
+    kd = cache.doc[:, :length]
+    bound = cache.bound_at(length)
+    kr, vr = cache.dense(0, length, bound)
+    ref = naive_attention(q.float(), kr, vr, slot, qd, kd, window=None if window_rows else window)
+    if window_rows is not None:  # rows past window_rows: no window
+        ref[:, :window_rows] = naive_attention(q.float()[:, :window_rows], kr, vr, slot[:, :window_rows],
+                                               qd[:, :window_rows], kd, window=window)
+    out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound]), length, cache.bits,
+                                   cache.key_group, window=window, window_rows=window_rows, num_splits=splits)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, err)
+    return bound
+
+
+def main(which: str):
+    bounds = set()
+    for kv in ("int4", "int2"):
+        for H, Hkv, D in ((4, 2, 16), (6, 2, 32)):
+            for length, sinks, chunks in ((5, 4, [5]), (37, 4, [7, 30]), (61, 0, [64]), (201, 4, [13, 100]),
+                                          (300, 2, [1, 299])):
+                for splits in (1, None, 3):
+                    if which == "fast" and splits == 3:
+                        continue
+                    bounds.add(check(kv, H, Hkv, D, length, sinks, chunks, splits=splits))
+            check(kv, H, Hkv, D, 150, 4, [50], window=W, window_rows=1, M=2)  # a decode pair
+            check(kv, H, Hkv, D, 150, 4, [50], window=W, M=1)  # windowed only: never reads the packed part
+            check(kv, H, Hkv, D, 150, 4, [150], M=3, dtype=torch.float16)
+    assert bounds == {0, 16, 48, 192, 288}, bounds  # no bound, one key group, several
+    print("ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")
