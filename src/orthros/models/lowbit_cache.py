@@ -109,6 +109,7 @@ class LowBitStaticCache(StaticOrthrosCache):
         self._start = 0
         self._scaled = [True] * L  # no per-layer scale decision (the parent's fp8 state)
         self._win_start = 0
+        self._hi = (0, None, None)
 
     # ---------------------------------------------------------------- state
     def buffers(self) -> list[torch.Tensor]:
@@ -134,9 +135,9 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     def slot_bytes(self) -> float:
         """Bytes of K + V one quantized slot takes per layer and row (scales included)."""
-        t = self.layer(0)
-        per = lambda x: x[0].numel() * x.element_size() / x.shape[1]
-        return sum(per(x) for x in t[2:8])
+        packed = self.layer(0)[2:8]  # kq, vq and the scales
+        slots = packed[0].shape[0] * packed[0].shape[1]
+        return sum(x.numel() * x.element_size() for x in packed) / slots
 
     # ----------------------------------------------------------- K/V storage
     def _ring_slots(self, a: int, b: int) -> torch.Tensor:
@@ -164,9 +165,12 @@ class LowBitStaticCache(StaticOrthrosCache):
         pv, s, z = quantize_values(hv, self.bits, self.value_group)
         self.vq[layer_idx][:, a:end], self.v_scale[layer_idx][:, a:end], self.v_zero[layer_idx][:, a:end] = pv, s, z
         b0, b1 = self.bound_at(a), self.bound_at(end)
+        old = self._ring_slots(b0, a)
+        # bf16 of slots [b0, end): what a query of this chunk at slot t < end reads at and above
+        # bound(t + 1) >= b0 (kept for `attend`, one layer at a time)
+        self._hi = (b0, torch.cat([rk[:, old], hk], 1), torch.cat([rv[:, old], hv], 1))
         if b1 > b0:  # whole key groups pushed out of the bf16 part by this chunk
-            src = torch.cat([rk[:, self._ring_slots(b0, a)], hk], 1)[:, : b1 - b0]
-            self._write_key_groups(layer_idx, src, b0)
+            self._write_key_groups(layer_idx, self._hi[1][:, : b1 - b0], b0)
         n = min(T, self.ring)
         rs = self._ring_slots(end - n, end)
         rk[:, rs], rv[:, rs] = hk[:, T - n:], hv[:, T - n:]
@@ -238,16 +242,36 @@ class LowBitStaticCache(StaticOrthrosCache):
             return attention(q, k.to(q.dtype), v.to(q.dtype), q_slot - w0, q_doc, k_doc[:, w0: w0 + k.shape[1]],
                              window=window, scale=scale, backend=backend,
                              dense_start=None if dense_start is None else dense_start - w0)
-        L, bound = self.length, self.bound_at(self.length)
-        if _kernel_takes(q, self.sk[0], backend):
+        return self._attend_outputs(layer_idx, q, q_slot.expand(q.shape[0], -1), q_doc, k_doc, scale, backend)
+
+    def _attend_outputs(self, layer_idx, q, q_slot, q_doc, k_doc, scale, backend):
+        """Prefill's output queries q [B, M, H, D] at slots q_slot [B, M]: a query at slot t reads
+        the cache as a decode step at t would (low-bit below bound(t + 1)), so its logits do not
+        depend on how the prompt was chunked. Queries are taken in groups of one bound."""
+        if q.shape[1] == 0:  # a chunk without output positions
+            return torch.zeros_like(q)
+        L, now = self.length, self.bound_at(self.length)
+        bq = self.bound_at(q_slot + 1)
+        values = torch.unique(bq).tolist()
+        if values == [now] and _kernel_takes(q, self.sk[0], backend):  # the ring holds [now, L)
             from ..ops.splitkv_lowbit import lowbit_splitkv_attention
 
-            b = torch.full((1,), bound, device=q.device, dtype=torch.long)
-            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot.expand(q.shape[0], -1), q_doc,
-                                            k_doc, b, L, self.bits, self.key_group, scale=scale)
-        kd, vd = self.dense(layer_idx, L, bound)
-        return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, scale=scale, backend=backend,
-                         dense_start=dense_start)
+            b = torch.full((1,), now, device=q.device, dtype=torch.long)
+            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L, self.bits,
+                                            self.key_group, scale=scale)
+        b0, hk, hv = self._hi
+        o = None
+        for b in values:
+            kd, vd = self.dense(layer_idx, L, b)
+            kd[:, b:], vd[:, b:] = hk[:, b - b0:].float(), hv[:, b - b0:].float()  # bf16 at and above b
+            cols = (bq == b).any(0).nonzero()[:, 0]
+            ob = attention(q[:, cols], kd.to(q.dtype), vd.to(q.dtype), q_slot[:, cols], q_doc[:, cols], k_doc,
+                           scale=scale, backend=backend)
+            if o is None and len(values) == 1:
+                return ob
+            o = q.new_zeros(q.shape) if o is None else o
+            o[:, cols] = torch.where((bq[:, cols] == b)[..., None, None], ob, o[:, cols])
+        return o
 
     def __repr__(self) -> str:
         return (f"LowBitStaticCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.length}/"
