@@ -38,7 +38,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def lowbit_fwd(Q, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC, KDOC, BOUND, O, LSE,
+    def splitkv_lowbit_fwd(Q, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC, KDOC, BOUND, O, LSE,
                    sqb, sqm, sqh,
                    ssb, sss, ssh,  # sinks (K and V alike)
                    spb, sps, sph,  # packed K / V
@@ -134,7 +134,7 @@ def _kernel():
                  mask=rvalid[:, None] & dmask[None, :])
         tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
 
-    return lowbit_fwd
+    return splitkv_lowbit_fwd
 
 
 def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
