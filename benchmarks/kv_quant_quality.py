@@ -1,4 +1,4 @@
-"""Quality of the fast path's KV cache dtypes on the real model: bf16 / fp8 / int4 / int2.
+"""Quality of the fast path's KV cache dtypes on the real model: bf16 / fp8 / int4 / int2 / k4v2.
 
     python benchmarks/kv_quant_quality.py                      # the committed table (CPU, ~2 h on 2 busy cores)
     python benchmarks/kv_quant_quality.py --resume             # continue a cut run (cells already in --out are kept)
@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DTYPES = ("bf16", "fp8", "int4", "int2")
-TARGETS = {"int4": (0.01, 0.05), "int2": (0.05, 0.10)}  # (perplexity, copy loss) relative to bf16
+DTYPES = ("bf16", "fp8", "int4", "int2", "k4v2")
+# (perplexity, copy loss) relative to bf16; k4v2 (int4 keys, int2 values) is held to int2's
+TARGETS = {"int4": (0.01, 0.05), "int2": (0.05, 0.10), "k4v2": (0.05, 0.10)}
 
 
 def default_model_dir(window: int = 128) -> Path:
@@ -236,7 +237,7 @@ def main(argv=None):
     model, tok, name = load_model(args.model, args.adapter)
     res = json.loads(out.read_text()) if args.resume and out.exists() else {}
     bits = {"bf16": "16", "fp8": "8"}
-    for kv in ("int4", "int2"):
+    for kv in ("int4", "int2", "k4v2"):
         c = LowBitStaticCache(model.config, 1, 1 << 14, "meta", torch.bfloat16, kv)
         bits[kv] = f"{8 * c.slot_bytes() / (2 * model.config.num_key_value_heads * model.config.head_dim):.2f}"
     res["meta"] = dict(command="python " + " ".join(map(shlex.quote, ["benchmarks/kv_quant_quality.py", *sys.argv[1:]])),

@@ -32,7 +32,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp8", "int4", "int2"), default=["bf16", "fp8"])
+    p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp8", "int4", "int2", "k4v2"), default=["bf16", "fp8"])
     p.add_argument("--out", default=None)
     args = p.parse_args()
     B, dev = args.batch, torch.device("cuda")
@@ -44,7 +44,7 @@ def main():
         slot = torch.tensor([[S - 1, S - 1]], device=dev).expand(B, 2)
         qdoc = torch.zeros(B, 2, dtype=torch.long, device=dev)
         kdoc = torch.zeros(B, S, dtype=torch.long, device=dev)
-        if dtype in ("int4", "int2"):
+        if dtype in ("int4", "int2", "k4v2"):
             cfg = OrthrosConfig.from_name("llama-3.1-8b", num_hidden_layers=1, window_size=W)
             cache = LowBitStaticCache(cfg, B, S, dev, torch.bfloat16, dtype)
             fill_random(cache, S)
@@ -61,8 +61,9 @@ def main():
         configs = [(None, 64, None, None)] + list(itertools.product(
             (base_splits, 2 * base_splits, 4 * base_splits), (64, 128), (4, 8), (2, 3, 4)))
         for splits, block_n, warps, stages in configs:
-            if dtype in ("int4", "int2"):
-                fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.bits, cache.key_group,
+            if dtype in ("int4", "int2", "k4v2"):
+                fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
+                                                      cache.value_bits, cache.key_group,
                                                       window=W, window_rows=1, num_splits=splits, block_n=block_n,
                                                       num_warps=warps, num_stages=stages)
             else:

@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=None)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="the KV cache's storage: anything but auto runs the fast path (a static cache; int4 / int2: "
-                        "Orthros models, bf16 for the window and 4 sink tokens, low-bit beyond)")
+                   help="the KV cache's storage: anything but auto runs the fast path (a static cache; int4 / int2 / "
+                        "k4v2: Orthros models, bf16 for the window and 4 sink tokens, low-bit beyond)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -61,8 +61,8 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     if window_rows is not None:  # rows past window_rows: no window
         ref[:, :window_rows] = naive_attention(q.float()[:, :window_rows], kr, vr, slot[:, :window_rows],
                                                qd[:, :window_rows], kd, window=window)
-    out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound]), length, cache.bits,
-                                   cache.key_group, window=window, window_rows=window_rows, num_splits=splits)
+    out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound]), length, cache.key_bits,
+                                   cache.value_bits, cache.key_group, window=window, window_rows=window_rows, num_splits=splits)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, err)
@@ -71,7 +71,7 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
 
 def main(which: str):
     bounds = set()
-    for kv in ("int4", "int2"):
+    for kv in ("int4", "int2", "k4v2"):
         for H, Hkv, D in ((4, 2, 16), (6, 2, 32)):
             for length, sinks, chunks in ((5, 4, [5]), (37, 4, [7, 30]), (61, 0, [64]), (201, 4, [13, 100]),
                                           (300, 2, [1, 299])):

@@ -4,7 +4,7 @@ sequence however it is written, what each stream reads, and the fast path on top
 import pytest
 import torch
 
-from orthros import OrthrosConfig
+from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.generate import compiled_decode_step, decode_one_token_fast, generate, left_pad, new_static_cache, prefill
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.models.paged_cache import PagedKVPool
@@ -14,7 +14,7 @@ from orthros.ops.naive import naive_attention
 from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
 from .splitkv_lowbit_cases import filled_cache
 
-LOWBIT = ["int4", "int2"]
+LOWBIT = ["int4", "int2", "k4v2"]
 
 
 @pytest.mark.parametrize("bits", [4, 2])
@@ -58,11 +58,11 @@ def test_cache_stores_the_sequence_however_it_is_chunked(kv_dtype):
         reads.append(cache.dense(0, L, b))
     for kd, vd in reads[1:]:
         assert torch.equal(kd, reads[0][0]) and torch.equal(vd, reads[0][1])
-    bits = lowbit.BITS[kv_dtype]
+    kb, vb = lowbit.BITS[kv_dtype]
     hk, hv = k.bfloat16().float(), v.bfloat16().float()
     valid = (torch.arange(192) >= sinks)[None].expand(2, -1)
-    ek = lowbit.dequantize_keys(*lowbit.quantize_keys(hk[:, :192], bits, g, valid), bits, g)
-    ev = lowbit.dequantize_values(*lowbit.quantize_values(hv, bits, 16), bits)
+    ek = lowbit.dequantize_keys(*lowbit.quantize_keys(hk[:, :192], kb, g, valid), kb, g)
+    ev = lowbit.dequantize_values(*lowbit.quantize_values(hv, vb, 16), vb)
     kd, vd = reads[0]
     assert torch.equal(kd[:, :sinks], hk[:, :sinks]) and torch.equal(vd[:, :sinks], hv[:, :sinks])
     assert torch.equal(kd[:, sinks:192], ek[:, sinks:]) and torch.equal(vd[:, sinks:192], ev[:, sinks:192])
@@ -127,7 +127,7 @@ def test_logits_do_not_depend_on_chunking_or_decoding(kv_dtype):
 
 # Tiny random models have no structure to preserve; the bounds say "close", and int2 is
 # allowed more than int4 (measured on the real model: benchmarks/kv_quant_quality.py).
-REL_ERR = {"int4": 0.05, "int2": 0.25}
+REL_ERR = {"int4": 0.05, "int2": 0.25, "k4v2": 0.25}
 
 
 @pytest.mark.parametrize("kv_dtype", LOWBIT)
@@ -156,9 +156,10 @@ def test_compiled_step_matches_eager_step():
 
 
 def test_memory_per_element():
-    """Bits per stored K/V element at SmolLM2's head size (ring and sinks aside): int4 4.5, int2 2.5."""
+    """Bits per stored K/V element at SmolLM2's head size (ring and sinks aside): int4 4.5, int2 2.5,
+    k4v2 3.5."""
     cfg = OrthrosConfig.from_name("tiny", head_dim=64, window_size=128)
-    for kv, want in (("int4", 4.5), ("int2", 2.5)):
+    for kv, want in (("int4", 4.5), ("int2", 2.5), ("k4v2", 3.5)):
         c = LowBitStaticCache(cfg, 1, 1 << 16, "meta", torch.bfloat16, kv)
         bits = 8 * c.slot_bytes() / (2 * cfg.num_key_value_heads * cfg.head_dim)
         assert abs(bits - want) < 0.01, (kv, bits)
@@ -184,3 +185,17 @@ def test_kernel_in_the_model_triton_interpreter():
     (every case of splitkv_lowbit_cases.py), under TRITON_INTERPRET=1 on CPU."""
     r = run_triton_interpreted("-m", "tests.generation.splitkv_lowbit_cases", timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_generate_command_kv_dtype(tmp_path, capsys):
+    from orthros.cli import main
+
+    for attention in ("orthros", "full"):
+        OrthrosForCausalLM(OrthrosConfig.from_name("tiny", attention=attention, window_size=8)).save_pretrained(
+            tmp_path / attention)
+    prompt = "def f(x):\n    return x" * 4
+    args = ["--prompt", prompt, "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    assert main(["generate", str(tmp_path / "orthros"), *args, "--kv-dtype", "int4"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
+    assert main(["generate", str(tmp_path / "full"), *args, "--kv-dtype", "int2"]) == 2
+    assert "needs an Orthros model" in capsys.readouterr().err

@@ -72,13 +72,13 @@ def random_slots(cache, a: int, b: int, g) -> None:
     """Random K/V in slots [a, b) of every layer: unit normal (fp8 at scale 1); low-bit: random
     levels spanning [-1, 1] (every key group from a // key_group on), unit-normal sinks and ring."""
     if isinstance(cache, LowBitStaticCache):
-        step, kg = 2.0 / (2**cache.bits - 1), cache.key_group
+        kg = cache.key_group
         for i in range(cache.num_layers):
             for buf in (cache.kq[i], cache.vq[i]):
                 _fill(buf, a, b, g, "bytes")
-            cache.k_scale[i][:, a // kg:].fill_(step)
+            cache.k_scale[i][:, a // kg:].fill_(2.0 / (2**cache.key_bits - 1))
             cache.k_zero[i][:, a // kg:].fill_(-1.0)
-            cache.v_scale[i][:, a:b].fill_(step)
+            cache.v_scale[i][:, a:b].fill_(2.0 / (2**cache.value_bits - 1))
             cache.v_zero[i][:, a:b].fill_(-1.0)
             for buf in (cache.rk[i], cache.rv[i], cache.sk[i], cache.sv[i]):
                 _fill(buf, 0, buf.shape[1], g, "normal")

@@ -4,7 +4,9 @@ Orthros' base stream reads only the last W keys; only the output query reads
 the whole past. So the cache keeps in bf16 only what the base stream can
 see, plus a few sink tokens, and stores everything older in 4 or 2 bits
 (`ops/lowbit.py`: keys per channel over groups of `key_group` slots, values
-per token over groups of `value_group` channels; fp16 scale and zero):
+per token over groups of `value_group` channels; fp16 scale and zero).
+kv_dtype "int4" and "int2" store keys and values alike; "k4v2" int4 keys and
+int2 values (keys are what int2 costs in retrieval: docs/long_context.md).
 
     slot j of a row with L slots filled, bound = max(0, (L - recent) // key_group * key_group):
         j < sinks            bf16 sink buffer  [B, sinks, Hkv, D]
@@ -70,16 +72,16 @@ class LowBitStaticCache(StaticOrthrosCache):
         if capacity < 1 or batch_size < 1:
             raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size}, {capacity}")
         L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-        bits = BITS[kv_dtype]
+        kb, vb = BITS[kv_dtype]
         value_group = min(value_group, D)
         recent = config.window_size if recent is None else recent
-        if D % (8 // bits) or D % value_group:
-            raise ValueError(f"{kv_dtype} packs {8 // bits} channels a byte in value groups of {value_group}: "
+        if D % (8 // min(kb, vb)) or D % value_group:
+            raise ValueError(f"{kv_dtype} packs {8 // min(kb, vb)} channels a byte in value groups of {value_group}: "
                              f"head_dim {D} must be a multiple of both")
         if key_group < 1 or sinks < 0 or recent < config.window_size:
             raise ValueError(f"key_group must be >= 1, sinks >= 0 and recent >= the window ({config.window_size}); "
                              f"got {key_group}, {sinks}, {recent}")
-        self.kv_dtype, self.bits = kv_dtype, bits
+        self.kv_dtype, self.key_bits, self.value_bits = kv_dtype, kb, vb
         self.key_group, self.value_group, self.sinks, self.recent = key_group, value_group, sinks, recent
         self.ring = recent + 2 * key_group
         self.num_layers, self.capacity = L, capacity
@@ -88,12 +90,12 @@ class LowBitStaticCache(StaticOrthrosCache):
         self.storage = torch.uint8
         self.fp8 = False
         C = -(-capacity // key_group) * key_group  # whole key groups
-        B, P = batch_size, 8 // bits
+        B = batch_size
 
         def zeros(*shape, dt=torch.uint8):  # zeros, not empty: unread slots never hold NaN bit patterns
             return [torch.zeros(*shape, device=device, dtype=dt) for _ in range(L)]
 
-        self.kq, self.vq = zeros(B, C, Hkv, D // P), zeros(B, C, Hkv, D // P)
+        self.kq, self.vq = zeros(B, C, Hkv, D * kb // 8), zeros(B, C, Hkv, D * vb // 8)
         self.k_scale, self.k_zero = zeros(B, C // key_group, Hkv, D, dt=torch.float16), \
             zeros(B, C // key_group, Hkv, D, dt=torch.float16)
         self.v_scale, self.v_zero = zeros(B, C, Hkv, D // value_group, dt=torch.float16), \
@@ -162,7 +164,7 @@ class LowBitStaticCache(StaticOrthrosCache):
             n = min(self.sinks, end) - a
             self.sk[layer_idx][:, a: a + n] = hk[:, :n]
             self.sv[layer_idx][:, a: a + n] = hv[:, :n]
-        pv, s, z = quantize_values(hv, self.bits, self.value_group)
+        pv, s, z = quantize_values(hv, self.value_bits, self.value_group)
         self.vq[layer_idx][:, a:end], self.v_scale[layer_idx][:, a:end], self.v_zero[layer_idx][:, a:end] = pv, s, z
         b0, b1 = self.bound_at(a), self.bound_at(end)
         old = self._ring_slots(b0, a)
@@ -182,7 +184,7 @@ class LowBitStaticCache(StaticOrthrosCache):
         g = self.key_group
         slots = first + torch.arange(src.shape[1], device=src.device)
         valid = (slots >= self.sinks)[None].expand(src.shape[0], -1)
-        pk, s, z = quantize_keys(src, self.bits, g, valid)
+        pk, s, z = quantize_keys(src, self.key_bits, g, valid)
         if torch.is_tensor(first):
             grp = first // g + torch.arange(src.shape[1] // g, device=src.device)
             self.kq[layer_idx].index_copy_(1, slots, pk)
@@ -204,7 +206,7 @@ class LowBitStaticCache(StaticOrthrosCache):
             keep = (slot < self.sinks).view(1, 1, 1, 1)
             for buf, x in ((self.sk[layer_idx], hk), (self.sv[layer_idx], hv)):
                 buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
-        pv, s, z = quantize_values(hv, self.bits, self.value_group)
+        pv, s, z = quantize_values(hv, self.value_bits, self.value_group)
         self.vq[layer_idx].index_copy_(1, slot, pv)
         self.v_scale[layer_idx].index_copy_(1, slot, s)
         self.v_zero[layer_idx].index_copy_(1, slot, z)
@@ -218,7 +220,7 @@ class LowBitStaticCache(StaticOrthrosCache):
     def dense(self, layer_idx: int, length: int, bound) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, length, Hkv, D] (fp32) as the output stream reads them: dequantized below
         `bound`, bf16 sinks and recent slots (the reference; `bound` an int or a tensor)."""
-        return dense_kv(*self.layer(layer_idx), bound, length, self.bits, self.key_group)
+        return dense_kv(*self.layer(layer_idx), bound, length, self.key_bits, self.value_bits, self.key_group)
 
     def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
                dense_start=None, window_rows=None):
@@ -229,8 +231,8 @@ class LowBitStaticCache(StaticOrthrosCache):
             bound = self.bound_at(self.slot + 1)
             return lowbit_decode_attention(q, *self.layer(layer_idx), q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                                            bound, 0 if window is None else int(window), scale,
-                                           -1 if window_rows is None else int(window_rows), self.bits,
-                                           self.key_group, _kernel_takes(q, self.sk[0], backend))
+                                           -1 if window_rows is None else int(window_rows), self.key_bits,
+                                           self.value_bits, self.key_group, _kernel_takes(q, self.sk[0], backend))
         if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
             r = window_rows
             slot = q_slot.expand(q.shape[0], -1)
@@ -257,8 +259,8 @@ class LowBitStaticCache(StaticOrthrosCache):
             from ..ops.splitkv_lowbit import lowbit_splitkv_attention
 
             b = torch.full((1,), now, device=q.device, dtype=torch.long)
-            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L, self.bits,
-                                            self.key_group, scale=scale)
+            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L, self.key_bits,
+                                            self.value_bits, self.key_group, scale=scale)
         b0, hk, hv = self._hi
         o = None
         for b in values:
@@ -295,7 +297,7 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
                             k_scale: torch.Tensor, k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                             rk: torch.Tensor, rv: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
                             k_doc: torch.Tensor, bound: torch.Tensor, window: int, scale: float, window_rows: int,
-                            bits: int, key_group: int, kernel: bool) -> torch.Tensor:
+                            key_bits: int, value_bits: int, key_group: int, kernel: bool) -> torch.Tensor:
     """A decode step's queries [B, M, H, D] over a low-bit cache (the whole capacity; the
     kernel clips to what each query sees). window 0 = none; window_rows -1 = every row;
     kernel: the split-KV kernel, else dequantize-then-attend.
@@ -307,14 +309,15 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
         from ..ops.splitkv_lowbit import lowbit_splitkv_attention
 
         return lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc,
-                                        k_doc, bound, S, bits, key_group, window=win, scale=scale,
+                                        k_doc, bound, S, key_bits, value_bits, key_group, window=win, scale=scale,
                                         window_rows=rows).contiguous()
-    kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, bits, key_group)
+    kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
+                      key_group)
     return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, window=win, scale=scale,
                      window_rows=rows).contiguous()
 
 
 @lowbit_decode_attention.register_fake
 def _(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, window, scale,
-      window_rows, bits, key_group, kernel):
+      window_rows, key_bits, value_bits, key_group, kernel):
     return torch.empty_like(q)

@@ -21,7 +21,7 @@ materialises a dequantized cache: the K scale is folded into the queries
 reads the fp8 values directly (the split-KV kernel casts on load).
 Halves the cache: 1M tokens of an 8B model take 64 GiB instead of 128.
 
-int4 / int2 (`kv_dtype="int4"|"int2"`) is another class, `LowBitStaticCache`
+int4 / int2 (`kv_dtype="int4"|"int2"|"k4v2"`) is another class, `LowBitStaticCache`
 (models/lowbit_cache.py): bf16 for the window and a few sinks, low-bit beyond.
 """
 
@@ -37,8 +37,8 @@ from .cache import OrthrosCache
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MARGIN = 2.0  # headroom over the first chunk's absmax for later tokens (then rounded up to 2^k)
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int4", "int2")
-LOWBIT_KV_DTYPES = ("int4", "int2")  # LowBitStaticCache: generate's fast path and the benchmarks
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int4", "int2", "k4v2")
+LOWBIT_KV_DTYPES = ("int4", "int2", "k4v2")  # LowBitStaticCache (k4v2: int4 keys, int2 values)
 
 
 def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -14,7 +14,7 @@ The layout (chosen by measurement, benchmarks/kv_quant_layouts.py):
     values  per token: one (scale, zero) per token and KV head for each group of
             `value_group` consecutive channels
 
-Shapes (B rows, S slots, Hkv KV heads, D channels, P = 8 / bits):
+Shapes (B rows, S slots, Hkv KV heads, D channels, P = 8 / bits of K or V):
 
     packed K / V          uint8 [B, S, Hkv, D / P]
     K scale / zero        fp16  [B, S / key_group, Hkv, D]
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-BITS = {"int4": 4, "int2": 2}
+BITS = {"int4": (4, 4), "int2": (2, 2), "k4v2": (4, 2)}  # kv_dtype -> (key bits, value bits)
 
 
 def pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
@@ -103,16 +103,8 @@ def dequantize_values(packed, scale, zero, bits: int) -> torch.Tensor:
     return dequantize(n.unflatten(-1, (scale.shape[-1], -1)), scale[..., None], zero[..., None]).flatten(-2)
 
 
-def fake_quantize(k: torch.Tensor, v: torch.Tensor, bits: int, key_group: int, value_group: int):
-    """Quantize and dequantize k, v [B, S, Hkv, D] (S a multiple of `key_group`): what the
-    low-bit cache gives back for its quantized slots."""
-    kq = dequantize_keys(*quantize_keys(k, bits, key_group), bits, key_group)
-    vq = dequantize_values(*quantize_values(v, bits, value_group), bits)
-    return kq, vq
-
-
-def dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, length: int, bits: int,
-             key_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, length: int, key_bits: int,
+             value_bits: int, key_group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference read of a low-bit cache layer: K, V [B, length, Hkv, D] in fp32.
 
     Slot j comes from the sinks sk, sv [B, NS, Hkv, D] if j < NS, else from the packed
@@ -120,8 +112,8 @@ def dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, le
     ring rk, rv [B, R, Hkv, D] at j % R. bound: an int or a [1] tensor (no host sync)."""
     g, NS, R = key_group, sk.shape[1], rk.shape[1]
     n = -(-length // g) * g
-    kd = dequantize_keys(kq[:, :n], k_scale[:, : n // g], k_zero[:, : n // g], bits, g)[:, :length]
-    vd = dequantize_values(vq[:, :length], v_scale[:, :length], v_zero[:, :length], bits)
+    kd = dequantize_keys(kq[:, :n], k_scale[:, : n // g], k_zero[:, : n // g], key_bits, g)[:, :length]
+    vd = dequantize_values(vq[:, :length], v_scale[:, :length], v_zero[:, :length], value_bits)
     j = torch.arange(length, device=kq.device)
     bound = torch.as_tensor(bound, device=kq.device).reshape(-1)[:1]
     old = (j < bound)[None, :, None, None]

@@ -8,7 +8,7 @@ log-sum-exp merge. What changes is where a key tile comes from: each slot j
 of a tile is loaded from exactly one of
 
     j < NS             the bf16 sinks
-    NS <= j < bound    the packed storage: byte j, d // P, bits (d % P) * b, times the
+    NS <= j < bound    the packed storage: byte j, d // P, bits (d % P) * b (b = 4 or 2, P = 8 / b), times the
                        key group's (scale, zero) of channel d / the value's of its group
     bound <= j         the bf16 ring, at j % R
 
@@ -41,18 +41,17 @@ def _kernel():
     def splitkv_lowbit_fwd(Q, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC, KDOC, BOUND, O, LSE,
                    sqb, sqm, sqh,
                    ssb, sss, ssh,  # sinks (K and V alike)
-                   spb, sps, sph,  # packed K / V
+                   skqb, skqs, skqh,  # packed K
+                   svqb, svqs, svqh,  # packed V
                    sksb, ksg, sksh,  # key scale / zero [B, S / KG, Hkv, D]
                    svsb, svss, svsh,  # value scale / zero [B, S, Hkv, D / VG]
                    srb, srs, srh,  # ring
                    s_slot_b, s_qdoc_b, s_kdoc_b,
                    sob, sop, som, soh, slb, slp, slm,
                    M, S, Hkv, NS, R, KG, scale, window, window_rows, keys_per_split,
-                   G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, VG: tl.constexpr,
+                   G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
-        PACK: tl.constexpr = 8 // BITS
-        LEVELS: tl.constexpr = (1 << BITS) - 1
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid // Hkv).to(tl.int64)
@@ -78,8 +77,9 @@ def _kernel():
         l_i = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         n = tl.arange(0, BLOCK_N)
-        byte = d // PACK
-        shift = ((d % PACK) * BITS).to(tl.int32)
+        kbyte, vbyte = d // (8 // KBITS), d // (8 // VBITS)
+        kshift = ((d % (8 // KBITS)) * KBITS).to(tl.int32)
+        vshift = ((d % (8 // VBITS)) * VBITS).to(tl.int32)
         for j0 in range(start, end, BLOCK_N):
             j = j0 + n
             jvalid = j < end
@@ -92,11 +92,12 @@ def _kernel():
             # keys: sinks | dequantized | ring
             k = tl.load(SK + b * ssb + j[:, None] * sss + kvh * ssh + d[None, :], mask=ms, other=0.0).to(tl.float32)
             kr = tl.load(RK + b * srb + ring_j[:, None] * srs + kvh * srh + d[None, :], mask=mr, other=0.0)
-            kb = tl.load(KQ + b * spb + j[:, None] * sps + kvh * sph + byte[None, :], mask=mq, other=0)
+            kb = tl.load(KQ + b * skqb + j[:, None] * skqs + kvh * skqh + kbyte[None, :], mask=mq, other=0)
             grp = j // KG
             ks = tl.load(KS + b * sksb + grp[:, None] * ksg + kvh * sksh + d[None, :], mask=mq, other=0.0)
             kz = tl.load(KZ + b * sksb + grp[:, None] * ksg + kvh * sksh + d[None, :], mask=mq, other=0.0)
-            kd = ((kb.to(tl.int32) >> shift[None, :]) & LEVELS).to(tl.float32) * ks.to(tl.float32) + kz.to(tl.float32)
+            kd = ((kb.to(tl.int32) >> kshift[None, :]) & ((1 << KBITS) - 1)).to(tl.float32) * ks.to(tl.float32) \
+                + kz.to(tl.float32)
             k = tl.where(mr, kr.to(tl.float32), tl.where(mq, kd, k)).to(q.dtype)
             kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
             if IEEE:
@@ -116,11 +117,12 @@ def _kernel():
             # values: sinks | dequantized | ring
             v = tl.load(SV + b * ssb + j[:, None] * sss + kvh * ssh + d[None, :], mask=ms, other=0.0).to(tl.float32)
             vr = tl.load(RV + b * srb + ring_j[:, None] * srs + kvh * srh + d[None, :], mask=mr, other=0.0)
-            vb = tl.load(VQ + b * spb + j[:, None] * sps + kvh * sph + byte[None, :], mask=mq, other=0)
+            vb = tl.load(VQ + b * svqb + j[:, None] * svqs + kvh * svqh + vbyte[None, :], mask=mq, other=0)
             vg = d // VG
             vs = tl.load(VS + b * svsb + j[:, None] * svss + kvh * svsh + vg[None, :], mask=mq, other=0.0)
             vz = tl.load(VZ + b * svsb + j[:, None] * svss + kvh * svsh + vg[None, :], mask=mq, other=0.0)
-            vd = ((vb.to(tl.int32) >> shift[None, :]) & LEVELS).to(tl.float32) * vs.to(tl.float32) + vz.to(tl.float32)
+            vd = ((vb.to(tl.int32) >> vshift[None, :]) & ((1 << VBITS) - 1)).to(tl.float32) * vs.to(tl.float32) \
+                + vz.to(tl.float32)
             v = tl.where(mr, vr.to(tl.float32), tl.where(mq, vd, v)).to(q.dtype)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -138,7 +140,7 @@ def _kernel():
 
 
 def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
-                             bound, length: int, bits: int, key_group: int, window=None, scale=None,
+                             bound, length: int, key_bits: int, value_bits: int, key_group: int, window=None, scale=None,
                              window_rows: int | None = None, num_splits=None, block_n: int = 64,
                              num_warps: int | None = None, num_stages: int | None = None):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
@@ -172,6 +174,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         q.stride(0), q.stride(1), q.stride(2),
         sk.stride(0), sk.stride(1), sk.stride(2),
         kq.stride(0), kq.stride(1), kq.stride(2),
+        vq.stride(0), vq.stride(1), vq.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         rk.stride(0), rk.stride(1), rk.stride(2),
@@ -179,7 +182,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         M, S, Hkv, 0 if sk is rk else sk.shape[1], rk.shape[1], key_group, scale,
         0 if window is None else window, M if window_rows is None else window_rows, per,
-        G=G, D=D, BITS=bits, VG=VG, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
+        G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
