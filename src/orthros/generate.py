@@ -9,7 +9,8 @@
                        greedy or sampled, stop tokens, max_new_tokens.
 
 The fast path (gpt-fast style; `generate(fast=...)`, on by default on CUDA):
-a preallocated `StaticOrthrosCache` (bf16 or fp8), prefill eager in chunks
+a preallocated `StaticOrthrosCache` (bf16 or fp8; `LowBitStaticCache` for int4 /
+int2 beyond the window), prefill eager in chunks
 sized to bound activation memory, and a decode step with static shapes and
 no host sync (`fast_decode_step`: the layout is built from the cache's own
 tensors, the model's input checks are skipped — its inputs are trusted),
@@ -27,7 +28,8 @@ import torch
 
 from .models.cache import OrthrosCache
 from .models.layout import Layout
-from .models.static_cache import StaticOrthrosCache
+from .models.lowbit_cache import LowBitStaticCache
+from .models.static_cache import LOWBIT_KV_DTYPES, StaticOrthrosCache
 
 
 @dataclass
@@ -103,8 +105,11 @@ def auto_chunk_size(config, batch_size: int, dtype: torch.dtype = torch.bfloat16
 
 
 def new_static_cache(model, batch_size: int, capacity: int, kv_dtype: str = "auto") -> StaticOrthrosCache:
-    """A preallocated cache on the model's device for `capacity` slots per row."""
+    """A preallocated cache on the model's device for `capacity` slots per row
+    (int4 / int2 / k4v2: a `LowBitStaticCache`)."""
     p = next(model.parameters())
+    if kv_dtype in LOWBIT_KV_DTYPES:
+        return LowBitStaticCache(model.config, batch_size, capacity, p.device, p.dtype, kv_dtype)
     return StaticOrthrosCache(model.config, batch_size, capacity, p.device, p.dtype, kv_dtype)
 
 
@@ -196,7 +201,9 @@ def generate(
         fast: use the static cache + captured decode step (default: on CUDA).
             Its prefill chunk defaults to `auto_chunk_size` (bounded activations).
         kv_dtype: the fast path's cache storage: "auto" (the model's dtype),
-            "bf16", "fp16", "fp32" or "fp8" (e4m3, per-head scales).
+            "bf16", "fp16", "fp32", "fp8" (e4m3, per-head scales), or "int4" / "int2" /
+            "k4v2" (Orthros models: bf16 for the window and 4 sink tokens, group-wise
+            int4 / int2 beyond, k4v2 = int4 keys and int2 values; `LowBitStaticCache`).
         compile: compile the fast decode step (default: on CUDA).
     Returns:
         [B, T + n] prompt (left-padded) followed by n <= max_new_tokens new tokens.

@@ -2,6 +2,7 @@
 
     orthros generate runs/demo --prompt "def main():" --max-new-tokens 100
     orthros generate runs/smollm2-orthros --chat --prompt "What is the capital of France?" --temperature 0
+    orthros generate runs/smollm2-orthros --kv-dtype int4 --prompt "$(cat long.txt)"   # int4 beyond the window
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from .data.tokenizer import load_tokenizer
 from .errors import UserError
 from .generate import generate
+from .models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .loading import check_model_dir, load_model, resolve_device
 
 
@@ -29,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prefill-chunk-size", type=int, default=None)
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="the KV cache's storage: anything but auto runs the fast path (a static cache; int4 / int2 / "
+                        "k4v2: Orthros models, bf16 for the window and 4 sink tokens, low-bit beyond)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -53,6 +58,9 @@ def run(args) -> int:
     device = resolve_device(args.device)
     d = Path(args.model)
     cfg = check_model_dir(d)  # config, weights' headers, tokenizer and prompt: all checked before a weight is read
+    if args.kv_dtype in LOWBIT_KV_DTYPES and cfg.attention != "orthros":
+        raise UserError(f"--kv-dtype {args.kv_dtype} needs an Orthros model (its base stream reads only the window); "
+                        f"{d / 'config.json'} has attention={cfg.attention!r}")
     tok = load_tokenizer(d, cfg.vocab_size)
     if args.chat:
         if not getattr(tok, "chat_template", None):
@@ -78,7 +86,8 @@ def run(args) -> int:
     eos = getattr(tok, "eos_token_id", None)
     ids = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=eos,
-                   prefill_chunk_size=args.prefill_chunk_size)
+                   prefill_chunk_size=args.prefill_chunk_size, fast=True if args.kv_dtype != "auto" else None,
+                   kv_dtype=args.kv_dtype)
     out = ids[0].tolist()
     if args.chat:
         print(tok.decode(out[len(prompt):], skip_special_tokens=True).strip())

@@ -10,7 +10,7 @@ from orthros.cli import main
 
 def run(tmp_path, *argv):
     doc = tmp_path / "bench.md"
-    tags = ("decode", "e2e", "fp8")
+    tags = ("decode", "e2e", "fp8", "capacity")
     doc.write_text("".join(f"<!-- {t}-table:begin -->\n(pending)\n<!-- {t}-table:end -->\n" for t in tags))
     assert main(["bench", *argv, "--model", "tiny", "--no-compile", "--out-dir", str(tmp_path), "--docs", str(doc)]) == 0
     return doc.read_text()
@@ -49,11 +49,35 @@ def test_bench_fp8_agreement(tmp_path):
     assert "top-1 agreement" in doc
 
 
+def test_bench_decode_lowbit_reads_fewer_bytes(tmp_path):
+    """--kv-dtype int2 (Orthros only): the step's byte count uses the packed size beyond the window."""
+    common = ("decode", "--contexts", "300", "--batches", "1", "--steps", "2", "--warmup", "1", "--window", "8",
+              "--variants", "orthros")
+    run(tmp_path, *common, "--kv-dtype", "bf16")
+    bf16 = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
+    run(tmp_path, *common, "--kv-dtype", "int2")
+    int2 = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
+    assert int2["status"] == "ok" and int2["tokens_per_s"] > 0
+    assert int2["bytes"] < bf16["bytes"] and int2["cache_gib"] < bf16["cache_gib"]
+    assert int2["roofline_tok_s"] > bf16["roofline_tok_s"]
+
+
+def test_bench_capacity(tmp_path):
+    doc = run(tmp_path, "capacity", "--kv-dtypes", "bf16", "int4", "--lengths", "300", "100", "--new", "4",
+              "--warmup", "1", "--window", "8", "--chunk-size", "128")
+    res = json.loads((tmp_path / "capacity.json").read_text())
+    assert [(r["kv_dtype"], r["prompt"]) for r in res["rows"]] == [("bf16", 100), ("bf16", 300), ("int4", 100),
+                                                                   ("int4", 300)]
+    assert all(r["status"] == "ok" and r["prefill_s"] > 0 and r["tokens_per_s"] > 0 for r in res["rows"])
+    assert "Longest prompt that prefilled and decoded: bf16 300, int4 300." in doc
+
+
 def test_bench_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # argparse: usage + one line, exit 2
         main(["bench", "e2e", "--settings", "128K"])
     assert e.value.code == 2
     assert main(["bench", "decode", "--from-json", str(tmp_path / "nope.json")]) == 2
     assert main(["bench", "decode", "--model", "no-such-model", "--out-dir", str(tmp_path)]) == 2
+    assert main(["bench", "decode", "--model", "tiny", "--kv-dtype", "int4", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "--from-json" in err and "no-such-model" in err
+    assert "--from-json" in err and "no-such-model" in err and "add --variants orthros" in err

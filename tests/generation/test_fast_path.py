@@ -134,7 +134,7 @@ def test_fp8_storage_scales_and_saturation():
 def test_user_errors():
     model = make_model()
     with pytest.raises(ValueError, match="kv_dtype"):
-        generate(model, [[1, 2]], kv_dtype="int4", fast=True)
+        generate(model, [[1, 2]], kv_dtype="int3", fast=True)
     with pytest.raises(ValueError, match="fast=True"):
         generate(model, [[1, 2]], kv_dtype="fp8", fast=False)
     cache = new_static_cache(model, 1, 3)

@@ -5,6 +5,7 @@
     orthros bench decode    decode tokens/s and achieved bandwidth against context, Orthros vs full attention
     orthros bench e2e       time to first token and end-to-end generation time, Orthros vs full attention
     orthros bench serve     the OpenAI server under load (TTFT, TPOT, ITL, throughput), Orthros vs full attention
+    orthros bench capacity  the longest prompt that prefills and decodes per KV cache dtype (bf16 / fp8 / int4 / int2)
 
 Results go to JSON, a Markdown table and (prefill) a log-log plot under --out-dir.
 """
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import decode, e2e, prefill, serve, train
+from . import capacity, decode, e2e, prefill, serve, train
 
-SUBCOMMANDS = {"prefill": prefill, "train": train, "decode": decode, "e2e": e2e, "serve": serve}
+SUBCOMMANDS = {"prefill": prefill, "train": train, "decode": decode, "e2e": e2e, "serve": serve, "capacity": capacity}
 
 
 def add_arguments(parser):

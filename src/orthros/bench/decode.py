@@ -11,7 +11,11 @@ says so. Each row: warm-up steps (compilation, graph capture), then
 Achieved bandwidth counts the bytes a step must read: every weight once
 (the embedding table excepted: one row is gathered) plus the K/V each
 query reads (the output query: the whole context; an Orthros base query:
-its window), against the copy bandwidth given by --bandwidth.
+its window), against the copy bandwidth given by --bandwidth. With
+`--kv-dtype int4|int2` (Orthros only) the output query reads the low-bit
+slots at their packed size (scales included) and the bf16 sinks and window
+at 2 bytes. `--profile` also gives each kernel group's achieved bandwidth:
+the attention kernels against the K/V bytes, the GEMMs against the weights.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 
 from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..models import OrthrosConfig
-from ..models.static_cache import FP8, KV_DTYPES
+from ..models.lowbit_cache import LowBitStaticCache
+from ..models.static_cache import FP8, KV_DTYPES, LOWBIT_KV_DTYPES
 from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, log_panel, render,
                      result_from, save_figure, subplots, sync, variant_config)
 from .prefill import _fmt_len, parse_len
@@ -52,18 +57,44 @@ def add_arguments(p):
                    help="only re-render the plot and table from a saved decode.json (several: one table)")
 
 
-def fill_random(cache, context: int, seed: int = 0) -> None:
-    """Pretend `context` tokens of one document were prefilled: random K/V (unit normal,
-    fp8 at scale 1), document 0, positions 0..context-1. No real prefill is run."""
-    g = torch.Generator(device=cache.doc.device).manual_seed(seed)
+def _fill(buf, a: int, b: int, g, kind: str) -> None:
+    """Slots [a, b) of buf [B, S, ...]: unit normal ("normal") or random bytes ("bytes"), in slices."""
+    for i in range(a, b, 1 << 15):  # bounded temporary memory
+        x = buf[:, i: min(b, i + (1 << 15))]
+        if kind == "bytes":
+            x.copy_(torch.randint(0, 256, x.shape, generator=g, device=x.device, dtype=torch.uint8))
+            continue
+        r = torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32)
+        x.copy_(r.clamp(-448, 448).to(buf.dtype) if buf.dtype == FP8 else r.to(buf.dtype))
+
+
+def random_slots(cache, a: int, b: int, g) -> None:
+    """Random K/V in slots [a, b) of every layer: unit normal (fp8 at scale 1); low-bit: random
+    levels spanning [-1, 1] (every key group from a // key_group on), unit-normal sinks and ring."""
+    if isinstance(cache, LowBitStaticCache):
+        kg = cache.key_group
+        for i in range(cache.num_layers):
+            for buf in (cache.kq[i], cache.vq[i]):
+                _fill(buf, a, b, g, "bytes")
+            cache.k_scale[i][:, a // kg:].fill_(2.0 / (2**cache.key_bits - 1))
+            cache.k_zero[i][:, a // kg:].fill_(-1.0)
+            cache.v_scale[i][:, a:b].fill_(2.0 / (2**cache.value_bits - 1))
+            cache.v_zero[i][:, a:b].fill_(-1.0)
+            for buf in (cache.rk[i], cache.rv[i], cache.sk[i], cache.sv[i]):
+                _fill(buf, 0, buf.shape[1], g, "normal")
+        return
     for buf in (*cache.k, *cache.v):
-        for a in range(0, context, 1 << 15):  # in slices: bounded temporary memory
-            x = buf[:, a: min(context, a + (1 << 15))]
-            r = torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32)
-            x.copy_(r.clamp(-448, 448).to(buf.dtype) if buf.dtype == FP8 else r.to(buf.dtype))
+        _fill(buf, a, b, g, "normal")
     cache.k_scale.fill_(1.0)
     cache.v_scale.fill_(1.0)
     cache._scaled = [True] * cache.num_layers
+
+
+def fill_random(cache, context: int, seed: int = 0) -> None:
+    """Pretend `context` tokens of one document were prefilled: random K/V (`random_slots`),
+    document 0, positions 0..context-1. No real prefill is run."""
+    g = torch.Generator(device=cache.doc.device).manual_seed(seed)
+    random_slots(cache, 0, context, g)
     cache.doc[:, :context] = 0
     cache.length = context
     cache.slot.fill_(context)
@@ -71,18 +102,51 @@ def fill_random(cache, context: int, seed: int = 0) -> None:
     cache.last_doc.fill_(0)
 
 
-def step_bytes(model, batch: int, context: int, kv_bytes: int) -> int:
-    """Bytes one decode step must read: weights (embedding table excepted) + K/V."""
-    c = model.config
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads (the embedding table excepted: one row is gathered)."""
     emb = model.model.embed_tokens.weight
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
     if model.lm_head.weight is emb:  # tied: the LM head still reads the whole table
         weights += emb.numel() * emb.element_size()
-    per_key = 2 * c.num_key_value_heads * c.head_dim * kv_bytes  # K and V of one slot, one layer
-    keys = c.num_hidden_layers * context  # the output query (full: the token's query) reads every key
-    if c.attention == "orthros":
-        keys += (c.num_hidden_layers - 1) * min(c.window_size, context)  # base queries (last layer skipped)
-    return weights + batch * keys * per_key
+    return weights
+
+
+def kv_read_bytes(model, cache, batch: int, context: int) -> float:
+    """Bytes of K/V one decode step's attention reads over all layers, at `context` slots."""
+    c = model.config
+    L = c.num_hidden_layers
+    if isinstance(cache, LowBitStaticCache):
+        hi = 2 * c.num_key_value_heads * c.head_dim * torch.finfo(cache.hi).bits // 8
+        low = max(0, cache.bound_at(context) - cache.sinks)  # slots read from the packed storage
+        out = low * cache.slot_bytes() + (context - low) * hi
+    else:
+        hi = 2 * c.num_key_value_heads * c.head_dim * cache.storage.itemsize
+        out = context * hi  # the output query (full: the token's query) reads every key
+    base = (L - 1) * min(c.window_size, context) * hi if c.attention == "orthros" else 0  # last layer skipped
+    return batch * (L * out + base)
+
+
+def step_bytes(model, cache, batch: int, context: int) -> int:
+    """Bytes one decode step must read: weights + K/V."""
+    return int(weight_bytes(model) + kv_read_bytes(model, cache, batch, context))
+
+
+def group_bandwidth(profile: dict, model, cache, batch: int, context: int) -> dict:
+    """Achieved GB/s of the attention kernels (K/V bytes) and of the GEMMs (weight bytes) in a profile."""
+    steps, g = profile["steps"], profile["groups_ms"]
+    out = {}
+    for group, nbytes in (("split-KV attention", kv_read_bytes(model, cache, batch, context)),
+                          ("GEMM (linear layers)", weight_bytes(model))):
+        if g.get(group):
+            out[group] = nbytes * steps / (g[group] / 1e3) / 1e9
+    return out
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of the cache's K/V storage (all layers; scales, sinks and ring included)."""
+    if isinstance(cache, LowBitStaticCache):
+        return cache.memory_bytes
+    return 2 * cache.num_layers * cache.k[0].numel() * cache.k[0].element_size()
 
 
 def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> float:
@@ -127,13 +191,15 @@ def measure(args) -> dict:
                     with torch.inference_mode():
                         dt = time_decode(model, cache, args.steps, args.warmup, step_fn, device)
                         if args.profile and variant not in profiles:
-                            profiles[variant] = {"batch": B, "context": C, "steps": 10, **kernel_profile(
+                            prof = {"batch": B, "context": C, "steps": 10, **kernel_profile(
                                 lambda: [decode_one_token_fast(model, tok[:B], cache, step_fn) for _ in range(10)], device)}
-                    kv_bytes = cache.k[0].element_size()
-                    nbytes = step_bytes(model, B, C + args.warmup + args.steps // 2, kv_bytes)
+                            prof["gb_per_s"] = group_bandwidth(prof, model, cache, B, cache.length - 5)  # mid-run context
+                            profiles[variant] = prof
+                    nbytes = step_bytes(model, cache, B, C + args.warmup + args.steps // 2)
                     rows.append({**row, "status": "ok", "step_s": dt, "tokens_per_s": B / dt, "bytes": nbytes,
                                  "gb_per_s": nbytes / dt / 1e9, "roofline": nbytes / dt / (args.bandwidth * 1e12),
-                                 "cache_gib": 2 * cache.num_layers * cache.k[0].numel() * kv_bytes / 2**30})
+                                 "roofline_tok_s": B * args.bandwidth * 1e12 / nbytes,
+                                 "cache_gib": cache_bytes(cache) / 2**30})
                 except Exception as e:  # noqa: BLE001 - OOM is a result, anything else is re-raised
                     if not is_oom(e):
                         raise
@@ -169,7 +235,10 @@ def table(result) -> str:
         return "–" if r is None else (f"{r['tokens_per_s']:.1f}" if r["status"] == "ok" else r["status"])
 
     def bw(r):
-        return "–" if r is None or r["status"] != "ok" else f"{r['gb_per_s']:.0f} ({100 * r['roofline']:.0f}%)"
+        if r is None or r["status"] != "ok":
+            return "–"
+        roof = f", roofline {r['roofline_tok_s']:.1f} tok/s" if "roofline_tok_s" in r else ""
+        return f"{r['gb_per_s']:.0f} ({100 * r['roofline']:.0f}%{roof})"
 
     for C in sorted({r["context"] for r in rows}):
         for B in sorted({r["batch"] for r in rows}):
@@ -190,6 +259,10 @@ def table(result) -> str:
                 v = p["kernel_count"] if g == "kernel launches" else p["groups_ms"].get(g, 0.0) * 1e3
                 cells.append(f"{v / p['steps']:.0f}")
             out.append(f"| {g} | " + " | ".join(cells) + " |")
+        for g in dict.fromkeys(g for p in prof.values() for g in p.get("gb_per_s", {})):
+            cells = [f"{p['gb_per_s'][g]:.0f} ({100 * p['gb_per_s'][g] / (result['bandwidth_tb_s'] * 1e3):.0f}%)"
+                     if g in p.get("gb_per_s", {}) else "–" for p in prof.values()]
+            out.append(f"| {g}: achieved GB/s (of {result['bandwidth_tb_s']} TB/s) | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -213,6 +286,9 @@ def run(args):
     def measure_checked():
         if args.window < 1 or args.steps < 1 or args.warmup < 0 or min(args.batches) < 1:
             raise ValueError("--window, --steps and --batches must be >= 1, --warmup >= 0")
+        if args.kv_dtype in LOWBIT_KV_DTYPES and "full" in args.variants:
+            raise ValueError(f"--kv-dtype {args.kv_dtype} is an Orthros cache (a full model's queries read every "
+                             "key in bf16): add --variants orthros")
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
         return measure(args)
 

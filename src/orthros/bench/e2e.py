@@ -17,7 +17,7 @@ prompts are random.
              linear in the context); the table marks such rows.
 
 `--kv-dtype fp8 --settings 1M/32 --batch 1 --variants orthros --tag million`
-is the one-GPU million-token run. `--agreement` instead compares an fp8 cache with
+is the one-GPU million-token run. `--agreement` instead compares an fp8 (or --kv-dtype) cache with
 a full-precision one on one model: greedy generation with the latter, the
 same tokens teacher-forced through the former (top-1 agreement, logit
 differences).
@@ -34,9 +34,10 @@ import torch
 from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_fast, fast_decode_step,
                         new_static_cache, prefill)
 from ..models import OrthrosConfig
-from ..models.static_cache import FP8, KV_DTYPES
+from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, save_figure, subplots,
                      sync, variant_config)
+from .decode import cache_bytes, random_slots
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -67,7 +68,7 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--agreement", action="store_true",
-                   help="fp8 vs full-precision cache on one model: prompt/new from the first setting")
+                   help="--kv-dtype (default fp8) vs a full-precision cache on one model: prompt/new from the first setting")
     p.add_argument("--checkpoint", default=None, help="--agreement: a saved Orthros model directory (default: random weights)")
     p.add_argument("--tag", default="e2e", help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--out-dir", default="docs")
@@ -86,9 +87,7 @@ def advance_random(cache, new_length: int, seed: int = 1) -> None:
     """Move a cache forward to `new_length` slots with random K/V (untimed filler)."""
     a = cache.length
     g = torch.Generator(device=cache.doc.device).manual_seed(seed)
-    for buf in (*cache.k, *cache.v):
-        r = torch.randn(buf[:, a:new_length].shape, generator=g, device=buf.device)
-        buf[:, a:new_length] = r.clamp(-448, 448).to(buf.dtype) if buf.dtype == FP8 else r.to(buf.dtype)
+    random_slots(cache, a, new_length, g)
     cache.doc[:, a:new_length] = cache.last_doc.clamp_min(0)[:, None]
     cache.next_pos += new_length - a
     cache.slot += new_length - a
@@ -150,7 +149,7 @@ def run_setting(model, B, T_in, n_out, args, step_fn, device) -> dict:
     return dict(status="ok", ttft_s=ttft, decode_s=decode, e2e_s=ttft + decode, step_s=step,
                 decode_tok_s=B / step if n_dec else float("nan"), steps_timed=steps_timed,
                 extrapolated=extrapolated, chunk=chunk, peak_gib=peak,
-                cache_gib=2 * cache.num_layers * cache.k[0].numel() * cache.k[0].element_size() / 2**30)
+                cache_gib=cache_bytes(cache) / 2**30)
 
 
 def measure(args) -> dict:
@@ -188,7 +187,8 @@ def measure(args) -> dict:
 
 
 def agreement(args) -> dict:
-    """fp8 vs full-precision KV cache: greedy tokens from the latter, teacher-forced through the former."""
+    """A quantized KV cache (--kv-dtype; fp8 if auto) vs a full-precision one: greedy tokens from the
+    latter, teacher-forced through the former."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     if args.checkpoint:
@@ -210,20 +210,21 @@ def agreement(args) -> dict:
     chunk = args.chunk_size or auto_chunk_size(model.config, 1, dtype)
     out = {}
     with torch.inference_mode():
-        for kv in ("auto", "fp8"):
+        quant = "fp8" if args.kv_dtype == "auto" else args.kv_dtype
+        for kv in ("auto", quant):
             cache = new_static_cache(model, 1, T_in + n_out, kv)
             logits, _ = prefill(model, ids, None, cache=cache, chunk_size=chunk)
             seq, tok = [logits], None
             for i in range(n_out - 1):
-                tok = out["auto"][1][i: i + 1] if kv == "fp8" else seq[-1].argmax(-1)
+                tok = out["auto"][1][i: i + 1] if kv == quant else seq[-1].argmax(-1)
                 seq.append(decode_one_token_fast(model, tok, cache, step_fn))
             lg = torch.cat(seq).float()
             out[kv] = (lg, lg.argmax(-1))
             del cache
-    ref, q = out["auto"][0], out["fp8"][0]
+    ref, q = out["auto"][0], out[quant][0]
     return dict(env=environment(device), command="orthros bench e2e " + " ".join(map(shlex.quote, sys.argv[3:])),
                 model=name, dtype=args.dtype, window=model.config.window_size, T_in=T_in, n_out=n_out,
-                top1_agreement=(out["auto"][1] == out["fp8"][1]).float().mean().item(),
+                top1_agreement=(out["auto"][1] == out[quant][1]).float().mean().item(), kv_dtype=quant,
                 max_abs_logit_diff=(ref - q).abs().max().item(), logit_range=(ref.max() - ref.min()).item(),
                 rel_rms_err=((ref - q).norm() / ref.norm()).item())
 
@@ -277,7 +278,7 @@ def agreement_table(r) -> str:
         f"Command: `{r['command']}`  ",
         f"Date: {env['date']}; device: {env['gpu']}; torch {env['torch']}; model {r['model']}, {r['dtype']}, "
         f"window {r['window']}; prompt {_fmt_len(r['T_in'])} random tokens, {r['n_out']} greedy tokens from the "
-        f"{r['dtype']} cache, teacher-forced through the fp8 cache.", "",
+        f"{r['dtype']} cache, teacher-forced through the {r.get('kv_dtype', 'fp8')} cache.", "",
         "| top-1 agreement | max abs logit difference | logit range | relative RMS logit error |",
         "| --- | --- | --- | --- |",
         f"| {100 * r['top1_agreement']:.2f}% | {r['max_abs_logit_diff']:.4f} | {r['logit_range']:.2f} | "
@@ -315,6 +316,9 @@ def run(args):
         if any(n < 1 for _, n in args.settings):
             raise ValueError("each setting needs at least one new token")
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
+        if args.kv_dtype in LOWBIT_KV_DTYPES and "full" in args.variants and not args.agreement:
+            raise ValueError(f"--kv-dtype {args.kv_dtype} is an Orthros cache (a full model's queries read every "
+                             "key in bf16): add --variants orthros")
         return agreement(args) if args.agreement else measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)

@@ -8,7 +8,10 @@
                    template, answered by greedy generation
 
 Each is a function of a model with the project's interface (OrthrosForCausalLM,
-any attention), returns plain JSON-ready numbers, and is seeded.
+any attention), returns plain JSON-ready numbers, and is seeded. With
+`kv_dtype` (e.g. "int4") each reads its text through the fast path's cache of
+that dtype instead of one cache-less forward: the rows are fed in `chunk`-token
+pieces and every scored position reads the past as a decode step there would.
 """
 
 from __future__ import annotations
@@ -20,16 +23,42 @@ import torch
 import torch.nn.functional as F
 
 
+CHUNK = 256  # prompt piece fed through a cache (kv_dtype given)
+
+
 @torch.no_grad()
-def token_losses(model, rows: torch.Tensor, batch_size: int = 4, progress=None) -> torch.Tensor:
+def cached_losses(model, x: torch.Tensor, pos: torch.Tensor, kv_dtype: str, chunk: int = CHUNK) -> torch.Tensor:
+    """Next-token losses [B, N] of x [B, T] at positions pos [N] (sorted, < T - 1), the rows fed
+    through a fast-path cache of `kv_dtype` in `chunk`-token pieces (only `pos` are output positions)."""
+    from ..generate import new_static_cache
+
+    cache = new_static_cache(model, x.shape[0], x.shape[1], kv_dtype)
+    pos = pos.to(x.device)
+    out = []
+    for a in range(0, x.shape[1], chunk):
+        sel = pos[(pos >= a) & (pos < a + chunk)]
+        logits = model(x[:, a : a + chunk], past_key_values=cache, use_cache=True, logits_to_keep=sel - a).logits
+        if sel.numel():
+            tgt = x[:, sel + 1]
+            out.append(F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none")
+                       .view(x.shape[0], -1))
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def token_losses(model, rows: torch.Tensor, batch_size: int = 4, progress=None, kv_dtype: str | None = None,
+                 chunk: int = CHUNK) -> torch.Tensor:
     """rows: [N, T] ids -> [N, T-1] fp32 losses (token t+1 predicted from tokens <= t)."""
     device = next(model.parameters()).device
     out = []
     for s in range(0, rows.shape[0], batch_size):
         x = rows[s : s + batch_size].to(device)
-        logits = model(x[:, :-1], use_cache=False).logits  # every position an output position
-        out.append(F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="none")
-                   .view(x.shape[0], -1).cpu())
+        if kv_dtype is None:
+            logits = model(x[:, :-1], use_cache=False).logits  # every position an output position
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="none")
+        else:
+            loss = cached_losses(model, x, torch.arange(x.shape[1] - 1), kv_dtype, chunk)
+        out.append(loss.view(x.shape[0], -1).cpu())
         if progress is not None:
             progress.update(x.shape[0])
     return torch.cat(out)
@@ -47,7 +76,8 @@ def loss_summary(losses: torch.Tensor, bins: int = 32) -> dict:
 
 @torch.no_grad()
 def copy_probe(model, stream: torch.Tensor, gaps: list[int], samples: int = 32, seg_len: int = 100,
-               prefix: int = 64, seed: int = 0, batch_size: int = 8) -> dict:
+               prefix: int = 64, seed: int = 0, batch_size: int = 8, kv_dtype: str | None = None,
+               chunk: int = CHUNK) -> dict:
     """Loss on the second copy of a `seg_len`-token segment repeated after `gap` other tokens.
 
     Each sample: prefix (filler) | segment | filler of `gap` tokens | segment. Filler and
@@ -78,9 +108,13 @@ def copy_probe(model, stream: torch.Tensor, gaps: list[int], samples: int = 32, 
         tot = torch.zeros(2)
         for s in range(0, samples, batch_size):
             x = ids[s : s + batch_size].to(device)
-            logits = model(x, logits_to_keep=pos.to(device), use_cache=False).logits  # [b, 2(seg-1), V]
-            tgt = x[:, pos.to(device) + 1]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none").view(x.shape[0], 2, -1)
+            if kv_dtype is None:
+                logits = model(x, logits_to_keep=pos.to(device), use_cache=False).logits  # [b, 2(seg-1), V]
+                tgt = x[:, pos.to(device) + 1]
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none")
+            else:
+                loss = cached_losses(model, x, pos, kv_dtype, chunk)
+            loss = loss.view(x.shape[0], 2, -1)
             tot += loss.mean(-1).sum(0).cpu()
         first_loss, second_loss = (tot / samples).tolist()
         res[str(gap)] = {"first": first_loss, "second": second_loss}
@@ -107,8 +141,9 @@ def passkey_prompt(tok, length: int, depth: float, key: str) -> list[int]:
 
 @torch.no_grad()
 def chat_passkey(model, tok, lengths: list[int], depths: list[float], samples: int = 4, seed: int = 0,
-                 max_new_tokens: int = 12, batch_size: int = 8) -> dict:
-    """Greedy answers to a pass-key question through the chat template; accuracy per length and depth."""
+                 max_new_tokens: int = 12, batch_size: int = 8, kv_dtype: str | None = None) -> dict:
+    """Greedy answers to a pass-key question through the chat template; accuracy per length and depth
+    (kv_dtype: generated on the fast path with that cache)."""
     from ..generate import generate
 
     rng = random.Random(seed)
@@ -122,7 +157,7 @@ def chat_passkey(model, tok, lengths: list[int], depths: list[float], samples: i
             for s in range(0, samples, batch_size):
                 batch = prompts[s : s + batch_size]
                 out = generate(model, batch, max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=eos,
-                               fast=False)[:, max(map(len, batch)):]  # the new tokens (prompts are left-padded)
+                               fast=kv_dtype is not None, kv_dtype=kv_dtype or "auto")[:, max(map(len, batch)):]  # the new tokens (prompts are left-padded)
                 for k, ids in zip(keys[s : s + batch_size], out):
                     text = tok.decode([i for i in ids.tolist() if i != eos and i >= 0], skip_special_tokens=True)
                     hits += k in text

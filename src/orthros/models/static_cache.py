@@ -20,6 +20,9 @@ materialises a dequantized cache: the K scale is folded into the queries
 (q·(s k̂) = (s q)·k̂ per head), the V scale into the output, and the kernel
 reads the fp8 values directly (the split-KV kernel casts on load).
 Halves the cache: 1M tokens of an 8B model take 64 GiB instead of 128.
+
+int4 / int2 (`kv_dtype="int4"|"int2"|"k4v2"`) is another class, `LowBitStaticCache`
+(models/lowbit_cache.py): bf16 for the window and a few sinks, low-bit beyond.
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ from .cache import OrthrosCache
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MARGIN = 2.0  # headroom over the first chunk's absmax for later tokens (then rounded up to 2^k)
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int4", "int2", "k4v2")
+LOWBIT_KV_DTYPES = ("int4", "int2", "k4v2")  # LowBitStaticCache (k4v2: int4 keys, int2 values)
 
 
 def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element dtype of a cache that stores every slot alike (not int4 / int2)."""
+    if kv_dtype in LOWBIT_KV_DTYPES:
+        raise ValueError(f"kv_dtype={kv_dtype!r} is the fast path's low-bit cache (generate, orthros bench "
+                         "decode / e2e); this cache takes one of auto, bf16, fp16, fp32, fp8")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     return {"auto": model_dtype, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,

@@ -182,11 +182,22 @@ def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, nu
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=ieee,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
+    out, lse_out = merge_splits_kernel(o, lse, q.dtype, return_lse=True)
+    return (out, lse_out) if return_lse else out
+
+
+def merge_splits_kernel(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, return_lse: bool = False):
+    """Partial results o [B, P, M, H, D], lse [B, P, M, H] (fp32) of P splits -> [B, M, H, D] in
+    `dtype` (and the merged lse [B, M, H]): one merge kernel (the PyTorch `merge_splits` is a
+    dozen launches per call), none for P = 1."""
+    import triton
+
+    B, P, M, H, D = o.shape
     if P == 1:
-        out, lse_out = o[:, 0].to(q.dtype), lse[:, 0]
-    else:  # one merge kernel (the PyTorch `merge_splits` is a dozen launches per call)
-        out = torch.empty(B, M, H, D, device=q.device, dtype=q.dtype)
-        lse_out = torch.empty(B, M, H, device=q.device, dtype=torch.float32)
+        out, lse_out = o[:, 0].to(dtype), lse[:, 0]
+    else:
+        out = torch.empty(B, M, H, D, device=o.device, dtype=dtype)
+        lse_out = torch.empty(B, M, H, device=o.device, dtype=torch.float32)
         _merge_kernel()[(B * M * H,)](
             o, lse, out, lse_out, P, M, H,
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),

@@ -1,0 +1,171 @@
+"""`orthros bench capacity`: the longest prompt that prefills and then decodes per KV cache dtype.
+
+For each --kv-dtypes entry, prompts of --lengths (ascending) are tried on one
+Orthros model (random weights, batch 1, one document) until one runs out of
+memory: the prompt is prefilled in chunks into a static cache of that dtype
+(the time to first token, timed once), then --new tokens are decoded with the
+compiled step (the first --warmup steps untimed). Reported per length: prefill
+seconds, peak memory, decode tokens/s and its fraction of the dtype's
+bandwidth roofline (weights + the K/V bytes a step reads, as `bench decode`
+counts them, at --bandwidth). Before the first length of each dtype an
+untimed prefill of two chunks compiles the prefill kernels.
+
+    orthros bench capacity --kv-dtypes fp8 int4 int2 --lengths 1M 2M 3M 4M 6M
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+
+import torch
+
+from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
+from ..generate import prefill as run_prefill
+from ..models import OrthrosConfig
+from ..models.static_cache import KV_DTYPES
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, log_panel, render, result_from,
+                     save_figure, subplots, sync, variant_config)
+from .decode import cache_bytes, step_bytes
+from .prefill import _fmt_len, parse_len
+
+
+def add_arguments(p):
+    p.add_argument("--model", default="llama-3.1-8b", help="config name (shape)")
+    p.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=["fp8", "int4", "int2"])
+    p.add_argument("--lengths", nargs="+", type=parse_len, default=[parse_len(x) for x in ("1M", "2M", "3M", "4M")],
+                   help="prompt lengths tried in ascending order (stops at the first that does not fit)")
+    p.add_argument("--new", type=int, default=32, help="tokens generated after the prompt (the first from prefill)")
+    p.add_argument("--warmup", type=int, default=3, help="decode steps that compile / capture (untimed)")
+    p.add_argument("--window", type=int, default=128, help="Orthros window size")
+    p.add_argument("--chunk-size", type=parse_len, default=None, help="prefill chunk (default: auto_chunk_size)")
+    p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (measured on the H200)")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--tag", default="capacity", help="output files <tag>.json / .md / .png")
+    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between markers)")
+    p.add_argument("--from-json", nargs="+", default=None, help="only re-render from saved JSON")
+
+
+def _now(device):
+    sync(device)
+    return time.perf_counter()
+
+
+def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dict:
+    """Prefill T random tokens into a `kv` cache, decode args.new - 1 more: one row."""
+    ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
+    cache = new_static_cache(model, 1, T + args.new, kv)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = _now(device)
+    logits, _ = run_prefill(model, ids, None, cache=cache, chunk_size=chunk)
+    ttft = _now(device) - t0
+    if not torch.isfinite(logits.float()).all():
+        raise RuntimeError(f"non-finite logits after prefill (T={T}, {kv})")
+    tok = logits.argmax(-1)
+    n = args.new - 1
+    w = min(args.warmup, n)
+    for _ in range(w):
+        tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
+    t0 = _now(device)
+    for _ in range(n - w):
+        tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
+    dt = (_now(device) - t0) / max(n - w, 1)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    nbytes = step_bytes(model, cache, 1, T + w + (n - w) // 2)
+    row = dict(status="ok", prefill_s=ttft, peak_gib=peak, cache_gib=cache_bytes(cache) / 2**30,
+               step_s=dt if n > w else float("nan"), tokens_per_s=1 / dt if n > w else float("nan"), bytes=nbytes,
+               roofline_tok_s=args.bandwidth * 1e12 / nbytes)
+    row["roofline"] = row["tokens_per_s"] / row["roofline_tok_s"]
+    del cache, logits
+    return row
+
+
+def measure(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    lengths = sorted(args.lengths)
+    cfg = variant_config(args, "orthros", lengths[-1] + args.new)
+    model = build_model(cfg, device, dtype)
+    chunk = args.chunk_size or auto_chunk_size(cfg, 1, dtype)
+    step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
+    rows = []
+    with torch.inference_mode():
+        for kv in args.kv_dtypes:
+            warm = new_static_cache(model, 1, 2 * chunk, kv)  # compile the prefill kernels (untimed)
+            run_prefill(model, torch.zeros(1, 2 * chunk, dtype=torch.long, device=device), None, cache=warm,
+                        chunk_size=chunk)
+            del warm
+            free_memory()
+            for T in lengths:
+                row = dict(kv_dtype=kv, prompt=T, new=args.new, layers=cfg.num_hidden_layers, chunk=chunk)
+                try:
+                    row.update(try_length(model, T, kv, args, step_fn, device, chunk))
+                except Exception as e:  # noqa: BLE001 - OOM is a result, anything else is re-raised
+                    if not is_oom(e):
+                        raise
+                    row.update(status="oom", note=str(e).splitlines()[0][:120])
+                free_memory()
+                rows.append(row)
+                print(f"{kv:>5} {_fmt_len(T):>5}: " + (
+                    f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib']:.1f} GiB, decode "
+                    f"{row['tokens_per_s']:.1f} tok/s ({100 * row['roofline']:.0f}% of {row['roofline_tok_s']:.1f})"
+                    if row["status"] == "ok" else "out of memory"), flush=True)
+                if row["status"] != "ok":
+                    break
+    return dict(env=environment(device), command="orthros bench capacity " + " ".join(map(shlex.quote, sys.argv[3:])),
+                model=args.model, dtype=args.dtype, window=args.window, new=args.new, bandwidth_tb_s=args.bandwidth,
+                compiled=not args.no_compile, rows=rows)
+
+
+def table(result) -> str:
+    rows, env = result["rows"], result["env"]
+    layers = rows[0]["layers"] if rows else "?"
+    out = [f"Command: `{result['command']}`  ",
+           f"Date: {env['date']}; GPU: {env['gpu']}; torch {env['torch']}; {result['model']} shape ({layers} layers), "
+           f"random {result['dtype']} weights and prompt, batch 1, window {result['window']}, {result['new']} tokens "
+           f"generated, decode {'compiled (CUDA graphs)' if result['compiled'] else 'eager'}; roofline: weights + "
+           f"K/V read per step at {result['bandwidth_tb_s']} TB/s.", "",
+           "| KV cache | prompt | prefill s | peak GiB | cache GiB | decode tok/s | roofline tok/s | of roofline |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["status"] == "ok":
+            out.append(f"| {r['kv_dtype']} | {_fmt_len(r['prompt'])} | {r['prefill_s']:.1f} | {r['peak_gib']:.1f} | "
+                       f"{r['cache_gib']:.1f} | {r['tokens_per_s']:.1f} | {r['roofline_tok_s']:.1f} | "
+                       f"{100 * r['roofline']:.0f}% |")
+        else:
+            out.append(f"| {r['kv_dtype']} | {_fmt_len(r['prompt'])} | out of memory | | | | | |")
+    longest = {}
+    for r in rows:
+        if r["status"] == "ok":
+            longest[r["kv_dtype"]] = max(longest.get(r["kv_dtype"], 0), r["prompt"])
+    if longest:
+        out += ["", "Longest prompt that prefilled and decoded: " +
+                ", ".join(f"{k} {_fmt_len(v)}" for k, v in longest.items()) + "."]
+    return "\n".join(out) + "\n"
+
+
+def plot(result, path):
+    fig, (ax,) = subplots(1, 6, 4.2)
+    for kv in dict.fromkeys(r["kv_dtype"] for r in result["rows"]):
+        pts = [(r["prompt"], r["peak_gib"]) for r in result["rows"] if r["kv_dtype"] == kv and r["status"] == "ok"]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=kv)
+    log_panel(ax, "prompt (tokens)", "peak memory (GiB)", f"capacity, {result['env']['gpu']}")
+    save_figure(fig, path)
+
+
+def run(args):
+    def measure_checked():
+        if args.window < 1 or args.new < 1 or args.warmup < 0:
+            raise ValueError("--window and --new must be >= 1, --warmup >= 0")
+        OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
+        return measure(args)
+
+    render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
+    return 0

@@ -1,0 +1,323 @@
+"""A preallocated Orthros KV cache with int4 / int2 storage beyond the window.
+
+Orthros' base stream reads only the last W keys; only the output query reads
+the whole past. So the cache keeps in bf16 only what the base stream can
+see, plus a few sink tokens, and stores everything older in 4 or 2 bits
+(`ops/lowbit.py`: keys per channel over groups of `key_group` slots, values
+per token over groups of `value_group` channels; fp16 scale and zero).
+kv_dtype "int4" and "int2" store keys and values alike; "k4v2" int4 keys and
+int2 values (keys are what int2 costs in retrieval: docs/long_context.md).
+
+    slot j of a row with L slots filled, bound = max(0, (L - recent) // key_group * key_group):
+        j < sinks            bf16 sink buffer  [B, sinks, Hkv, D]
+        sinks <= j < bound   packed int4 / int2 + scales (every layer, the whole capacity)
+        bound <= j < L       bf16 ring of the last `ring` slots, at j % ring
+
+`bound` is a multiple of `key_group`, so a key group is quantized only when
+all its slots are in; between `recent` and `recent + key_group - 1` slots
+stay bf16 (`recent` >= W: the base stream never reads a quantized key).
+
+Writes (both from the bf16-rounded K/V, so the stored cache depends only on
+the sequence, not on how it was chunked):
+    prefill  a chunk's values are quantized as they arrive; the key groups
+             that the chunk pushes below `bound` are quantized from the ring
+             and the chunk; then the chunk's last slots go to the ring.
+    decode   (capturable, no host sync) the token goes to the ring (and the
+             sinks) and its value is quantized; the key group just below
+             `bound` is quantized again from the ring. It is the same group
+             for `key_group` steps and gives the same bits each time; the step
+             where `bound` moves is the one that matters, and the ring
+             (recent + 2 key_group slots) still holds that group.
+
+Reads: the base stream gets its window in bf16 (prefill: ring + chunk;
+decode: the ring); the output queries read all three parts through the
+split-KV kernel (`ops/splitkv_lowbit.py`, dequantizing on the fly) on CUDA, or
+the reference (dequantize the whole prefix, then `ops.attention`) elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+from ..ops import attention
+from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values
+from ..ops.masks import PAD_DOC
+from .static_cache import StaticOrthrosCache
+
+KEY_GROUP = 64  # slots per key (scale, zero) group
+VALUE_GROUP = 64  # channels per value (scale, zero) group (the head size if smaller)
+SINKS = 4  # first slots kept in bf16
+
+
+def high_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the sink and recent slots: the model's if 16-bit, else bf16."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+class LowBitStaticCache(StaticOrthrosCache):
+    """Fixed-capacity Orthros cache, int4 / int2 beyond the window (see the module docstring)."""
+
+    is_compileable = True
+
+    def __init__(self, config, batch_size: int, capacity: int, device, dtype: torch.dtype, kv_dtype: str = "int4",
+                 key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP, sinks: int = SINKS,
+                 recent: int | None = None):
+        Cache.__init__(self, layers=[])
+        if kv_dtype not in BITS:
+            raise ValueError(f"a low-bit cache's kv_dtype is one of {tuple(BITS)}, got {kv_dtype!r}")
+        if config.attention != "orthros":
+            raise ValueError(f"kv_dtype={kv_dtype!r} needs attention='orthros' (the base stream reads only its "
+                             f"window); this model's attention is {config.attention!r}: use bf16 or fp8")
+        if capacity < 1 or batch_size < 1:
+            raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size}, {capacity}")
+        L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        kb, vb = BITS[kv_dtype]
+        value_group = min(value_group, D)
+        recent = config.window_size if recent is None else recent
+        if D % (8 // min(kb, vb)) or D % value_group:
+            raise ValueError(f"{kv_dtype} packs {8 // min(kb, vb)} channels a byte in value groups of {value_group}: "
+                             f"head_dim {D} must be a multiple of both")
+        if key_group < 1 or sinks < 0 or recent < config.window_size:
+            raise ValueError(f"key_group must be >= 1, sinks >= 0 and recent >= the window ({config.window_size}); "
+                             f"got {key_group}, {sinks}, {recent}")
+        self.kv_dtype, self.key_bits, self.value_bits = kv_dtype, kb, vb
+        self.key_group, self.value_group, self.sinks, self.recent = key_group, value_group, sinks, recent
+        self.ring = recent + 2 * key_group
+        self.num_layers, self.capacity = L, capacity
+        self.window = config.window_size
+        self.hi = high_dtype(dtype)
+        self.storage = torch.uint8
+        self.fp8 = False
+        C = -(-capacity // key_group) * key_group  # whole key groups
+        B = batch_size
+
+        def zeros(*shape, dt=torch.uint8):  # zeros, not empty: unread slots never hold NaN bit patterns
+            return [torch.zeros(*shape, device=device, dtype=dt) for _ in range(L)]
+
+        self.kq, self.vq = zeros(B, C, Hkv, D * kb // 8), zeros(B, C, Hkv, D * vb // 8)
+        self.k_scale, self.k_zero = zeros(B, C // key_group, Hkv, D, dt=torch.float16), \
+            zeros(B, C // key_group, Hkv, D, dt=torch.float16)
+        self.v_scale, self.v_zero = zeros(B, C, Hkv, D // value_group, dt=torch.float16), \
+            zeros(B, C, Hkv, D // value_group, dt=torch.float16)
+        self.rk, self.rv = zeros(B, self.ring, Hkv, D, dt=self.hi), zeros(B, self.ring, Hkv, D, dt=self.hi)
+        self.sk, self.sv = zeros(B, sinks, Hkv, D, dt=self.hi), zeros(B, sinks, Hkv, D, dt=self.hi)
+        self.doc = torch.full((B, capacity), PAD_DOC, device=device, dtype=torch.long)
+        self.slot = torch.zeros(1, device=device, dtype=torch.long)
+        self.next_pos = torch.zeros(B, device=device, dtype=torch.long)
+        self.last_doc = torch.full((B,), -1, device=device, dtype=torch.long)
+        self.length = 0
+        self.decoding = False
+        self._start = 0
+        self._scaled = [True] * L  # no per-layer scale decision (the parent's fp8 state)
+        self._win_start = 0
+        self._hi = (0, None, None)
+
+    # ---------------------------------------------------------------- state
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.kq, *self.vq, *self.k_scale, *self.k_zero, *self.v_scale, *self.v_zero, *self.rk, *self.rv,
+                *self.sk, *self.sv, self.doc, self.slot, self.next_pos, self.last_doc]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Layer i's storage in the order the attention ops take it: (sk, sv, kq, vq, k_scale,
+        k_zero, v_scale, v_zero, rk, rv)."""
+        return (self.sk[i], self.sv[i], self.kq[i], self.vq[i], self.k_scale[i], self.k_zero[i],
+                self.v_scale[i], self.v_zero[i], self.rk[i], self.rv[i])
+
+    def bound_at(self, length):
+        """First slot kept in bf16 when `length` slots are filled (an int, or a tensor: no sync)."""
+        g = self.key_group
+        if torch.is_tensor(length):
+            return ((length - self.recent).clamp_min(0) // g) * g
+        return max(0, length - self.recent) // g * g
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers()[: 10 * self.num_layers])
+
+    def slot_bytes(self) -> float:
+        """Bytes of K + V one quantized slot takes per layer and row (scales included)."""
+        packed = self.layer(0)[2:8]  # kq, vq and the scales
+        slots = packed[0].shape[0] * packed[0].shape[1]
+        return sum(x.numel() * x.element_size() for x in packed) / slots
+
+    # ----------------------------------------------------------- K/V storage
+    def _ring_slots(self, a: int, b: int) -> torch.Tensor:
+        return torch.arange(a, b, device=self.doc.device) % self.ring
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [B, T, Hkv, D]; return the base stream's bf16 keys: the window before
+        the chunk and the chunk itself (prefill), the ring (decode)."""
+        hk, hv = k.to(self.hi), v.to(self.hi)
+        if self.decoding:
+            self._decode_write(layer_idx, hk, hv)
+            return self.rk[layer_idx], self.rv[layer_idx]
+        a, T = self._start, k.shape[1]
+        end = a + T
+        rk, rv = self.rk[layer_idx], self.rv[layer_idx]
+        # The base stream's keys, read from the ring before the chunk overwrites it.
+        w0 = max(0, a - self.window + 1)
+        old = self._ring_slots(w0, a)
+        win_k, win_v = torch.cat([rk[:, old], hk], 1), torch.cat([rv[:, old], hv], 1)
+        self._win_start = w0
+        if a < self.sinks:
+            n = min(self.sinks, end) - a
+            self.sk[layer_idx][:, a: a + n] = hk[:, :n]
+            self.sv[layer_idx][:, a: a + n] = hv[:, :n]
+        pv, s, z = quantize_values(hv, self.value_bits, self.value_group)
+        self.vq[layer_idx][:, a:end], self.v_scale[layer_idx][:, a:end], self.v_zero[layer_idx][:, a:end] = pv, s, z
+        b0, b1 = self.bound_at(a), self.bound_at(end)
+        old = self._ring_slots(b0, a)
+        # bf16 of slots [b0, end): what a query of this chunk at slot t < end reads at and above
+        # bound(t + 1) >= b0 (kept for `attend`, one layer at a time)
+        self._hi = (b0, torch.cat([rk[:, old], hk], 1), torch.cat([rv[:, old], hv], 1))
+        if b1 > b0:  # whole key groups pushed out of the bf16 part by this chunk
+            self._write_key_groups(layer_idx, self._hi[1][:, : b1 - b0], b0)
+        n = min(T, self.ring)
+        rs = self._ring_slots(end - n, end)
+        rk[:, rs], rv[:, rs] = hk[:, T - n:], hv[:, T - n:]
+        return win_k, win_v
+
+    def _write_key_groups(self, layer_idx: int, src: torch.Tensor, first):
+        """Quantize whole key groups src [B, n * key_group, Hkv, D] starting at slot `first`
+        (an int or a [1] tensor); sink slots do not count in a group's range."""
+        g = self.key_group
+        slots = first + torch.arange(src.shape[1], device=src.device)
+        valid = (slots >= self.sinks)[None].expand(src.shape[0], -1)
+        pk, s, z = quantize_keys(src, self.key_bits, g, valid)
+        if torch.is_tensor(first):
+            grp = first // g + torch.arange(src.shape[1] // g, device=src.device)
+            self.kq[layer_idx].index_copy_(1, slots, pk)
+            self.k_scale[layer_idx].index_copy_(1, grp, s)
+            self.k_zero[layer_idx].index_copy_(1, grp, z)
+        else:
+            self.kq[layer_idx][:, first: first + src.shape[1]] = pk
+            self.k_scale[layer_idx][:, first // g: (first + src.shape[1]) // g] = s
+            self.k_zero[layer_idx][:, first // g: (first + src.shape[1]) // g] = z
+
+    def _decode_write(self, layer_idx: int, hk: torch.Tensor, hv: torch.Tensor) -> None:
+        """One token per row at `slot` (tensor indices only: capturable)."""
+        slot = self.slot
+        r = slot % self.ring
+        self.rk[layer_idx].index_copy_(1, r, hk)
+        self.rv[layer_idx].index_copy_(1, r, hv)
+        if self.sinks:
+            i = slot.clamp_max(self.sinks - 1)
+            keep = (slot < self.sinks).view(1, 1, 1, 1)
+            for buf, x in ((self.sk[layer_idx], hk), (self.sv[layer_idx], hv)):
+                buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
+        pv, s, z = quantize_values(hv, self.value_bits, self.value_group)
+        self.vq[layer_idx].index_copy_(1, slot, pv)
+        self.v_scale[layer_idx].index_copy_(1, slot, s)
+        self.v_zero[layer_idx].index_copy_(1, slot, z)
+        # The key group just below the bound after this token (a no-op group while bound is 0:
+        # nothing below it is read, and it is written again once it is complete).
+        first = (self.bound_at(slot + 1) - self.key_group).clamp_min(0)
+        src = self.rk[layer_idx].index_select(1, (first + torch.arange(self.key_group, device=slot.device)) % self.ring)
+        self._write_key_groups(layer_idx, src, first)
+
+    # ---------------------------------------------------------------- reads
+    def dense(self, layer_idx: int, length: int, bound) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, length, Hkv, D] (fp32) as the output stream reads them: dequantized below
+        `bound`, bf16 sinks and recent slots (the reference; `bound` an int or a tensor)."""
+        return dense_kv(*self.layer(layer_idx), bound, length, self.key_bits, self.value_bits, self.key_group)
+
+    def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
+               dense_start=None, window_rows=None):
+        """Attention over this cache: windowed queries read bf16 keys only, the others the whole
+        cache (low-bit below the bound). Decode: the graph-capturable custom op."""
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if self.decoding:
+            bound = self.bound_at(self.slot + 1)
+            return lowbit_decode_attention(q, *self.layer(layer_idx), q_slot.expand(q.shape[0], -1), q_doc, k_doc,
+                                           bound, 0 if window is None else int(window), scale,
+                                           -1 if window_rows is None else int(window_rows), self.key_bits,
+                                           self.value_bits, self.key_group, _kernel_takes(q, self.sk[0], backend))
+        if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
+            r = window_rows
+            slot = q_slot.expand(q.shape[0], -1)
+            a = self.attend(layer_idx, q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend)
+            b = self.attend(layer_idx, q[:, r:], k, v, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend)
+            return torch.cat([a, b], 1)
+        if window is not None:  # base stream: k, v are the bf16 window keys from `update`
+            w0 = self._win_start
+            return attention(q, k.to(q.dtype), v.to(q.dtype), q_slot - w0, q_doc, k_doc[:, w0: w0 + k.shape[1]],
+                             window=window, scale=scale, backend=backend,
+                             dense_start=None if dense_start is None else dense_start - w0)
+        return self._attend_outputs(layer_idx, q, q_slot.expand(q.shape[0], -1), q_doc, k_doc, scale, backend)
+
+    def _attend_outputs(self, layer_idx, q, q_slot, q_doc, k_doc, scale, backend):
+        """Prefill's output queries q [B, M, H, D] at slots q_slot [B, M]: a query at slot t reads
+        the cache as a decode step at t would (low-bit below bound(t + 1)), so its logits do not
+        depend on how the prompt was chunked. Queries are taken in groups of one bound."""
+        if q.shape[1] == 0:  # a chunk without output positions
+            return torch.zeros_like(q)
+        L, now = self.length, self.bound_at(self.length)
+        bq = self.bound_at(q_slot + 1)
+        values = torch.unique(bq).tolist()
+        if values == [now] and _kernel_takes(q, self.sk[0], backend):  # the ring holds [now, L)
+            from ..ops.splitkv_lowbit import lowbit_splitkv_attention
+
+            b = torch.full((1,), now, device=q.device, dtype=torch.long)
+            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L, self.key_bits,
+                                            self.value_bits, self.key_group, scale=scale)
+        b0, hk, hv = self._hi
+        o = None
+        for b in values:
+            kd, vd = self.dense(layer_idx, L, b)
+            kd[:, b:], vd[:, b:] = hk[:, b - b0:].float(), hv[:, b - b0:].float()  # bf16 at and above b
+            cols = (bq == b).any(0).nonzero()[:, 0]
+            ob = attention(q[:, cols], kd.to(q.dtype), vd.to(q.dtype), q_slot[:, cols], q_doc[:, cols], k_doc,
+                           scale=scale, backend=backend)
+            if o is None and len(values) == 1:
+                return ob
+            o = q.new_zeros(q.shape) if o is None else o
+            o[:, cols] = torch.where((bq[:, cols] == b)[..., None, None], ob, o[:, cols])
+        return o
+
+    def __repr__(self) -> str:
+        return (f"LowBitStaticCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.length}/"
+                f"{self.capacity}, {self.kv_dtype}, key_group={self.key_group}, value_group={self.value_group}, "
+                f"sinks={self.sinks}, recent={self.recent})")
+
+
+def _kernel_takes(q, sk, backend: str) -> bool:
+    """Whether the low-bit split-KV kernel runs these queries (few rows; CUDA, or Triton's CPU
+    interpreter when the triton backend is asked for)."""
+    from ..ops import _interpreting, triton_available
+    from ..ops.splitkv import MAX_ROWS
+
+    few = (q.shape[2] // sk.shape[2]) * q.shape[1]
+    device_ok = q.is_cuda or (_interpreting() and backend == "triton")
+    return device_ok and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
+
+
+@torch.library.custom_op("orthros::lowbit_decode_attention", mutates_args=())
+def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
+                            k_scale: torch.Tensor, k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+                            rk: torch.Tensor, rv: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
+                            k_doc: torch.Tensor, bound: torch.Tensor, window: int, scale: float, window_rows: int,
+                            key_bits: int, value_bits: int, key_group: int, kernel: bool) -> torch.Tensor:
+    """A decode step's queries [B, M, H, D] over a low-bit cache (the whole capacity; the
+    kernel clips to what each query sees). window 0 = none; window_rows -1 = every row;
+    kernel: the split-KV kernel, else dequantize-then-attend.
+    Opaque to torch.compile, captured as is in CUDA graphs."""
+    win = None if window == 0 else window
+    rows = None if window_rows < 0 else window_rows
+    S = k_doc.shape[1]
+    if kernel:
+        from ..ops.splitkv_lowbit import lowbit_splitkv_attention
+
+        return lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc,
+                                        k_doc, bound, S, key_bits, value_bits, key_group, window=win, scale=scale,
+                                        window_rows=rows).contiguous()
+    kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
+                      key_group)
+    return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, window=win, scale=scale,
+                     window_rows=rows).contiguous()
+
+
+@lowbit_decode_attention.register_fake
+def _(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, window, scale,
+      window_rows, key_bits, value_bits, key_group, kernel):
+    return torch.empty_like(q)

@@ -1,0 +1,94 @@
+"""Run under TRITON_INTERPRET=1 (see test_lowbit_cache.py; on a GPU `main("all", "cuda")`): the low-bit split-KV kernel against
+dequantize-then-attend (`ops.lowbit.dense_kv` + the fp32 naive op) on caches filled through
+`LowBitStaticCache`: int4 / int2, GQA (2 and 3 query heads per KV head), odd lengths, sinks or
+none, bounds below / at / past the sinks, padded rows, a decode pair (windowed base row +
+output row), all rows windowed, one split and several."""
+
+import sys
+
+import torch
+
+from orthros import OrthrosConfig
+from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.ops.naive import naive_attention
+from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
+
+W = 8
+
+
+def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="cpu"):
+    """A one-layer cache with `length` random slots written in `chunks` (then decode steps)."""
+    torch.manual_seed(seed)
+    cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=Hkv,
+                                  head_dim=D, window_size=W)
+    B = 2
+    cache = LowBitStaticCache(cfg, B, length + 4, device, torch.float32, kv_dtype, key_group=16,
+                              value_group=min(D, 16), sinks=sinks)
+    k = (2 * torch.randn(B, length, Hkv, D) + torch.linspace(-3, 3, D)).to(device)  # per-channel ranges differ
+    v = torch.randn(B, length, Hkv, D).to(device)
+    doc = torch.zeros(B, length, dtype=torch.long, device=device)
+    doc[1, :pad] = -1  # row 1 left-padded
+    a = 0
+    for c in chunks:
+        if a >= length:
+            break
+        c = min(c, length - a)
+        cache.append_tokens(doc[:, a: a + c], torch.full((B,), a + c, device=device),
+                            torch.zeros(B, dtype=torch.long, device=device))
+        cache.update(0, k[:, a: a + c], v[:, a: a + c])
+        a += c
+    while a < length:  # the rest as decode steps
+        cache.doc[:, a] = doc[:, a]
+        cache.decoding = True
+        cache.update(0, k[:, a: a + 1], v[:, a: a + 1])
+        cache.decoding = False
+        cache.advance()
+        a += 1
+    return cache
+
+
+def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
+          dtype=torch.float32, seed=0, device="cpu"):
+    cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device)
+    B = cache.batch_size
+    q = torch.randn(B, M, H, D).to(device, dtype)
+    slot = torch.full((B, M), length - 1, device=device)
+    slot[:, : M - 1] -= torch.arange(M - 1, 0, -1, device=device)  # earlier rows at earlier slots
+    qd = torch.zeros(B, M, dtype=torch.long, device=device)
+    kd = cache.doc[:, :length]
+    bound = cache.bound_at(length)
+    kr, vr = cache.dense(0, length, bound)
+    ref = naive_attention(q.float(), kr, vr, slot, qd, kd, window=None if window_rows else window)
+    if window_rows is not None:  # rows past window_rows: no window
+        ref[:, :window_rows] = naive_attention(q.float()[:, :window_rows], kr, vr, slot[:, :window_rows],
+                                               qd[:, :window_rows], kd, window=window)
+    out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound], device=device), length,
+                                   cache.key_bits,
+                                   cache.value_bits, cache.key_group, window=window, window_rows=window_rows, num_splits=splits)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
+    assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, err)
+    return bound
+
+
+def main(which: str, device: str = "cpu"):
+    """which: "fast" leaves the 3-split launches out; on a GPU the 16-bit cases run in bf16."""
+    half = torch.float16 if device == "cpu" else torch.bfloat16  # the interpreter has no bf16 dots
+    bounds = set()
+    for kv in ("int4", "int2", "k4v2"):
+        for H, Hkv, D in ((4, 2, 16), (6, 2, 32)):
+            for length, sinks, chunks in ((5, 4, [5]), (37, 4, [7, 30]), (61, 0, [64]), (201, 4, [13, 100]),
+                                          (300, 2, [1, 299])):
+                for splits in (1, None, 3):
+                    if which == "fast" and splits == 3:
+                        continue
+                    bounds.add(check(kv, H, Hkv, D, length, sinks, chunks, splits=splits, device=device))
+            check(kv, H, Hkv, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device)  # a decode pair
+            check(kv, H, Hkv, D, 150, 4, [50], window=W, M=1, device=device)  # windowed only: no packed slot read
+            check(kv, H, Hkv, D, 150, 4, [150], M=3, dtype=half, device=device)
+    assert bounds == {0, 16, 48, 192, 288}, bounds  # no bound, one key group, several
+    print("ok")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "all")

@@ -1,0 +1,210 @@
+"""The int4 / int2 cache (`LowBitStaticCache`): the quantization format, what the cache stores for a
+sequence however it is written, what each stream reads, and the fast path on top of it."""
+
+import pytest
+import torch
+
+from orthros import OrthrosConfig, OrthrosForCausalLM
+from orthros.generate import compiled_decode_step, decode_one_token_fast, generate, left_pad, new_static_cache, prefill
+from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.models.paged_cache import PagedKVPool
+from orthros.ops import lowbit
+from orthros.ops.naive import naive_attention
+
+from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
+from .splitkv_lowbit_cases import filled_cache
+
+LOWBIT = ["int4", "int2", "k4v2"]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_quantize_pack_roundtrip_and_error_bound(bits):
+    torch.manual_seed(0)
+    n = torch.randint(0, 2**bits, (3, 5, 2, 32), dtype=torch.uint8)
+    assert torch.equal(lowbit.unpack(lowbit.pack(n, bits), bits), n)
+    assert lowbit.pack(n, bits).shape[-1] == 32 * bits // 8
+    x = 3 * torch.randn(2, 128, 2, 32) + 5  # off-centre: the zero point matters
+    for deq, s in ((lowbit.dequantize_keys(*lowbit.quantize_keys(x, bits, 16), bits, 16), None),
+                   (lowbit.dequantize_values(*lowbit.quantize_values(x, bits, 8), bits), None)):
+        # every element within half a step (+ fp16 rounding of the scale) of its value
+        lo_hi = x.amax() - x.amin()
+        assert (deq - x).abs().max() <= 0.5 * lo_hi / (2**bits - 1) * 1.01
+        assert not torch.equal(deq, x)
+    # a group with one value (zero range) comes back exactly
+    c = torch.full((1, 16, 1, 8), 0.7)
+    assert torch.allclose(lowbit.dequantize_keys(*lowbit.quantize_keys(c, bits, 16), bits, 16), c.half().float())
+
+
+def _raw(length, D=16, Hkv=2, seed=0):
+    torch.manual_seed(seed)
+    k = 2 * torch.randn(2, length, Hkv, D) + torch.linspace(-3, 3, D)
+    return k, torch.randn(2, length, Hkv, D)
+
+
+@pytest.mark.parametrize("kv_dtype", LOWBIT)
+def test_cache_stores_the_sequence_however_it_is_chunked(kv_dtype):
+    """Prefill in one chunk, in chunks across the bf16 / low-bit boundary, or partly token by
+    token: the same bits are read back, and they are the format applied to the sequence
+    (sinks and the last slots bf16, whole key groups below the bound quantized, sink slots
+    left out of a group's range)."""
+    L, sinks, g = 203, 4, 16
+    k, v = _raw(L)
+    reads = []
+    for chunks in ([L], [7, 30, 100], [1, 15, 16], [64, 3], [120]):  # the rest of each: decode steps
+        cache = filled_cache(kv_dtype, 4, 2, 16, L, sinks, chunks, pad=0, seed=0)
+        assert cache.length == L
+        b = cache.bound_at(L)
+        assert b == (L - 8) // g * g == 192
+        reads.append(cache.dense(0, L, b))
+    for kd, vd in reads[1:]:
+        assert torch.equal(kd, reads[0][0]) and torch.equal(vd, reads[0][1])
+    kb, vb = lowbit.BITS[kv_dtype]
+    hk, hv = k.bfloat16().float(), v.bfloat16().float()
+    valid = (torch.arange(192) >= sinks)[None].expand(2, -1)
+    ek = lowbit.dequantize_keys(*lowbit.quantize_keys(hk[:, :192], kb, g, valid), kb, g)
+    ev = lowbit.dequantize_values(*lowbit.quantize_values(hv, vb, 16), vb)
+    kd, vd = reads[0]
+    assert torch.equal(kd[:, :sinks], hk[:, :sinks]) and torch.equal(vd[:, :sinks], hv[:, :sinks])
+    assert torch.equal(kd[:, sinks:192], ek[:, sinks:]) and torch.equal(vd[:, sinks:192], ev[:, sinks:192])
+    assert torch.equal(kd[:, 192:], hk[:, 192:]) and torch.equal(vd[:, 192:], hv[:, 192:])
+    assert rel_err(kd, hk) > 1e-3  # really quantized
+
+
+def test_windowed_queries_read_only_bf16():
+    """The base stream (a window <= recent) never reads a quantized slot: with the packed part
+    and its scales destroyed (NaN), windowed queries give the same output, prefill and decode."""
+    cache = filled_cache("int2", 4, 2, 16, 150, 4, [100], pad=0, seed=1)
+    q = torch.randn(2, 1, 4, 16)
+    slot, qd = torch.full((1, 1), 149), torch.zeros(2, 1, dtype=torch.long)
+    cache.decoding = True
+    before = cache.attend(0, q, None, None, slot, qd, cache.doc, window=8)
+    for t in (cache.k_scale[0], cache.k_zero[0], cache.v_scale[0], cache.v_zero[0]):
+        t.fill_(float("nan"))
+    after = cache.attend(0, q, None, None, slot, qd, cache.doc, window=8)
+    assert torch.isfinite(after).all() and torch.equal(before, after)
+    full = cache.attend(0, q, None, None, slot, qd, cache.doc)  # the output query does read them
+    assert torch.isnan(full).any()
+    cache.decoding = False  # a prefill chunk's base rows: the window keys from `update`
+    cache.append_tokens(torch.zeros(2, 3, dtype=torch.long), torch.full((2,), 153), torch.zeros(2, dtype=torch.long))
+    kw, vw = cache.update(0, torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16))
+    ob = cache.attend(0, torch.randn(2, 3, 4, 16), kw, vw, torch.arange(150, 153)[None], torch.zeros(2, 3).long(),
+                      cache.key_doc, window=8)
+    assert torch.isfinite(ob).all()
+
+
+def chunked_logits(model, ids, mask, cache, chunk):
+    """Every position an output position, the prompt through `cache` in chunks: [B, T, V]."""
+    out = []
+    for a in range(0, ids.shape[1], chunk):
+        m = None if mask is None else mask[:, : a + chunk]
+        out.append(model(ids[:, a: a + chunk], attention_mask=m, past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+def lowbit_cache(model, B, capacity, kv_dtype):
+    return LowBitStaticCache(model.config, B, capacity, DEVICE, next(model.parameters()).dtype, kv_dtype,
+                             key_group=16, value_group=16)
+
+
+@pytest.mark.parametrize("kv_dtype", LOWBIT)
+def test_logits_do_not_depend_on_chunking_or_decoding(kv_dtype):
+    """SPEC invariant 1 with a quantized past: a query at t reads the cache as a decode step at t
+    would, so all-positions prefill in any chunks and step-by-step decoding agree."""
+    model = make_model(window=8)
+    ids, mask = left_pad([torch.randint(0, 256, (n,)).tolist() for n in (90, 77)], 0, DEVICE)
+    ref = chunked_logits(model, ids, mask, lowbit_cache(model, 2, 90, kv_dtype), 90)
+    for chunk in (16, 37):
+        assert rel_err(chunked_logits(model, ids, mask, lowbit_cache(model, 2, 90, kv_dtype), chunk), ref) < 1e-4
+    cache = lowbit_cache(model, 2, 90, kv_dtype)
+    logits, _ = prefill(model, ids[:, :40], mask[:, :40], cache=cache, chunk_size=13)
+    steps = [logits]
+    for t in range(40, 89):
+        steps.append(decode_one_token_fast(model, ids[:, t], cache))
+    assert rel_err(torch.stack(steps, 1), ref[:, 39:89]) < 1e-4
+    bf16 = chunked_logits(model, ids, mask, new_static_cache(model, 2, 90, "bf16"), 90)
+    assert rel_err(ref, bf16) > 1e-4  # the quantized past is read
+
+
+# Tiny random models have no structure to preserve; the bounds say "close", and int2 is
+# allowed more than int4 (measured on the real model: benchmarks/kv_quant_quality.py).
+REL_ERR = {"int4": 0.05, "int2": 0.25, "k4v2": 0.25}
+
+
+@pytest.mark.parametrize("kv_dtype", LOWBIT)
+def test_generation_close_to_bf16_cache(kv_dtype):
+    model = make_model(window=8)
+    ids, mask = left_pad([torch.randint(0, 256, (n,)).tolist() for n in (150, 120)], 0, DEVICE)
+    ref = chunked_logits(model, ids, mask, new_static_cache(model, 2, 150, "bf16"), 64)
+    low = chunked_logits(model, ids, mask, new_static_cache(model, 2, 150, kv_dtype), 64)
+    assert torch.isfinite(low).all()
+    assert 1e-4 < rel_err(low, ref) < REL_ERR[kv_dtype]
+    out = generate(model, ids, mask, max_new_tokens=12, fast=True, compile=False, kv_dtype=kv_dtype)
+    assert out.shape == (2, 162)
+
+
+def test_compiled_step_matches_eager_step():
+    """The low-bit decode step traces whole (fullgraph: no host sync in the cache's writes); on a GPU
+    it is the CUDA-graph step against the eager one."""
+    model = make_model(window=8)
+    ids = torch.randint(0, 256, (2, 70), device=DEVICE)
+    toks = list(torch.randint(0, 256, (40, 2), device=DEVICE))
+    outs = []
+    compiled = compiled_decode_step() if DEVICE.type == "cuda" else compiled_decode_step("aot_eager", None)
+    for step in (None, compiled):
+        cache = lowbit_cache(model, 2, 110, "int4")
+        logits, _ = prefill(model, ids, cache=cache)
+        outs.append(torch.stack([decode_one_token_fast(model, t, cache, *([step] if step else [])) for t in toks]))
+    assert rel_err(outs[1], outs[0]) < (1e-5 if DEVICE.type == "cpu" else 2e-3)  # GPU: fused kernels
+
+
+def test_memory_per_element():
+    """Bits per stored K/V element at SmolLM2's head size (ring and sinks aside): int4 4.5, int2 2.5,
+    k4v2 3.5."""
+    cfg = OrthrosConfig.from_name("tiny", head_dim=64, window_size=128)
+    for kv, want in (("int4", 4.5), ("int2", 2.5), ("k4v2", 3.5)):
+        c = LowBitStaticCache(cfg, 1, 1 << 16, "meta", torch.bfloat16, kv)
+        bits = 8 * c.slot_bytes() / (2 * cfg.num_key_value_heads * cfg.head_dim)
+        assert abs(bits - want) < 0.01, (kv, bits)
+
+
+def test_user_errors():
+    for attention in ("full", "swa"):
+        with pytest.raises(ValueError, match="needs attention='orthros'"):
+            generate(make_model(attention), [[1, 2]], fast=True, kv_dtype="int4")
+    cfg = OrthrosConfig.from_name("tiny", head_dim=18)
+    with pytest.raises(ValueError, match="head_dim 18"):
+        LowBitStaticCache(cfg, 1, 8, "cpu", torch.float32, "int2")
+    with pytest.raises(ValueError, match="recent"):
+        LowBitStaticCache(OrthrosConfig.from_name("tiny"), 1, 8, "cpu", torch.float32, "int4", recent=4)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        generate(make_model(), [[1, 2]], fast=True, kv_dtype="int3")
+    with pytest.raises(ValueError, match="low-bit cache"):
+        PagedKVPool(cfg, 4, 16, "cpu", torch.float32, "int4")
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the kernel cases (CI runs them interpreted)")
+def test_kernel_matches_reference_on_gpu():
+    from .splitkv_lowbit_cases import main
+
+    main("all", "cuda")
+
+
+def test_kernel_against_reference_triton_interpreter():
+    """The kernel against dequantize-then-attend on cache states written by the cache itself
+    (every case of splitkv_lowbit_cases.py), under TRITON_INTERPRET=1 on CPU."""
+    r = run_triton_interpreted("-m", "tests.generation.splitkv_lowbit_cases", timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_generate_command_kv_dtype(tmp_path, capsys):
+    from orthros.cli import main
+
+    for attention in ("orthros", "full"):
+        OrthrosForCausalLM(OrthrosConfig.from_name("tiny", attention=attention, window_size=8)).save_pretrained(
+            tmp_path / attention)
+    prompt = "def f(x):\n    return x" * 4
+    args = ["--prompt", prompt, "--max-new-tokens", "4", "--temperature", "0", "--device", "cpu"]
+    assert main(["generate", str(tmp_path / "orthros"), *args, "--kv-dtype", "int4"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)
+    assert main(["generate", str(tmp_path / "full"), *args, "--kv-dtype", "int2"]) == 2
+    assert "needs an Orthros model" in capsys.readouterr().err
