@@ -39,7 +39,9 @@ class DecodeGraphs:
         self.pos = torch.zeros(B, dtype=torch.long, device=dev)
         self.slots = torch.zeros(B, dtype=torch.long, device=dev)
         self.table = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # bucket -> (graph, its output, the cache it was captured over: the tensors that cache
+        # made outside the graph (row indices, masks) are read by every replay and must stay alive)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PagedStepCache]] = {}
         self.mempool = None
         self.disabled = False
 
@@ -89,7 +91,7 @@ class DecodeGraphs:
             logits = self._forward(cache)  # eager: this step's result, and the kernels compiled
             self._capture(b, cache)
             return logits[:n].clone()
-        graph, out = self.graphs[b]
+        graph, out, _ = self.graphs[b]
         graph.replay()
         return out[:n].clone()
 
@@ -116,4 +118,4 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._forward(cache)
         torch.cuda.synchronize()
-        self.graphs[b] = (graph, out)
+        self.graphs[b] = (graph, out, cache)
