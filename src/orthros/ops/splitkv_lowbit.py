@@ -25,17 +25,23 @@ The packed loop never dequantizes an element:
   p.v = (p * s_g).n + p.z_g: one [NG, BLOCK_R, BLOCK_Q] multiply and a bias.
 * each packed byte is loaded once ([BLOCK_Q, D / P] bytes) and its P levels
   are split with shifts and interleaved back into channel order.
-* levels become dot operands without an int-to-float conversion (a
-  quarter-rate instruction that would cap the stream): in 16-bit,
+* levels become dot operands without an int-to-float conversion (16 a
+  clock per SM on sm_90, an eighth of the FMA rate: it would cap the
+  stream): in 16-bit,
   n | bits(MAGIC) is the float MAGIC + n (MAGIC = 128 in bf16, 1024 in
   fp16), and MAGIC times the sum of the scaled operand is taken off in the
   bias, computed from the same rounded operand so that nothing cancels.
 
 Why: the kernel that merged sinks / packed / ring in one tile with a
 three-way select and dequantized every element (per-element scale and zero
-loads, every byte loaded once per channel it holds) needed ~120 KB of shared
-memory for its pipelined loads at block 64 (over the limit at 128) and ~210
-registers, and ran at ~20 GB/s on an H200 whatever the split count.
+loads, every byte loaded once per channel it holds) ran at ~20 GB/s on an
+H200 whatever the split count. Compiled for sm_90 (Llama-3.1-8B shape, int4,
+block 64, 4 warps, 2 stages) it took 121 KB of shared memory for its
+pipelined loads (238 KB at block 128: over the 227 KB limit, the
+OutOfResources) and 209 registers; this one takes 39 KB (73 KB at block 128)
+and 255 registers with <= 40 B of spill (the fp8 kernel of ops/splitkv.py: 23 KB, 234).
+The registers go to the value side (channel groups as the batch axis of a 3D
+dot); the sweep (benchmarks/splitkv_sweep.py) is what decides.
 
 Layouts the fold does not cover run a slower exact path, chosen at compile
 time: key groups whose largest power-of-two factor is < 16 (a tile then spans
