@@ -180,13 +180,6 @@ def test_user_errors():
         generate(make_model(), [[1, 2]], fast=True, kv_dtype="int3")
     with pytest.raises(ValueError, match="low-bit cache"):
         PagedKVPool(cfg, 4, 16, "cpu", torch.float32, "int4")
-    from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
-
-    cache = filled_cache("int4", 4, 2, 16, 40, 4, [40], pad=0, seed=0)
-    with pytest.raises(ValueError, match="block_n must be a power of two"):
-        lowbit_splitkv_attention(torch.randn(2, 1, 4, 16), *cache.layer(0), torch.full((1, 1), 39),
-                                 torch.zeros(2, 1, dtype=torch.long), cache.doc, torch.tensor([16]), 40, 4, 4, 16,
-                                 block_n=48)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the kernel cases (CI runs them interpreted)")

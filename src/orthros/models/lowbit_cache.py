@@ -31,7 +31,7 @@ the sequence, not on how it was chunked):
 
 Reads: the base stream gets its window in bf16 (prefill: ring + chunk;
 decode: the ring); the output queries read all three parts through the
-split-KV kernel (`ops/splitkv_lowbit.py`, reading the packed bytes) on CUDA, or
+split-KV kernel (`ops/splitkv_lowbit.py`, dequantizing on the fly) on CUDA, or
 the reference (dequantize the whole prefix, then `ops.attention`) elsewhere.
 """
 

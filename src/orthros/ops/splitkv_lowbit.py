@@ -1,74 +1,142 @@
 """Split-KV attention over a low-bit cache: a few queries, int4 / int2 keys and values
-read in their packed form (the layout of `ops/lowbit.py`, the parts of `LowBitStaticCache`).
+dequantized on the fly (the layout of `ops/lowbit.py`, the parts of `LowBitStaticCache`).
 
 The structure is `ops/splitkv.py`'s: one program per (row, KV head, split),
 the G * M queries of a KV head as the rows of one tile, an online softmax
 over the split's keys (clipped to what the queries can see), the same
-log-sum-exp merge. The split's keys are read in three loops, each clipped to
-the split and each with plain loads of one part:
+log-sum-exp merge. What changes is where a key tile comes from: each slot j
+of a tile is loaded from exactly one of
 
-    [0, NS)          the bf16 sinks
-    [NS, bound)      the packed storage (where the time goes at long context)
-    [bound, end)     the bf16 ring, at j % R
+    j < NS             the bf16 sinks
+    NS <= j < bound    the packed storage: byte j, d // P, bits (d % P) * b (b = 4 or 2, P = 8 / b), times the
+                       key group's (scale, zero) of channel d / the value's of its group
+    bound <= j         the bf16 ring, at j % R
 
-A windowed query's keys lie at or above `bound` (the cache keeps at least W
-slots in bf16), so with every row windowed the packed loop is empty.
+(masked loads: a lane that does not read a part fetches nothing from it), and
+the three are merged before the same two dots as the bf16 kernel. A windowed
+query's keys lie at or above `bound` (the cache keeps at least W slots in
+bf16), so with every row windowed the packed part is never touched.
 
-The packed loop never dequantizes an element:
-
-* keys (per channel d a scale s_d and zero z_d per key group): a tile lies
-  inside one key group (BLOCK_Q divides `key_group`; the first tile of a
-  range is masked below NS), so q.k = (q * s).n + q.z with n the levels: one
-  [BLOCK_R, D] multiply and a [BLOCK_R] bias per tile.
-* values (per token j and channel group g a scale and zero): the channel
-  groups are the batch axis of the value dot (acc [NG, BLOCK_R, VG]), so
-  p.v = (p * s_g).n + p.z_g: one [NG, BLOCK_R, BLOCK_Q] multiply and a bias.
-* each packed byte is loaded once ([BLOCK_Q, D / P] bytes) and its P levels
-  are split with shifts and interleaved back into channel order.
-* levels become dot operands without an int-to-float conversion (16 a
-  clock per SM on sm_90, an eighth of the FMA rate: it would cap the
-  stream): in 16-bit,
-  n | bits(MAGIC) is the float MAGIC + n (MAGIC = 128 in bf16, 1024 in
-  fp16), and MAGIC times the sum of the scaled operand is taken off in the
-  bias, computed from the same rounded operand so that nothing cancels.
-
-Why: the kernel that merged sinks / packed / ring in one tile with a
-three-way select and dequantized every element (per-element scale and zero
-loads, every byte loaded once per channel it holds) ran at ~20 GB/s on an
-H200 whatever the split count. Compiled for sm_90 (Llama-3.1-8B shape, int4,
-block 64, 4 warps, 2 stages) it took 121 KB of shared memory for its
-pipelined loads (238 KB at block 128: over the 227 KB limit, the
-OutOfResources) and 209 registers; this one takes 39 KB (73 KB at block 128)
-and 255 registers with <= 40 B of spill (the fp8 kernel of ops/splitkv.py: 23 KB, 234).
-The registers go to the value side (channel groups as the batch axis of a 3D
-dot); the sweep (benchmarks/splitkv_sweep.py) is what decides.
-
-Layouts the fold does not cover run a slower exact path, chosen at compile
-time: key groups whose largest power-of-two factor is < 16 (a tile then spans
-groups: per-slot scales, dequantized), value groups not a multiple of P
-(bytes straddle groups: loaded per element).
-
-Offsets: 64-bit per program and per tile (scalars), 32-bit within a tile;
-slot indices are 32-bit (caches below 2^31 slots).
+Kept simple on purpose; what to profile first on the GPU (docs/long_context.md):
+the predicated three-way load and the per-element dequantization (folding the key
+scales into the query per group and the value scales into p would remove it),
+the byte loaded P times (once per channel it holds), and the split count.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from .splitkv import MAX_ROWS, _num_sms, merge_splits_kernel
 
-LOG2E = 1.4426950408889634
 
-
+@functools.cache
 def _kernel():
-    from .splitkv_lowbit_kernel import splitkv_lowbit_fwd  # imports triton
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitkv_lowbit_fwd(Q, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC, KDOC, BOUND, O, LSE,
+                   sqb, sqm, sqh,
+                   ssb, sss, ssh,  # sinks (K and V alike)
+                   skqb, skqs, skqh,  # packed K
+                   svqb, svqs, svqh,  # packed V
+                   sksb, ksg, sksh,  # key scale / zero [B, S / KG, Hkv, D]
+                   svsb, svss, svsh,  # value scale / zero [B, S, Hkv, D / VG]
+                   srb, srs, srh,  # ring
+                   s_slot_b, s_qdoc_b, s_kdoc_b,
+                   sob, sop, som, soh, slb, slp, slm,
+                   M, S, Hkv, NS, R, KG, scale, window, window_rows, keys_per_split,
+                   G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = (pid // Hkv).to(tl.int64)
+        kvh = pid % Hkv
+        r = tl.arange(0, BLOCK_R)
+        m = r // G
+        h = kvh * G + r % G
+        rvalid = m < M
+        d = tl.arange(0, BLOCK_D)
+        dmask = d < D
+        q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
+                    mask=rvalid[:, None] & dmask[None, :], other=0.0)
+        slot = tl.load(SLOT + b * s_slot_b + m, mask=rvalid, other=-1).to(tl.int64)
+        qdoc = tl.load(QDOC + b * s_qdoc_b + m, mask=rvalid, other=-3).to(tl.int64)
+        bound = tl.load(BOUND).to(tl.int64)
+        start = split.to(tl.int64) * keys_per_split
+        end = tl.minimum(start + keys_per_split, S)
+        end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
+        if HAS_WINDOW:
+            if window_rows >= M:  # every row is windowed: skip the keys before the window
+                start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        kbyte, vbyte = d // (8 // KBITS), d // (8 // VBITS)
+        kshift = ((d % (8 // KBITS)) * KBITS).to(tl.int32)
+        vshift = ((d % (8 // VBITS)) * VBITS).to(tl.int32)
+        for j0 in range(start, end, BLOCK_N):
+            j = j0 + n
+            jvalid = j < end
+            in_sink = jvalid & (j < NS)
+            in_ring = jvalid & (j >= bound) & (j >= NS)
+            in_q = jvalid & (j >= NS) & (j < bound)
+            ms, mr, mq = (in_sink[:, None] & dmask[None, :], in_ring[:, None] & dmask[None, :],
+                          in_q[:, None] & dmask[None, :])
+            ring_j = j % R
+            # keys: sinks | dequantized | ring
+            k = tl.load(SK + b * ssb + j[:, None] * sss + kvh * ssh + d[None, :], mask=ms, other=0.0).to(tl.float32)
+            kr = tl.load(RK + b * srb + ring_j[:, None] * srs + kvh * srh + d[None, :], mask=mr, other=0.0)
+            kb = tl.load(KQ + b * skqb + j[:, None] * skqs + kvh * skqh + kbyte[None, :], mask=mq, other=0)
+            grp = j // KG
+            ks = tl.load(KS + b * sksb + grp[:, None] * ksg + kvh * sksh + d[None, :], mask=mq, other=0.0)
+            kz = tl.load(KZ + b * sksb + grp[:, None] * ksg + kvh * sksh + d[None, :], mask=mq, other=0.0)
+            kd = ((kb.to(tl.int32) >> kshift[None, :]) & ((1 << KBITS) - 1)).to(tl.float32) * ks.to(tl.float32) \
+                + kz.to(tl.float32)
+            k = tl.where(mr, kr.to(tl.float32), tl.where(mq, kd, k)).to(q.dtype)
+            kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
+            if HAS_WINDOW:
+                vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            # values: sinks | dequantized | ring
+            v = tl.load(SV + b * ssb + j[:, None] * sss + kvh * ssh + d[None, :], mask=ms, other=0.0).to(tl.float32)
+            vr = tl.load(RV + b * srb + ring_j[:, None] * srs + kvh * srh + d[None, :], mask=mr, other=0.0)
+            vb = tl.load(VQ + b * svqb + j[:, None] * svqs + kvh * svqh + vbyte[None, :], mask=mq, other=0)
+            vg = d // VG
+            vs = tl.load(VS + b * svsb + j[:, None] * svss + kvh * svsh + vg[None, :], mask=mq, other=0.0)
+            vz = tl.load(VZ + b * svsb + j[:, None] * svss + kvh * svsh + vg[None, :], mask=mq, other=0.0)
+            vd = ((vb.to(tl.int32) >> vshift[None, :]) & ((1 << VBITS) - 1)).to(tl.float32) * vs.to(tl.float32) \
+                + vz.to(tl.float32)
+            v = tl.where(mr, vr.to(tl.float32), tl.where(mq, vd, v)).to(q.dtype)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + d[None, :], o,
+                 mask=rvalid[:, None] & dmask[None, :])
+        tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
 
     return splitkv_lowbit_fwd
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
 
 
 def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
@@ -78,9 +146,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring). Same contract as
-    `naive_attention` over `ops.lowbit.dense_kv(...)`: -> [B, M, H, D] in q's dtype.
-    num_splits / block_n (keys per tile, a power of two >= 16; packed tiles are also at most
-    the key group's power-of-two factor) / num_warps / num_stages: launch tuning."""
+    `naive_attention` over `ops.lowbit.dense_kv(...)`: -> [B, M, H, D] in q's dtype."""
     import triton
 
     B, M, H, D = q.shape
@@ -90,10 +156,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         raise ValueError(f"split-KV takes at most {MAX_ROWS} query rows per KV head, got {G} x {M}")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dim")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
-    NG = v_scale.shape[-1]
-    VG = D // NG
+    VG = D // v_scale.shape[-1]
     scale = D ** -0.5 if scale is None else scale
     slot = q_slot.expand(B, M)
     S = length
@@ -106,10 +169,6 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
     if sk.shape[1] == 0:  # no sinks: any valid pointer (never read)
         sk, sv = rk, rv
-    # packed tiles inside one key group: the largest power of two dividing key_group, if >= 16
-    block_q = min(block_n, key_group & -key_group)
-    key_fold = block_q >= 16
-    block_q = block_q if key_fold else block_n
     _kernel()[(B * Hkv, P)](
         q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, slot, q_doc, k_doc, bound, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -121,12 +180,10 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         rk.stride(0), rk.stride(1), rk.stride(2),
         slot.stride(0), q_doc.stride(0), k_doc.stride(0),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        M, S, Hkv, 0 if sk is rk else sk.shape[1], rk.shape[1], key_group, scale * LOG2E,
+        M, S, Hkv, 0 if sk is rk else sk.shape[1], rk.shape[1], key_group, scale,
         0 if window is None else window, M if window_rows is None else window_rows, per,
-        G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, NG=NG, BLOCK_R=max(16, _pow2(G * M)), BLOCK_N=block_n,
-        BLOCK_Q=block_q, BLOCK_D=max(16, _pow2(D)), BLOCK_NG=_pow2(NG), BLOCK_VG=max(16, _pow2(VG)),
-        KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
-        HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     return merge_splits_kernel(o, lse, q.dtype)
