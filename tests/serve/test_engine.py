@@ -202,3 +202,32 @@ def test_chunk_warm_up_leaves_no_trace(kv_dtype):
     eng.submit(prompt, SamplingParams(max_tokens=6), out.sink(0))
     eng.run_until_done()
     assert out.tokens(0) == ref
+
+
+def test_static_block_table_copies_only_what_changed_and_stays_exact():
+    """The captured step's block table is refilled incrementally (appended blocks only): after
+    rows grow, change hands to shorter or longer lists, and turn into padding, it equals the
+    table built from scratch."""
+    from orthros.models.paged_cache import Segment
+    from orthros.serve.graphs import DecodeGraphs
+
+    model = make_model("orthros", window=6)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64))
+    graphs = DecodeGraphs(eng)
+    sc = eng.scratch_block
+
+    def expect(lists, b):
+        t = torch.full((b, graphs.max_blocks), sc, dtype=torch.int32)
+        for i, bl in enumerate(lists):
+            t[i, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
+        return t
+
+    a, c, d = [5, 9], [1, 2, 3, 4, 6], [7]
+    steps = [([a, c], 2), ([a, c], 2), ([a, c, d], 4), ([c, d], 2), ([d], 1), ([a, c, d], 4)]
+    for k, (lists, b) in enumerate(steps):
+        if k == 1:
+            a += [11]  # a request's list grows in place between steps
+        if k == 3:
+            c.append(12)
+        graphs._fill([Segment([0], len(bl) * 4 - 1, bl, True) for bl in lists], b)
+        assert torch.equal(graphs.table[:b].cpu(), expect(lists, b)), k
