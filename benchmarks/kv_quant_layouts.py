@@ -1,6 +1,7 @@
 """Which low-bit layout for the KV cache beyond the window? A one-layer error study on the real model.
 
     python benchmarks/kv_quant_layouts.py [--rows 2] [--seq-len 2048] [--out benchmarks/results/kv_quant_layouts.json]
+    python benchmarks/kv_quant_layouts.py --table-only   # the table of --out, spliced into docs/long_context.md
 
 One forward of SmolLM2-135M-Instruct converted to Orthros (W = 128) with the
 shipped light-CPT adapter records, per layer, the output stream's queries
@@ -19,6 +20,8 @@ Candidates (group-wise asymmetric, round to nearest, min/max range):
     token-had       per token over the whole head after a Hadamard rotation
                     (queries rotated alike: q.k = (qH).(kH); values: o = (sum p vH) H^T)
     channel-g{N}    per channel, groups of N consecutive tokens (KIVI's keys), after RoPE
+    channel-had     per channel over groups of 64 tokens after a Hadamard rotation of the
+                    channels (the cache's keys: `ops.lowbit.rotate`)
     channel-pre     per channel before RoPE (KVQuant's keys), groups of 64 tokens
 
 K and V are studied one at a time (the other exact), then the chosen pairs together.
@@ -30,7 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -39,13 +43,7 @@ import torch
 from orthros.layers.rope import apply_rope
 from orthros.models.cache import OrthrosCache
 from orthros.ops import attention
-
-
-def hadamard(n: int) -> torch.Tensor:
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
+from orthros.ops.lowbit import rotation_matrix
 
 
 def fake_quant(x: torch.Tensor, bits: int, axis: str, group: int) -> torch.Tensor:
@@ -76,8 +74,11 @@ def quantize_layout(x: torch.Tensor, bits: int, layout: str, rope=None) -> torch
     if layout.startswith("token-g"):
         return fake_quant(x, bits, "token", int(layout[7:]))
     if layout == "token-had":
-        H = hadamard(D)
+        H = rotation_matrix(D)
         return fake_quant(x @ H, bits, "token", D) @ H.T
+    if layout == "channel-had":
+        H = rotation_matrix(D)
+        return fake_quant(x @ H, bits, "channel", 64) @ H.T
     if layout.startswith("channel-g"):
         return fake_quant(x, bits, "channel", int(layout[9:]))
     if layout == "channel-pre":
@@ -90,7 +91,7 @@ def quantize_layout(x: torch.Tensor, bits: int, layout: str, rope=None) -> torch
 def bits_per_element(layout: str, bits: int, D: int) -> float:
     if layout == "exact":
         return 16.0
-    group = {"token-had": D, "channel-pre": 64}.get(layout) or int(layout.split("-g")[1])
+    group = {"token-had": D, "channel-pre": 64, "channel-had": 64}.get(layout) or int(layout.split("-g")[1])
     return bits + 32 / group
 
 
@@ -137,14 +138,20 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--out", default="benchmarks/results/kv_quant_layouts.json")
+    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")
+    p.add_argument("--table-only", action="store_true", help="print (and splice) the table of --out and stop")
     args = p.parse_args()
+    if args.table_only:
+        publish(json.loads(Path(args.out).read_text()), args.docs)
+        return
     from kv_quant_quality import heldout_rows, load_model  # noqa: E402 - sibling benchmark script
 
     model, tok, where = load_model(args.model, args.adapter)
     W = model.config.window_size
     rows = heldout_rows(tok, args.seq_len, args.rows)
     D = model.config.head_dim
-    k_layouts = ["token-g64", "token-g32", "token-had", "channel-g32", "channel-g64", "channel-g128", "channel-pre"]
+    k_layouts = ["token-g64", "token-g32", "token-had", "channel-g32", "channel-g64", "channel-g128", "channel-pre",
+                 "channel-had"]
     v_layouts = ["token-g64", "token-g32", "token-had", "channel-g64"]
     errs: dict[str, list[float]] = {}
     t0 = time.time()
@@ -155,14 +162,13 @@ def main():
         cos, sin = model.model.rotary(torch.arange(ids.numel())[None], torch.float32)
         for layer in range(model.config.num_hidden_layers):
             q = rec.q[layer]
-            k = rec.keys[layer][0].float().to(torch.bfloat16).float()  # the bf16 cache is the reference
-            v = rec.values[layer][0].float().to(torch.bfloat16).float()
+            k, v = (x[0].float().to(torch.bfloat16).float() for x in rec.layer_kv(layer))  # the bf16 cache: reference
             ref = mixed_attention(q, k, v, k, v, W, args.sink)
             cases = [(f"K {lay} int{b}", quantize_layout(k, b, lay, (cos, sin)), v) for b in (4, 2) for lay in k_layouts]
             cases += [(f"V {lay} int{b}", k, quantize_layout(v, b, lay)) for b in (4, 2) for lay in v_layouts]
             for b in (4, 2):
                 for kl, vl in (("channel-g64", "token-g64"), ("token-had", "token-had"), ("channel-g128", "token-g64"),
-                               ("channel-g32", "token-g32"), ("token-g64", "token-g64")):
+                               ("channel-g32", "token-g32"), ("token-g64", "token-g64"), ("channel-had", "token-had")):
                     cases.append((f"KV {kl}/{vl} int{b}", quantize_layout(k, b, kl, (cos, sin)), quantize_layout(v, b, vl)))
             for case, kq, vq in cases:
                 o = mixed_attention(q, k, v, kq, vq, W, args.sink)
@@ -179,16 +185,36 @@ def main():
         else:
             bpe = bits_per_element(lay, bits, D)
         table.append(dict(case=case, mean_rel_err=sum(es) / len(es), worst_rel_err=max(es), bits_per_element=bpe))
-    print(f"\nOutput-stream attention error, keys older than W={W} quantized (sink {args.sink}), "
-          f"{len(rows)} rows x {args.seq_len} tokens, 30 layers; the other of K/V exact unless 'KV':\n")
-    print("| case | bits/element | mean rel. error | worst layer |\n| --- | --- | --- | --- |")
-    for r in table:
-        print(f"| {r['case']} | {r['bits_per_element']:.2f} | {r['mean_rel_err']:.4f} | {r['worst_rel_err']:.4f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(model=where, adapter=args.adapter, rows=[n for n, _ in rows], seq_len=args.seq_len,
-                                   window=W, sink=args.sink, results=table), indent=2) + "\n")
+    res = dict(model=where, adapter=args.adapter, rows=[n for n, _ in rows], seq_len=args.seq_len, window=W,
+               sink=args.sink, layers=model.config.num_hidden_layers, results=table,
+               command="python " + " ".join(map(shlex.quote, ["benchmarks/kv_quant_layouts.py", *sys.argv[1:]])),
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    publish(res, args.docs)
 
+
+def render(res: dict) -> str:
+    """The Markdown table of a results dict."""
+    head = [f"Command: `{res['command']}`  " if "command" in res else "",
+            f"Date: {res['date']}; " if "date" in res else "",
+            f"output-stream attention error, keys older than W={res['window']} quantized (sinks {res['sink']}), "
+            f"{len(res['rows'])} rows x {res['seq_len']} tokens of {res['model']}, every layer; the other of K/V "
+            f"exact unless 'KV'.", "", "| case | bits/element | mean rel. error | worst layer |", "| --- | --- | --- | --- |"]
+    out = ["".join(head[:3])] + head[3:]
+    for r in res["results"]:
+        out.append(f"| {r['case']} | {r['bits_per_element']:.2f} | {r['mean_rel_err']:.4f} | {r['worst_rel_err']:.4f} |")
+    return "\n".join(out) + "\n"
+
+
+def publish(res: dict, docs: str | None) -> None:
+    from orthros.bench.common import splice_marks
+
+    text = render(res)
+    print(text)
+    if splice_marks(docs, text.rstrip("\n"), ("<!-- kv-layouts-table:begin -->", "<!-- kv-layouts-table:end -->")):
+        print(f"table written into {docs}")
 
 if __name__ == "__main__":
     main()

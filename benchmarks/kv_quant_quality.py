@@ -19,7 +19,8 @@ dtype, and each scored position reads the past as a decode step there would
     agreement    greedy generation with the bf16 cache; the same tokens teacher-forced through
                  each cache: top-1 agreement of the next-token argmax
 
-Prints a Markdown table and writes benchmarks/results/kv_quant_quality.json.
+Prints a Markdown table, writes benchmarks/results/kv_quant_quality.json and .md, and
+splices the table into docs/long_context.md (between its kv-quality-table marks).
 """
 
 from __future__ import annotations
@@ -223,11 +224,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results/kv_quant_quality.json")
     p.add_argument("--resume", action="store_true", help="keep the cells already in --out")
-    p.add_argument("--table-only", action="store_true", help="print the table of --out and stop")
+    p.add_argument("--table-only", action="store_true", help="print (and write, splice) the table of --out and stop")
+    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.table_only:
-        print(table(json.loads(out.read_text())))
+        publish(table(json.loads(out.read_text())), out, args.docs)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -254,7 +256,17 @@ def main(argv=None):
     measure(args, model, tok, res, save)
     save()
     print()
-    print(table(res))
+    publish(table(res), out, args.docs)
+
+
+def publish(text: str, out: Path, docs: str | None) -> None:
+    """Print the table, write it next to the JSON (.md) and into `docs` between its marks."""
+    from orthros.bench.common import splice_marks
+
+    print(text)
+    out.with_suffix(".md").write_text(text)
+    if splice_marks(docs, text.rstrip("\n"), ("<!-- kv-quality-table:begin -->", "<!-- kv-quality-table:end -->")):
+        print(f"table written into {docs}")
 
 
 if __name__ == "__main__":

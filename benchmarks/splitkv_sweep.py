@@ -3,10 +3,14 @@
 launch settings against the bandwidth they reach.
 
     python benchmarks/splitkv_sweep.py [--contexts 131072 1048576] [--dtypes bf16 fp8 int4 int2] [--out results.json]
+    python benchmarks/splitkv_sweep.py --dtypes bf16 fp8 int4 int2 k4v2 --out benchmarks/results/splitkv_sweep.json \
+        --docs docs/long_context.md   # + a Markdown table (default launch / best) between its splitkv-sweep-table marks
+    python benchmarks/splitkv_sweep.py --dtypes int4 int2 k4v2 --no-rotate --docs docs/long_context.md \
+        --tag splitkv-sweep-unrotated   # the rotation's cost: the same kernel over unrotated caches
 
 For each context and cache dtype (bf16, fp8 e4m3, and int4 / int2 beyond the window:
-the low-bit kernel over a `LowBitStaticCache` filled with random levels): the default
-launch, then splits x block size x warps x stages. GB/s = the K/V bytes the output row
+the low-bit kernel over a `LowBitStaticCache` filled with random levels, rotated as the
+cache is by default): the default launch, then splits x block size x warps x stages. GB/s = the K/V bytes the output row
 must read (low-bit: packed slots with their scales, the bf16 sinks and window) / time.
 """
 
@@ -15,11 +19,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
+import sys
+import time
 
 import torch
 from triton.testing import do_bench
 
 from orthros import OrthrosConfig
+from orthros.bench.common import splice_marks
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.ops.splitkv import _num_sms, splitkv_attention
@@ -38,7 +46,11 @@ def main():
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="keys per loop iteration")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
+    p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
     p.add_argument("--out", default=None)
+    p.add_argument("--docs", default=None, help="splice the summary table into this file (between marks)")
+    p.add_argument("--tag", default="splitkv-sweep", help="the marks: <!-- <tag>-table:begin / end -->")
     args = p.parse_args()
     B, dev = args.batch, torch.device("cuda")
     rows = []
@@ -51,7 +63,7 @@ def main():
         kdoc = torch.zeros(B, S, dtype=torch.long, device=dev)
         if dtype in ("int4", "int2", "k4v2"):
             cfg = OrthrosConfig.from_name("llama-3.1-8b", num_hidden_layers=1, window_size=W)
-            cache = LowBitStaticCache(cfg, B, S, dev, torch.bfloat16, dtype)
+            cache = LowBitStaticCache(cfg, B, S, dev, torch.bfloat16, dtype, rotate=not args.no_rotate)
             fill_random(cache, S)
             bound = cache.bound_at(S)
             nbytes = B * ((bound - cache.sinks) * cache.slot_bytes() + (S - bound + cache.sinks) * 2 * HKV * D * 2)
@@ -68,7 +80,7 @@ def main():
         for splits, block_n, warps, stages in configs:
             if dtype in ("int4", "int2", "k4v2"):
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
-                                                      cache.value_bits, cache.key_group,
+                                                      cache.value_bits, cache.key_group, rotation=cache.rotation,
                                                       window=W, window_rows=1, num_splits=splits, block_n=block_n,
                                                       num_warps=warps, num_stages=stages)
             else:
@@ -86,9 +98,38 @@ def main():
         best = max((r for r in rows if r["context"] == S and r["dtype"] == dtype), key=lambda r: r["GB_s"], default=None)
         if best:
             print(f"best at {S} {dtype}: {best}")
+    text = summary(rows, args)
+    print(text)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rotate": not args.no_rotate, "command": command(), "rows": rows}, f, indent=1)
+    if args.docs and splice_marks(args.docs, text, (f"<!-- {args.tag}-table:begin -->", f"<!-- {args.tag}-table:end -->")):
+        print(f"table written into {args.docs}")
+
+
+def command() -> str:
+    return "python " + " ".join(map(shlex.quote, ["benchmarks/splitkv_sweep.py", *sys.argv[1:]]))
+
+
+def summary(rows: list[dict], args) -> str:
+    """Per context and dtype: the default launch and the best one, GB/s and share of the roofline."""
+    out = [f"Command: `{command()}`  ",
+           f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; GPU: {torch.cuda.get_device_name()}; "
+           f"torch {torch.__version__}; Llama-3.1-8B attention shape (H {H}, Hkv {HKV}, D {D}), window {W}, "
+           f"batch {args.batch}, one layer; low-bit caches {'unrotated' if args.no_rotate else 'rotated'}. "
+           f"GB/s: the K/V bytes the output row reads / kernel time (split + merge), against {args.bandwidth} TB/s.",
+           "", "| context | cache | default launch µs | GB/s (roofline) | best (splits, block, warps, stages) | "
+           "best µs | GB/s (roofline) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    frac = lambda r: f"{r['GB_s']:.0f} ({100 * r['GB_s'] / (args.bandwidth * 1e3):.0f}%)"
+    for S, dtype in dict.fromkeys((r["context"], r["dtype"]) for r in rows):
+        cell = [r for r in rows if r["context"] == S and r["dtype"] == dtype]
+        d = next((r for r in cell if r["splits"] is None), None)
+        b = max(cell, key=lambda r: r["GB_s"])
+        cfg = f"{b['splits']}, {b['block_n']}, {b['num_warps']}, {b['num_stages']}"
+        out.append(f"| {S} | {dtype} | {d['us']:.1f} | {frac(d)} | {cfg} | {b['us']:.1f} | {frac(b)} |" if d else
+                   f"| {S} | {dtype} | – | – | {cfg} | {b['us']:.1f} | {frac(b)} |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":

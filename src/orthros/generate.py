@@ -203,7 +203,8 @@ def generate(
         kv_dtype: the fast path's cache storage: "auto" (the model's dtype),
             "bf16", "fp16", "fp32", "fp8" (e4m3, per-head scales), or "int4" / "int2" /
             "k4v2" (Orthros models: bf16 for the window and 4 sink tokens, group-wise
-            int4 / int2 beyond, k4v2 = int4 keys and int2 values; `LowBitStaticCache`).
+            int4 / int2 beyond after a Hadamard rotation, k4v2 = int4 keys and int2
+            values; `LowBitStaticCache`, docs/long_context.md).
         compile: compile the fast decode step (default: on CUDA).
     Returns:
         [B, T + n] prompt (left-padded) followed by n <= max_new_tokens new tokens.

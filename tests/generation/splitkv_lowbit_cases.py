@@ -2,7 +2,8 @@
 dequantize-then-attend (`ops.lowbit.dense_kv` + the fp32 naive op) on caches filled through
 `LowBitStaticCache`: int4 / int2, GQA (2 and 3 query heads per KV head), odd lengths, sinks or
 none, bounds below / at / past the sinks, padded rows, a decode pair (windowed base row +
-output row), all rows windowed, one split and several."""
+output row), all rows windowed, one split and several; rotated caches (the default) and
+unrotated ones, a head size that is not a power of two (block-diagonal rotation, padded tile)."""
 
 import sys
 
@@ -16,14 +17,14 @@ from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
 W = 8
 
 
-def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="cpu"):
+def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="cpu", rotate=True):
     """A one-layer cache with `length` random slots written in `chunks` (then decode steps)."""
     torch.manual_seed(seed)
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=Hkv,
                                   head_dim=D, window_size=W)
     B = 2
     cache = LowBitStaticCache(cfg, B, length + 4, device, torch.float32, kv_dtype, key_group=16,
-                              value_group=min(D, 16), sinks=sinks)
+                              value_group=min(D & -D, 16), sinks=sinks, rotate=rotate)
     k = (2 * torch.randn(B, length, Hkv, D) + torch.linspace(-3, 3, D)).to(device)  # per-channel ranges differ
     v = torch.randn(B, length, Hkv, D).to(device)
     doc = torch.zeros(B, length, dtype=torch.long, device=device)
@@ -48,8 +49,8 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
-          dtype=torch.float32, seed=0, device="cpu"):
-    cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device)
+          dtype=torch.float32, seed=0, device="cpu", rotate=True):
+    cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate)
     B = cache.batch_size
     q = torch.randn(B, M, H, D).to(device, dtype)
     slot = torch.full((B, M), length - 1, device=device)
@@ -64,10 +65,11 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
                                                qd[:, :window_rows], kd, window=window)
     out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound], device=device), length,
                                    cache.key_bits,
-                                   cache.value_bits, cache.key_group, window=window, window_rows=window_rows, num_splits=splits)
+                                   cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
+                                   rotation=cache.rotation, num_splits=splits)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
-    assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, err)
+    assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate, err)
     return bound
 
 
@@ -86,6 +88,11 @@ def main(which: str, device: str = "cpu"):
             check(kv, H, Hkv, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device)  # a decode pair
             check(kv, H, Hkv, D, 150, 4, [50], window=W, M=1, device=device)  # windowed only: no packed slot read
             check(kv, H, Hkv, D, 150, 4, [150], M=3, dtype=half, device=device)
+        for rotate in (False, True):  # unrotated; D = 24: blocks of 8, a 32-wide tile
+            D = 24 if rotate else 16
+            bounds.add(check(kv, 4, 2, D, 201, 4, [13, 100], device=device, rotate=rotate))
+            check(kv, 4, 2, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device, rotate=rotate)
+            check(kv, 4, 2, D, 150, 4, [150], M=3, dtype=half, device=device, rotate=rotate)
     assert bounds == {0, 16, 48, 192, 288}, bounds  # no bound, one key group, several
     print("ok")
 

@@ -10,7 +10,7 @@ from orthros.cli import main
 
 def run(tmp_path, *argv):
     doc = tmp_path / "bench.md"
-    tags = ("decode", "e2e", "fp8", "capacity")
+    tags = ("decode", "e2e", "fp8", "capacity", "decode-int2")
     doc.write_text("".join(f"<!-- {t}-table:begin -->\n(pending)\n<!-- {t}-table:end -->\n" for t in tags))
     assert main(["bench", *argv, "--model", "tiny", "--no-compile", "--out-dir", str(tmp_path), "--docs", str(doc)]) == 0
     return doc.read_text()
@@ -55,8 +55,9 @@ def test_bench_decode_lowbit_reads_fewer_bytes(tmp_path):
               "--variants", "orthros")
     run(tmp_path, *common, "--kv-dtype", "bf16")
     bf16 = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
-    run(tmp_path, *common, "--kv-dtype", "int2")
-    int2 = json.loads((tmp_path / "decode.json").read_text())["rows"][0]
+    doc = run(tmp_path, *common, "--kv-dtype", "int2", "--tag", "decode-int2")  # its own files and marks
+    int2 = json.loads((tmp_path / "decode-int2.json").read_text())["rows"][0]
+    assert "KV cache int2" in doc.split("decode-int2-table:begin")[1] and (tmp_path / "decode-int2.png").exists()
     assert int2["status"] == "ok" and int2["tokens_per_s"] > 0
     assert int2["bytes"] < bf16["bytes"] and int2["cache_gib"] < bf16["cache_gib"]
     assert int2["roofline_tok_s"] > bf16["roofline_tok_s"]

@@ -35,23 +35,40 @@ def test_quantize_pack_roundtrip_and_error_bound(bits):
     assert torch.allclose(lowbit.dequantize_keys(*lowbit.quantize_keys(c, bits, 16), bits, 16), c.half().float())
 
 
+@pytest.mark.parametrize("D", [16, 64, 24])
+def test_rotation_is_an_exact_involution(D):
+    """R (block-Hadamard, blocks of the largest power of two dividing D) is orthonormal and its
+    own inverse; `rotate` is x @ R and gives a slot the same bits whatever batch it is in (so
+    the stored cache does not depend on chunking)."""
+    R = lowbit.rotation_matrix(D)
+    b = D & -D
+    assert torch.allclose(R @ R, torch.eye(D), atol=1e-6) and torch.equal(R, R.T)
+    assert torch.count_nonzero(R) == D * b and torch.allclose(R.abs()[R != 0], torch.tensor(b**-0.5))
+    x = torch.randn(3, 40, 2, D)
+    assert torch.allclose(lowbit.rotate(x), x @ R, atol=1e-5)
+    assert torch.equal(lowbit.rotate(x)[1:2, 7:20], lowbit.rotate(x[1:2, 7:20]))
+    # an outlier channel is spread over its block: the rotated vector's range shrinks
+    spike = torch.zeros(D).index_fill_(0, torch.tensor([3]), 10.0) + 0.1 * torch.randn(D)
+    assert lowbit.rotate(spike).abs().max() < 0.5 * spike.abs().max()
+
+
 def _raw(length, D=16, Hkv=2, seed=0):
     torch.manual_seed(seed)
     k = 2 * torch.randn(2, length, Hkv, D) + torch.linspace(-3, 3, D)
     return k, torch.randn(2, length, Hkv, D)
 
 
-@pytest.mark.parametrize("kv_dtype", LOWBIT)
-def test_cache_stores_the_sequence_however_it_is_chunked(kv_dtype):
+@pytest.mark.parametrize("kv_dtype, rotate", [(kv, True) for kv in LOWBIT] + [("int2", False)])
+def test_cache_stores_the_sequence_however_it_is_chunked(kv_dtype, rotate):
     """Prefill in one chunk, in chunks across the bf16 / low-bit boundary, or partly token by
     token: the same bits are read back, and they are the format applied to the sequence
-    (sinks and the last slots bf16, whole key groups below the bound quantized, sink slots
-    left out of a group's range)."""
+    (sinks and the last slots bf16, whole key groups below the bound quantized after the
+    rotation, sink slots left out of a group's range)."""
     L, sinks, g = 203, 4, 16
     k, v = _raw(L)
     reads = []
     for chunks in ([L], [7, 30, 100], [1, 15, 16], [64, 3], [120]):  # the rest of each: decode steps
-        cache = filled_cache(kv_dtype, 4, 2, 16, L, sinks, chunks, pad=0, seed=0)
+        cache = filled_cache(kv_dtype, 4, 2, 16, L, sinks, chunks, pad=0, seed=0, rotate=rotate)
         assert cache.length == L
         b = cache.bound_at(L)
         assert b == (L - 8) // g * g == 192
@@ -61,8 +78,9 @@ def test_cache_stores_the_sequence_however_it_is_chunked(kv_dtype):
     kb, vb = lowbit.BITS[kv_dtype]
     hk, hv = k.bfloat16().float(), v.bfloat16().float()
     valid = (torch.arange(192) >= sinks)[None].expand(2, -1)
-    ek = lowbit.dequantize_keys(*lowbit.quantize_keys(hk[:, :192], kb, g, valid), kb, g)
-    ev = lowbit.dequantize_values(*lowbit.quantize_values(hv, vb, 16), vb)
+    r = lowbit.rotate if rotate else (lambda x: x)
+    ek = r(lowbit.dequantize_keys(*lowbit.quantize_keys(r(hk[:, :192]), kb, g, valid), kb, g))
+    ev = r(lowbit.dequantize_values(*lowbit.quantize_values(r(hv), vb, 16), vb))
     kd, vd = reads[0]
     assert torch.equal(kd[:, :sinks], hk[:, :sinks]) and torch.equal(vd[:, :sinks], hv[:, :sinks])
     assert torch.equal(kd[:, sinks:192], ek[:, sinks:]) and torch.equal(vd[:, sinks:192], ev[:, sinks:192])
@@ -115,14 +133,19 @@ def test_logits_do_not_depend_on_chunking_or_decoding(kv_dtype):
     ref = chunked_logits(model, ids, mask, lowbit_cache(model, 2, 90, kv_dtype), 90)
     for chunk in (16, 37):
         assert rel_err(chunked_logits(model, ids, mask, lowbit_cache(model, 2, 90, kv_dtype), chunk), ref) < 1e-4
+    bf16 = chunked_logits(model, ids, mask, new_static_cache(model, 2, 90, "bf16"), 90)
+    quantization = rel_err(ref, bf16)
+    assert quantization > 1e-3  # the quantized past is read
     cache = lowbit_cache(model, 2, 90, kv_dtype)
     logits, _ = prefill(model, ids[:, :40], mask[:, :40], cache=cache, chunk_size=13)
     steps = [logits]
     for t in range(40, 89):
         steps.append(decode_one_token_fast(model, ids[:, t], cache))
-    assert rel_err(torch.stack(steps, 1), ref[:, 39:89]) < 1e-4
-    bf16 = chunked_logits(model, ids, mask, new_static_cache(model, 2, 90, "bf16"), 90)
-    assert rel_err(ref, bf16) > 1e-4  # the quantized past is read
+    # A decode step's K/V (one token's projections) differ from a chunk's in a few bf16 ulps, and a
+    # rotated group's level can flip on one of them (every channel of the group moves): decode is
+    # held to a fifth of what quantization itself changes (identical K/V store identical bits:
+    # test_cache_stores_the_sequence_however_it_is_chunked).
+    assert rel_err(torch.stack(steps, 1), ref[:, 39:89]) < 0.2 * quantization
 
 
 # Tiny random models have no structure to preserve; the bounds say "close", and int2 is

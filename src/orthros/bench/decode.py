@@ -51,8 +51,10 @@ def add_arguments(p):
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
-    p.add_argument("--out-dir", default="docs", help="where decode.json / decode.png / decode.md go")
+    p.add_argument("--out-dir", default="docs", help="where <tag>.json / <tag>.png / <tag>.md go")
     p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers)")
+    p.add_argument("--tag", default="decode",
+                   help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved decode.json (several: one table)")
 
@@ -292,5 +294,5 @@ def run(args):
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
         return measure(args)
 
-    render(result_from(args, "decode", measure_checked), args.out_dir, args.docs, "decode", table, plot)
+    render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
     return 0

@@ -11,7 +11,9 @@ Each is a function of a model with the project's interface (OrthrosForCausalLM,
 any attention), returns plain JSON-ready numbers, and is seeded. With
 `kv_dtype` (e.g. "int4") each reads its text through the fast path's cache of
 that dtype instead of one cache-less forward: the rows are fed in `chunk`-token
-pieces and every scored position reads the past as a decode step there would.
+pieces and every scored position reads the past as a decode step there would
+(`new_cache`: a cache built some other way, e.g. a `LowBitStaticCache` with
+non-default groups, for layout studies).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ CHUNK = 256  # prompt piece fed through a cache (kv_dtype given)
 
 
 @torch.no_grad()
-def cached_losses(model, x: torch.Tensor, pos: torch.Tensor, kv_dtype: str, chunk: int = CHUNK) -> torch.Tensor:
+def cached_losses(model, x: torch.Tensor, pos: torch.Tensor, kv_dtype: str | None, chunk: int = CHUNK,
+                  new_cache=None) -> torch.Tensor:
     """Next-token losses [B, N] of x [B, T] at positions pos [N] (sorted, < T - 1), the rows fed
-    through a fast-path cache of `kv_dtype` in `chunk`-token pieces (only `pos` are output positions)."""
+    through a fast-path cache of `kv_dtype` (or new_cache(model, B, T)) in `chunk`-token pieces
+    (only `pos` are output positions)."""
     from ..generate import new_static_cache
 
-    cache = new_static_cache(model, x.shape[0], x.shape[1], kv_dtype)
+    B, T = x.shape
+    cache = new_cache(model, B, T) if new_cache is not None else new_static_cache(model, B, T, kv_dtype)
     pos = pos.to(x.device)
     out = []
     for a in range(0, x.shape[1], chunk):
@@ -77,7 +82,7 @@ def loss_summary(losses: torch.Tensor, bins: int = 32) -> dict:
 @torch.no_grad()
 def copy_probe(model, stream: torch.Tensor, gaps: list[int], samples: int = 32, seg_len: int = 100,
                prefix: int = 64, seed: int = 0, batch_size: int = 8, kv_dtype: str | None = None,
-               chunk: int = CHUNK) -> dict:
+               chunk: int = CHUNK, new_cache=None) -> dict:
     """Loss on the second copy of a `seg_len`-token segment repeated after `gap` other tokens.
 
     Each sample: prefix (filler) | segment | filler of `gap` tokens | segment. Filler and
@@ -108,12 +113,12 @@ def copy_probe(model, stream: torch.Tensor, gaps: list[int], samples: int = 32, 
         tot = torch.zeros(2)
         for s in range(0, samples, batch_size):
             x = ids[s : s + batch_size].to(device)
-            if kv_dtype is None:
+            if kv_dtype is None and new_cache is None:
                 logits = model(x, logits_to_keep=pos.to(device), use_cache=False).logits  # [b, 2(seg-1), V]
                 tgt = x[:, pos.to(device) + 1]
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten(), reduction="none")
             else:
-                loss = cached_losses(model, x, pos, kv_dtype, chunk)
+                loss = cached_losses(model, x, pos, kv_dtype, chunk, new_cache)
             loss = loss.view(x.shape[0], 2, -1)
             tot += loss.mean(-1).sum(0).cpu()
         first_loss, second_loss = (tot / samples).tolist()

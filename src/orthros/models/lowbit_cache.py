@@ -4,7 +4,9 @@ Orthros' base stream reads only the last W keys; only the output query reads
 the whole past. So the cache keeps in bf16 only what the base stream can
 see, plus a few sink tokens, and stores everything older in 4 or 2 bits
 (`ops/lowbit.py`: keys per channel over groups of `key_group` slots, values
-per token over groups of `value_group` channels; fp16 scale and zero).
+per token over groups of `value_group` channels, both after a Hadamard
+rotation of the head's channels; fp16 scale and zero; rotate=False keeps the
+unrotated layout, for studies).
 kv_dtype "int4" and "int2" store keys and values alike; "k4v2" int4 keys and
 int2 values (keys are what int2 costs in retrieval: docs/long_context.md).
 
@@ -41,7 +43,7 @@ import torch
 from transformers import Cache
 
 from ..ops import attention
-from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values
+from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate, rotation_matrix
 from ..ops.masks import PAD_DOC
 from .static_cache import StaticOrthrosCache
 
@@ -62,7 +64,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     def __init__(self, config, batch_size: int, capacity: int, device, dtype: torch.dtype, kv_dtype: str = "int4",
                  key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP, sinks: int = SINKS,
-                 recent: int | None = None):
+                 recent: int | None = None, rotate: bool = True):
         Cache.__init__(self, layers=[])
         if kv_dtype not in BITS:
             raise ValueError(f"a low-bit cache's kv_dtype is one of {tuple(BITS)}, got {kv_dtype!r}")
@@ -83,6 +85,9 @@ class LowBitStaticCache(StaticOrthrosCache):
                              f"got {key_group}, {sinks}, {recent}")
         self.kv_dtype, self.key_bits, self.value_bits = kv_dtype, kb, vb
         self.key_group, self.value_group, self.sinks, self.recent = key_group, value_group, sinks, recent
+        self.rotated = rotate
+        # R for the kernel (the reference and the writes use `ops.lowbit.rotate`)
+        self.rotation = rotation_matrix(D, device) if rotate else None
         self.ring = recent + 2 * key_group
         self.num_layers, self.capacity = L, capacity
         self.window = config.window_size
@@ -164,7 +169,7 @@ class LowBitStaticCache(StaticOrthrosCache):
             n = min(self.sinks, end) - a
             self.sk[layer_idx][:, a: a + n] = hk[:, :n]
             self.sv[layer_idx][:, a: a + n] = hv[:, :n]
-        pv, s, z = quantize_values(hv, self.value_bits, self.value_group)
+        pv, s, z = quantize_values(self._rot(hv), self.value_bits, self.value_group)
         self.vq[layer_idx][:, a:end], self.v_scale[layer_idx][:, a:end], self.v_zero[layer_idx][:, a:end] = pv, s, z
         b0, b1 = self.bound_at(a), self.bound_at(end)
         old = self._ring_slots(b0, a)
@@ -178,13 +183,17 @@ class LowBitStaticCache(StaticOrthrosCache):
         rk[:, rs], rv[:, rs] = hk[:, T - n:], hv[:, T - n:]
         return win_k, win_v
 
+    def _rot(self, x: torch.Tensor) -> torch.Tensor:
+        """What gets quantized: x times R (fp32), or x itself with rotate=False."""
+        return rotate(x) if self.rotated else x
+
     def _write_key_groups(self, layer_idx: int, src: torch.Tensor, first):
         """Quantize whole key groups src [B, n * key_group, Hkv, D] starting at slot `first`
         (an int or a [1] tensor); sink slots do not count in a group's range."""
         g = self.key_group
         slots = first + torch.arange(src.shape[1], device=src.device)
         valid = (slots >= self.sinks)[None].expand(src.shape[0], -1)
-        pk, s, z = quantize_keys(src, self.key_bits, g, valid)
+        pk, s, z = quantize_keys(self._rot(src), self.key_bits, g, valid)
         if torch.is_tensor(first):
             grp = first // g + torch.arange(src.shape[1] // g, device=src.device)
             self.kq[layer_idx].index_copy_(1, slots, pk)
@@ -206,7 +215,7 @@ class LowBitStaticCache(StaticOrthrosCache):
             keep = (slot < self.sinks).view(1, 1, 1, 1)
             for buf, x in ((self.sk[layer_idx], hk), (self.sv[layer_idx], hv)):
                 buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
-        pv, s, z = quantize_values(hv, self.value_bits, self.value_group)
+        pv, s, z = quantize_values(self._rot(hv), self.value_bits, self.value_group)
         self.vq[layer_idx].index_copy_(1, slot, pv)
         self.v_scale[layer_idx].index_copy_(1, slot, s)
         self.v_zero[layer_idx].index_copy_(1, slot, z)
@@ -220,7 +229,8 @@ class LowBitStaticCache(StaticOrthrosCache):
     def dense(self, layer_idx: int, length: int, bound) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, length, Hkv, D] (fp32) as the output stream reads them: dequantized below
         `bound`, bf16 sinks and recent slots (the reference; `bound` an int or a tensor)."""
-        return dense_kv(*self.layer(layer_idx), bound, length, self.key_bits, self.value_bits, self.key_group)
+        return dense_kv(*self.layer(layer_idx), bound, length, self.key_bits, self.value_bits, self.key_group,
+                        self.rotated)
 
     def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
                dense_start=None, window_rows=None):
@@ -232,7 +242,8 @@ class LowBitStaticCache(StaticOrthrosCache):
             return lowbit_decode_attention(q, *self.layer(layer_idx), q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                                            bound, 0 if window is None else int(window), scale,
                                            -1 if window_rows is None else int(window_rows), self.key_bits,
-                                           self.value_bits, self.key_group, _kernel_takes(q, self.sk[0], backend))
+                                           self.value_bits, self.key_group, self.rotation,
+                                           _kernel_takes(q, self.sk[0], backend))
         if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
             r = window_rows
             slot = q_slot.expand(q.shape[0], -1)
@@ -260,7 +271,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
             b = torch.full((1,), now, device=q.device, dtype=torch.long)
             return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L, self.key_bits,
-                                            self.value_bits, self.key_group, scale=scale)
+                                            self.value_bits, self.key_group, scale=scale, rotation=self.rotation)
         b0, hk, hv = self._hi
         o = None
         for b in values:
@@ -278,7 +289,7 @@ class LowBitStaticCache(StaticOrthrosCache):
     def __repr__(self) -> str:
         return (f"LowBitStaticCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.length}/"
                 f"{self.capacity}, {self.kv_dtype}, key_group={self.key_group}, value_group={self.value_group}, "
-                f"sinks={self.sinks}, recent={self.recent})")
+                f"sinks={self.sinks}, recent={self.recent}, rotate={self.rotated})")
 
 
 def _kernel_takes(q, sk, backend: str) -> bool:
@@ -297,10 +308,12 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
                             k_scale: torch.Tensor, k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
                             rk: torch.Tensor, rv: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
                             k_doc: torch.Tensor, bound: torch.Tensor, window: int, scale: float, window_rows: int,
-                            key_bits: int, value_bits: int, key_group: int, kernel: bool) -> torch.Tensor:
+                            key_bits: int, value_bits: int, key_group: int, rotation: torch.Tensor | None,
+                            kernel: bool) -> torch.Tensor:
     """A decode step's queries [B, M, H, D] over a low-bit cache (the whole capacity; the
     kernel clips to what each query sees). window 0 = none; window_rows -1 = every row;
-    kernel: the split-KV kernel, else dequantize-then-attend.
+    rotation: R [D, D] of a rotated cache, or None; kernel: the split-KV kernel, else
+    dequantize-then-attend.
     Opaque to torch.compile, captured as is in CUDA graphs."""
     win = None if window == 0 else window
     rows = None if window_rows < 0 else window_rows
@@ -310,14 +323,14 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
 
         return lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc,
                                         k_doc, bound, S, key_bits, value_bits, key_group, window=win, scale=scale,
-                                        window_rows=rows).contiguous()
+                                        window_rows=rows, rotation=rotation).contiguous()
     kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
-                      key_group)
+                      key_group, rotation is not None)
     return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, window=win, scale=scale,
                      window_rows=rows).contiguous()
 
 
 @lowbit_decode_attention.register_fake
 def _(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, window, scale,
-      window_rows, key_bits, value_bits, key_group, kernel):
+      window_rows, key_bits, value_bits, key_group, rotation, kernel):
     return torch.empty_like(q)

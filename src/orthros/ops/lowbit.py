@@ -7,12 +7,23 @@ as n * s + lo. Scale s and zero lo are fp16. Levels are packed 8 / b to a byte
 along the channels, the lowest bits first: byte c of a token holds channels
 c * P .. c * P + P - 1 (P = 8 / b).
 
-The layout (chosen by measurement, benchmarks/kv_quant_layouts.py):
+The layout (chosen by measurement, benchmarks/kv_quant_layouts.py and the copy
+probe of docs/long_context.md):
 
     keys    per channel: one (scale, zero) per channel for each group of
             `key_group` consecutive slots (KIVI's keys; after RoPE, as attention reads them)
     values  per token: one (scale, zero) per token and KV head for each group of
             `value_group` consecutive channels
+    rotate  (the cache's default) keys and values are multiplied by an orthonormal
+            Hadamard matrix R over the head's channels before they are quantized,
+            and the dequantized ones by R again (R = R^T = R^-1); `rotate` below
+
+Rotating spreads what a few channels carry over all of them (QuaRot / OSCAR):
+on the real model it roughly halves int2's copy-probe loss gap to bf16 and
+takes int4's from +6.6% to +1.8% (docs/long_context.md). R is
+block-diagonal with Sylvester blocks of the largest power of two dividing D;
+`rotate` is a fast Walsh-Hadamard transform (adds, subtracts and one scale:
+the same bits for a slot whatever the shape of the batch it is rotated in).
 
 Shapes (B rows, S slots, Hkv KV heads, D channels, P = 8 / bits of K or V):
 
@@ -44,6 +55,24 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
     x = (packed.to(torch.int32)[..., None] >> shifts) & (2**bits - 1)
     return x.flatten(-2).to(torch.uint8)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> x @ R in fp32 (R: the orthonormal block-Hadamard matrix above; R @ R = I)."""
+    D = x.shape[-1]
+    b = D & -D  # the largest power of two dividing D: the block size
+    y = x.float().reshape(*x.shape[:-1], D // b, b)
+    h = 1
+    while h < b:  # butterflies on channel pairs (i, i + h) inside blocks of 2h
+        y = y.unflatten(-1, (b // (2 * h), 2, h))
+        y = torch.stack([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], -2).flatten(-3)
+        h *= 2
+    return (y * b**-0.5).reshape(x.shape)
+
+
+def rotation_matrix(D: int, device=None) -> torch.Tensor:
+    """R [D, D] fp32 (symmetric; the kernel's copy of `rotate`)."""
+    return rotate(torch.eye(D, device=device))
 
 
 def quantize(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None):
@@ -104,16 +133,19 @@ def dequantize_values(packed, scale, zero, bits: int) -> torch.Tensor:
 
 
 def dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, length: int, key_bits: int,
-             value_bits: int, key_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+             value_bits: int, key_group: int, rotated: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference read of a low-bit cache layer: K, V [B, length, Hkv, D] in fp32.
 
     Slot j comes from the sinks sk, sv [B, NS, Hkv, D] if j < NS, else from the packed
-    storage (kq, vq [B, C, Hkv, D / P] with their scales) if j < bound, else from the
-    ring rk, rv [B, R, Hkv, D] at j % R. bound: an int or a [1] tensor (no host sync)."""
+    storage (kq, vq [B, C, Hkv, D / P] with their scales; rotated: stored times R, read
+    back times R) if j < bound, else from the ring rk, rv [B, R, Hkv, D] at j % R.
+    bound: an int or a [1] tensor (no host sync)."""
     g, NS, R = key_group, sk.shape[1], rk.shape[1]
     n = -(-length // g) * g
     kd = dequantize_keys(kq[:, :n], k_scale[:, : n // g], k_zero[:, : n // g], key_bits, g)[:, :length]
     vd = dequantize_values(vq[:, :length], v_scale[:, :length], v_zero[:, :length], value_bits)
+    if rotated:
+        kd, vd = rotate(kd), rotate(vd)
     j = torch.arange(length, device=kq.device)
     bound = torch.as_tensor(bound, device=kq.device).reshape(-1)[:1]
     old = (j < bound)[None, :, None, None]
