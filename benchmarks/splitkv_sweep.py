@@ -41,6 +41,11 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp8", "int4", "int2", "k4v2"), default=["bf16", "fp8"])
+    p.add_argument("--split-factors", type=int, nargs="+", default=[1, 2, 4],
+                   help="split counts tried, as multiples of 2 x SMs / (batch x KV heads)")
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="keys per loop iteration")
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
     p.add_argument("--out", default=None)
@@ -71,7 +76,7 @@ def main():
             nbytes = 2 * B * S * HKV * D * k.element_size()
         base_splits = max(1, 2 * sms // (B * HKV))
         configs = [(None, 64, None, None)] + list(itertools.product(
-            (base_splits, 2 * base_splits, 4 * base_splits), (64, 128), (4, 8), (2, 3, 4)))
+            [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages))
         for splits, block_n, warps, stages in configs:
             if dtype in ("int4", "int2", "k4v2"):
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,

@@ -19,13 +19,14 @@ def main():
     slot, qd = torch.tensor([[250]]), torch.zeros(B, 1, dtype=torch.long)
     kd = torch.zeros(B, S, dtype=torch.long)
     kd[:, 260:] = -1
-    for window, splits in ((None, None), (16, 1), (16, None)):
+    for window, splits, block_n in ((None, None, None), (16, 1, None), (16, None, None), (None, None, 64)):
         ref = naive_attention(q, k8.float() * ks[:, None], v8.float() * vs[:, None], slot, qd, kd, window=window)
         qs = q * ks.repeat_interleave(H // Hkv)[:, None]
-        out = splitkv_attention(qs, k8, v8, slot, qd, kd, window=window, scale=D ** -0.5, num_splits=splits)
+        out = splitkv_attention(qs, k8, v8, slot, qd, kd, window=window, scale=D ** -0.5, num_splits=splits,
+                                block_n=block_n)  # default for 1-byte keys: 128
         out = out * vs.repeat_interleave(H // Hkv)[:, None]
         err = ((out - ref).norm() / ref.norm()).item()
-        assert err < 1e-5, (window, splits, err)
+        assert err < 1e-5, (window, splits, block_n, err)
     print("ok")
 
 

@@ -10,7 +10,7 @@ import torch
 from orthros.generate import generate
 from orthros.serve.engine import Engine, EngineConfig, QueueFull, SamplingParams
 
-from ..conftest import make_model
+from ..conftest import DEVICE, make_model
 
 
 def _workload(seed=0):
@@ -116,7 +116,7 @@ def test_stop_tokens_sampling_seed_and_logprobs():
     assert out.tokens("stop") == ref[: ref.index(ref[3]) + 1] and out.reason("stop") == "stop"
     lp = [e for e in out.events["lp"] if e.token_id is not None]
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + ref[:1]]), logits_to_keep=2).logits[0].float().log_softmax(-1)
+        logits = model(torch.tensor([prompt + ref[:1]], device=DEVICE), logits_to_keep=2).logits[0].float().log_softmax(-1)
     assert abs(lp[0].logprob - float(logits[0, ref[0]])) < 1e-4
     assert lp[0].top_logprobs[0][0] == ref[0] and len(lp[0].top_logprobs) == 3  # greedy: the top token
     assert abs(lp[1].logprob - float(logits[1, ref[1]])) < 1e-4
@@ -180,3 +180,54 @@ def test_static_decode_buffers_equal_the_eager_step(attention):
     graphs._fill(segments, 4)
     static = graphs._forward(graphs._cache(4))[:3]
     assert torch.allclose(static, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+def test_chunk_warm_up_leaves_no_trace(kv_dtype):
+    """The warm-up's forwards (CUDA compiles the budget-cut chunk lengths with them) free their
+    blocks, choose no fp8 scales, and change no later result; the lengths are those `_chunk` cuts."""
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    cfg = EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=300, max_num_seqs=8, chunk_align=128,
+                       kv_dtype=kv_dtype)
+    eng = Engine(model, cfg)
+    assert eng.chunk_lengths() == sorted({eng._chunk(10**6, b) for b in range(292, 301)}) == [256]
+    with torch.inference_mode():
+        eng._compile_chunks()
+    assert eng.pool.compiled_chunks == frozenset({256}) and eng.blocks.num_used == 0
+    assert not any(eng.pool.scaled) and bool((eng.pool.k_scale == 1).all())
+    prompt = list(range(3, 40))
+    ref = generate(model, [prompt], max_new_tokens=6, fast=kv_dtype == "fp8", compile=False,
+                   **({"kv_dtype": "fp8"} if kv_dtype == "fp8" else {}))[0, len(prompt):].tolist()
+    out = Collector()
+    eng.submit(prompt, SamplingParams(max_tokens=6), out.sink(0))
+    eng.run_until_done()
+    assert out.tokens(0) == ref
+
+
+def test_static_block_table_copies_only_what_changed_and_stays_exact():
+    """The captured step's block table is refilled incrementally (appended blocks only): after
+    rows grow, change hands to shorter or longer lists, and turn into padding, it equals the
+    table built from scratch."""
+    from orthros.models.paged_cache import Segment
+    from orthros.serve.graphs import DecodeGraphs
+
+    model = make_model("orthros", window=6)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64))
+    graphs = DecodeGraphs(eng)
+    sc = eng.scratch_block
+
+    def expect(lists, b):
+        t = torch.full((b, graphs.max_blocks), sc, dtype=torch.int32)
+        for i, bl in enumerate(lists):
+            t[i, : len(bl)] = torch.tensor(bl, dtype=torch.int32)
+        return t
+
+    a, c, d = [5, 9], [1, 2, 3, 4, 6], [7]
+    steps = [([a, c], 2), ([a, c], 2), ([a, c, d], 4), ([c, d], 2), ([d], 1), ([a, c, d], 4)]
+    for k, (lists, b) in enumerate(steps):
+        if k == 1:
+            a += [11]  # a request's list grows in place between steps
+        if k == 3:
+            c.append(12)
+        graphs._fill([Segment([0], len(bl) * 4 - 1, bl, True) for bl in lists], b)
+        assert torch.equal(graphs.table[:b].cpu(), expect(lists, b)), k

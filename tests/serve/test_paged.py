@@ -8,7 +8,7 @@ from orthros.models.paged_cache import PagedKVPool, PagedStepCache, Segment
 from orthros.ops.naive import naive_attention
 from orthros.ops.paged import paged_attention_ref
 
-from ..conftest import make_model, rel_err, run_triton_interpreted
+from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
 
 
 def test_paged_reference_equals_naive_on_gathered_keys():
@@ -43,7 +43,7 @@ def test_mixed_step_equals_each_sequence_alone(attention):
     last chunk and C's one-token prompt. Every output row equals a plain forward of its
     sequence; blocks are scattered through the pool."""
     model = make_model(attention, window=5, initializer_range=0.3)
-    pool = PagedKVPool(model.config, 40, 4, "cpu", torch.float32)
+    pool = PagedKVPool(model.config, 40, 4, DEVICE, torch.float32)
     g = torch.Generator().manual_seed(0)
     A, B, C = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (23, 9, 1))
     ta, tb, tc = [3, 17, 8, 30, 1, 22, 12], [5, 39, 0], [26]
@@ -54,7 +54,7 @@ def test_mixed_step_equals_each_sequence_alone(attention):
                                      Segment(C, 0, tc, True)])
 
     def alone(ids):
-        return model(torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
+        return model(torch.tensor([ids], device=DEVICE), logits_to_keep=1).logits[0, -1]
 
     assert rel_err(logits1[0], alone(B)) < 1e-5
     assert rel_err(logits2[0], alone(B + [nb])) < 1e-5

@@ -169,7 +169,8 @@ class Server:
 
         # a file, not a pipe: nobody reads the log while the load runs, and a full pipe blocks the server
         self.log = tempfile.NamedTemporaryFile("w+", prefix="orthros-serve-", suffix=".log")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         self.url = f"http://127.0.0.1:{port}/v1"
         import httpx
 
@@ -201,6 +202,16 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
             self.log.close()
+
+
+def _die_with_parent() -> None:
+    """In the server's process, before exec: be sent SIGTERM when this process dies, however
+    it dies (a killed benchmark must not leave a server holding the GPU's memory)."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _served_name(url: str) -> str:

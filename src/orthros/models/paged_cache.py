@@ -67,6 +67,10 @@ class PagedKVPool:
         self.k_scale = torch.ones(L, Hkv, device=device, dtype=torch.float32)
         self.v_scale = torch.ones(L, Hkv, device=device, dtype=torch.float32)
         self.scaled = [False] * L
+        # Prompt-chunk lengths whose windowed attention runs the compiled (shape-specialised)
+        # kernel; any other length runs the blocked op. None: every multiple of 128. A serving
+        # engine sets the lengths its token budget cuts and compiles them before serving.
+        self.compiled_chunks: frozenset[int] | None = None
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at pool slots [T].
@@ -256,8 +260,11 @@ class PagedStepCache:
                 n, S = d.r1 - d.r0, d.slots.numel()
                 qs = (d.dense_start + torch.arange(n, device=q.device))[None]
                 # A windowed chunk's compiled kernels are specialised to its length: a length off
-                # the engine's chunk grid (a prompt's last chunk) runs the blocked op instead.
-                be = "chunked" if window is not None and q.is_cuda and n % 128 else backend
+                # the engine's chunk grid (a prompt's last chunk) runs the blocked op instead, so
+                # no step ever waits for a compilation.
+                grid = pool.compiled_chunks
+                off_grid = n % 128 if grid is None else n not in grid
+                be = "chunked" if window is not None and q.is_cuda and off_grid else backend
                 o[:, d.r0:d.r1] = attention(q[:, d.r0:d.r1], kd, vd, qs, torch.zeros_like(qs),
                                             torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
                                             scale=scale, backend=be, dense_start=d.dense_start)

@@ -147,7 +147,9 @@ class StaticOrthrosCache(OrthrosCache):
         kq, vq = self._quantize(layer_idx, k, v)
         kb, vb = self.k[layer_idx], self.v[layer_idx]
         if self.decoding:
-            if self.fp8:  # index_copy_ has no fp8 kernels: copy the bytes
+            if self.fp8 and not torch.compiler.is_compiling():  # eager index_copy_ has no fp8 kernels: copy bytes
+                # (Compiled, the byte view would make inductor copy the whole buffer every step:
+                # it writes fp8 itself, in place.)
                 kb.view(torch.uint8).index_copy_(1, self.slot, kq.view(torch.uint8))
                 vb.view(torch.uint8).index_copy_(1, self.slot, vq.view(torch.uint8))
             else:

@@ -146,7 +146,7 @@ def _num_sms(device) -> int:
 
 
 def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, num_splits=None,
-                      block_n: int = 64, return_lse: bool = False, window_rows: int | None = None,
+                      block_n: int | None = None, return_lse: bool = False, window_rows: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None):
     """Same contract as `naive_attention`, for G * M <= MAX_ROWS (no autograd).
     window_rows: only the first `window_rows` queries use `window` (see `ops.attention`).
@@ -163,6 +163,10 @@ def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, nu
             raise ValueError(f"{name} must be contiguous in its last dim")
     scale = D ** -0.5 if scale is None else scale
     slot = q_slot.expand(B, M)
+    if block_n is None:
+        # 1-byte keys: 128-key tiles (16 KB of K per iteration) stream better than 64 (H200, a 1M
+        # fp8 cache, benchmarks/splitkv_sweep.py: 0.96 vs 1.24 ms per layer); 2-byte keys keep 64
+        block_n = 128 if k.element_size() == 1 and D <= 128 else 64
     if num_splits is None:
         want = max(1, 2 * _num_sms(q.device) // max(1, B * Hkv))
         num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))

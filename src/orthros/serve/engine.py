@@ -223,8 +223,9 @@ class Engine:
         return bool(self.waiting or self.running or self._aborts)
 
     def start(self) -> None:
-        if self.graphs is not None and not self.pool.fp8:  # fp8 scales come from the first prefill: capture later
-            with torch.inference_mode():
+        with torch.inference_mode():
+            self.warm_up()
+            if self.graphs is not None and not self.pool.fp8:  # fp8 scales come from the first prefill: later
                 self.graphs.capture_all()
         self._thread = threading.Thread(target=self._loop, name="orthros-engine", daemon=True)
         self._thread.start()
@@ -242,6 +243,40 @@ class Engine:
                 return
             self.step()
         raise RuntimeError(f"work left after {max_steps} steps")
+
+    def chunk_lengths(self) -> list[int]:
+        """The lengths a prompt chunk cut by the token budget can have (whatever the running
+        decodes leave of the budget); a prompt's last chunk is whatever remains."""
+        budget, n = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
+        return sorted({self._chunk(budget + 1, b) for b in range(max(1, budget - n), budget + 1)})
+
+    def warm_up(self) -> None:
+        """On CUDA, before serving: compile the windowed-chunk attention for every budget-cut
+        chunk length (first chunk and later ones), so that no step of a running stream waits
+        for a compilation; other lengths run the blocked op (`PagedKVPool.compiled_chunks`).
+        The writes go to blocks that are free again afterwards."""
+        if self.device.type == "cuda" and self.model.config.attention != "full":
+            self._compile_chunks()
+            torch.cuda.synchronize(self.device)
+
+    def _compile_chunks(self) -> None:
+        mc = self.model.config
+        lengths = [n for n in self.chunk_lengths() if n >= 128]
+        self.pool.compiled_chunks = frozenset(lengths)
+        W = mc.window_size
+        for n in lengths:
+            for start in (0, W):
+                if self.blocks.blocks_for(start + n) > self.blocks.num_free:
+                    continue
+                blocks = self.blocks.allocate(self.blocks.blocks_for(start + n))
+                try:
+                    self._forward([Segment([0] * n, start, blocks, False)])
+                finally:
+                    self.blocks.release(BlockTable(blocks=blocks))
+        if self.pool.fp8:  # the warm-up's tokens must not choose the scales
+            self.pool.scaled = [False] * self.pool.num_layers
+            self.pool.k_scale.fill_(1.0)
+            self.pool.v_scale.fill_(1.0)
 
     # ------------------------------------------------------------- the loop
     def _loop(self) -> None:

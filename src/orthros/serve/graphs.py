@@ -38,8 +38,13 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(1, B, dtype=torch.long, device=dev)
         self.pos = torch.zeros(B, dtype=torch.long, device=dev)
         self.slots = torch.zeros(B, dtype=torch.long, device=dev)
-        self.table = torch.zeros(B, self.max_blocks, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.table = torch.full((B, self.max_blocks), self.scratch, dtype=torch.int32, device=dev)
+        # What row i of `table` holds: (the block list it was copied from, how many entries), so
+        # that a step copies only the blocks appended since (a 128K sequence has 8K of them)
+        self._rows: list[tuple[list[int], int] | None] = [None] * B
+        # bucket -> (graph, its output, the cache it was captured over: the tensors that cache
+        # made outside the graph (row indices, masks) are read by every replay and must stay alive)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PagedStepCache]] = {}
         self.mempool = None
         self.disabled = False
 
@@ -57,15 +62,35 @@ class DecodeGraphs:
         ids = torch.zeros(b, dtype=torch.long)
         pos = torch.zeros(b, dtype=torch.long)
         slots = torch.full((b,), self.scratch * bs, dtype=torch.long)
-        table = torch.full((b, self.max_blocks), self.scratch, dtype=torch.int32)
         for i, s in enumerate(segments):
             ids[i], pos[i] = s.tokens[0], s.start
-            table[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.int32)
             slots[i] = s.blocks[s.start // bs] * bs + s.start % bs
+            self._fill_row(i, s.blocks)
+        for i in range(len(segments), b):  # padded rows: the scratch block
+            self._fill_row(i, None)
         self.input_ids[0, :b].copy_(ids, non_blocking=True)
         self.pos[:b].copy_(pos, non_blocking=True)
         self.slots[:b].copy_(slots, non_blocking=True)
-        self.table[:b].copy_(table, non_blocking=True)
+
+    def _fill_row(self, i: int, blocks: list[int] | None) -> None:
+        """Row i of the static block table := `blocks` (None: all scratch), copying only what
+        changed. A request's block list only grows while it holds it (a release makes a new
+        list), so the same list object with more entries needs only its new ones."""
+        held = self._rows[i]
+        if blocks is None:
+            if held is not None:
+                self.table[i].fill_(self.scratch)
+            self._rows[i] = None
+            return
+        if held is not None and held[0] is blocks and held[1] <= len(blocks):
+            a = held[1]
+        else:
+            a = 0
+            if held is not None and held[1] > len(blocks):  # the old row was longer: clear its tail
+                self.table[i, len(blocks):held[1]].fill_(self.scratch)
+        if a < len(blocks):
+            self.table[i, a:len(blocks)].copy_(torch.tensor(blocks[a:], dtype=torch.int32), non_blocking=True)
+        self._rows[i] = (blocks, len(blocks))
 
     def capture_all(self) -> None:
         """Capture every bucket now, every row on the scratch block (before any request)."""
@@ -89,7 +114,7 @@ class DecodeGraphs:
             logits = self._forward(cache)  # eager: this step's result, and the kernels compiled
             self._capture(b, cache)
             return logits[:n].clone()
-        graph, out = self.graphs[b]
+        graph, out, _ = self.graphs[b]
         graph.replay()
         return out[:n].clone()
 
@@ -116,4 +141,4 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._forward(cache)
         torch.cuda.synchronize()
-        self.graphs[b] = (graph, out)
+        self.graphs[b] = (graph, out, cache)
