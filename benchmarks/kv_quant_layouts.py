@@ -197,12 +197,11 @@ def main():
 
 def render(res: dict) -> str:
     """The Markdown table of a results dict."""
-    head = [f"Command: `{res['command']}`  " if "command" in res else "",
-            f"Date: {res['date']}; " if "date" in res else "",
+    out = [f"Command: `{res['command']}`  "] if "command" in res else []
+    out += [(f"Date: {res['date']}; " if "date" in res else "") +
             f"output-stream attention error, keys older than W={res['window']} quantized (sinks {res['sink']}), "
             f"{len(res['rows'])} rows x {res['seq_len']} tokens of {res['model']}, every layer; the other of K/V "
             f"exact unless 'KV'.", "", "| case | bits/element | mean rel. error | worst layer |", "| --- | --- | --- | --- |"]
-    out = ["".join(head[:3])] + head[3:]
     for r in res["results"]:
         out.append(f"| {r['case']} | {r['bits_per_element']:.2f} | {r['mean_rel_err']:.4f} | {r['worst_rel_err']:.4f} |")
     return "\n".join(out) + "\n"
