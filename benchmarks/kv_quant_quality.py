@@ -259,13 +259,14 @@ def main(argv=None):
     publish(table(res), out, args.docs)
 
 
-def publish(text: str, out: Path, docs: str | None) -> None:
-    """Print the table, write it next to the JSON (.md) and into `docs` between its marks."""
+def publish(text: str, out: Path, docs: str | None, tag: str = "kv-quality") -> None:
+    """Print the table, write it next to the JSON (.md) and into `docs` between the marks
+    `<!-- <tag>-table:begin / end -->`."""
     from orthros.bench.common import splice_marks
 
     print(text)
     out.with_suffix(".md").write_text(text)
-    if splice_marks(docs, text.rstrip("\n"), ("<!-- kv-quality-table:begin -->", "<!-- kv-quality-table:end -->")):
+    if splice_marks(docs, text.rstrip("\n"), (f"<!-- {tag}-table:begin -->", f"<!-- {tag}-table:end -->")):
         print(f"table written into {docs}")
 
 

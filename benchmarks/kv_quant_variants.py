@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kv_quant_quality import copy_stream, load_model  # sibling benchmark script
+from kv_quant_quality import copy_stream, load_model, publish  # sibling benchmark script
 
 # name -> (kv_dtype, LowBitStaticCache arguments); bf16 / fp8 are the plain static cache
 VARIANTS = {
@@ -99,7 +99,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.table_only:
-        return publish(json.loads(out.read_text()), out, args.docs)
+        return publish(table(json.loads(out.read_text())), out, args.docs, "kv-variants")
     from orthros.eval.longrange import copy_probe
 
     model, tok, name = load_model(None, args.adapter)
@@ -118,17 +118,7 @@ def main(argv=None):
         print(f"{v}: {json.dumps(r['by_gap'])} ({time.time() - t:.0f} s)", flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1) + "\n")
-    publish(res, out, args.docs)
-
-
-def publish(res: dict, out: Path, docs: str | None) -> None:
-    from orthros.bench.common import splice_marks
-
-    text = table(res)
-    print(text)
-    out.with_suffix(".md").write_text(text)
-    if splice_marks(docs, text.rstrip("\n"), ("<!-- kv-variants-table:begin -->", "<!-- kv-variants-table:end -->")):
-        print(f"table written into {docs}")
+    publish(table(res), out, args.docs, "kv-variants")
 
 
 if __name__ == "__main__":
