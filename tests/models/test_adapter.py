@@ -13,7 +13,7 @@ from orthros.experiments.cpt import PRESETS, train_arm
 from orthros.loading import load_model
 from orthros.models.adapter import apply_adapter, make_trainable, save_adapter
 
-from ..conftest import make_model, rel_err
+from ..conftest import DEVICE, make_model, rel_err
 
 
 def trained(mode, seed=0):
@@ -22,7 +22,7 @@ def trained(mode, seed=0):
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
                             lr=5e-3, gradient_checkpointing=True)  # as the GPU preset trains
     rows = np.random.default_rng(seed).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
-    model, stats = train_arm(model, mode, p, rows, "cpu", mode)
+    model, stats = train_arm(model, mode, p, rows, str(DEVICE), mode)
     return model, base, stats
 
 
@@ -32,7 +32,7 @@ def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(m
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names and all(("so_" in n) or ("norm" in n and mode != "so") or ("lora_" in n) for n in names)
     assert any("lora_" in n for n in names) == (mode == "lora+so")
-    x = torch.randint(0, model.config.vocab_size, (2, 40))
+    x = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
     with torch.no_grad():
         want = model(x).logits
     save_adapter(model, tmp_path / "a", {"mode": mode}, lora_dtype=torch.float32)

@@ -132,7 +132,7 @@ class Server:
                 "--kv-dtype", a.kv_dtype, "--max-num-seqs", "64", "--max-queue", "4096"]
         if a.layers:
             argv += ["--layers", str(a.layers)]
-        if device == "cpu":
+        if device == "cpu" or a.scale == "tiny":  # a tiny model needs little, and a shared GPU keeps the rest
             argv += ["--kv-cache-gib", "0.25"]
         self.model = sc["model"]
         if a.server == "inprocess":
