@@ -3,7 +3,10 @@ dequantize-then-attend (`ops.lowbit.dense_kv` + the fp32 naive op) on caches fil
 `LowBitStaticCache`: int4 / int2, GQA (2 and 3 query heads per KV head), odd lengths, sinks or
 none, bounds below / at / past the sinks, padded rows, a decode pair (windowed base row +
 output row), all rows windowed, one split and several; rotated caches (the default) and
-unrotated ones, a head size that is not a power of two (block-diagonal rotation, padded tile)."""
+unrotated ones, a head size that is not a power of two (block-diagonal rotation, padded tile);
+packed tiles at key-group edges and the layouts of the kernel's per-slot / per-channel paths;
+16-bit cases with narrow packed tiles (fp32 dots) and wide ones (head sizes 64 / 128 with groups
+of 64: the 16-bit dots of real shapes)."""
 
 import sys
 
@@ -17,14 +20,15 @@ from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
 W = 8
 
 
-def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="cpu", rotate=True):
+def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="cpu", rotate=True, key_group=16,
+                 value_group=16):
     """A one-layer cache with `length` random slots written in `chunks` (then decode steps)."""
     torch.manual_seed(seed)
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=H, num_key_value_heads=Hkv,
                                   head_dim=D, window_size=W)
     B = 2
-    cache = LowBitStaticCache(cfg, B, length + 4, device, torch.float32, kv_dtype, key_group=16,
-                              value_group=min(D & -D, 16), sinks=sinks, rotate=rotate)
+    cache = LowBitStaticCache(cfg, B, length + 4, device, torch.float32, kv_dtype, key_group=key_group,
+                              value_group=min(D & -D, value_group), sinks=sinks, rotate=rotate)
     k = (2 * torch.randn(B, length, Hkv, D) + torch.linspace(-3, 3, D)).to(device)  # per-channel ranges differ
     v = torch.randn(B, length, Hkv, D).to(device)
     doc = torch.zeros(B, length, dtype=torch.long, device=device)
@@ -49,8 +53,9 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
-          dtype=torch.float32, seed=0, device="cpu", rotate=True):
-    cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate)
+          dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64):
+    cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
+                         value_group)
     B = cache.batch_size
     q = torch.randn(B, M, H, D).to(device, dtype)
     slot = torch.full((B, M), length - 1, device=device)
@@ -66,10 +71,11 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound], device=device), length,
                                    cache.key_bits,
                                    cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
-                                   rotation=cache.rotation, num_splits=splits)
+                                   rotation=cache.rotation, num_splits=splits, block_n=block_n)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
-    assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate, err)
+    assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate,
+                       key_group, value_group, block_n, err)
     return bound
 
 
@@ -94,6 +100,26 @@ def main(which: str, device: str = "cpu"):
             check(kv, 4, 2, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device, rotate=rotate)
             check(kv, 4, 2, D, 150, 4, [150], M=3, dtype=half, device=device, rotate=rotate)
     assert bounds == {0, 16, 48, 192, 288}, bounds  # no bound, one key group, several
+    # tiles at key-group edges: several tiles a group, split starts inside a group (block 16 < group 32);
+    # groups of 48 (tiles of 16, the largest power of two dividing it); block 128 > group; groups of 8
+    # (a tile spans groups: the per-slot path); head size 24 with value groups of 6 (non-power-of-two
+    # groups; int2 bytes straddle groups: the per-channel path)
+    for kv in ("int4", "k4v2"):
+        check(kv, 4, 2, 16, 150, 4, [150], splits=3, key_group=32, block_n=16, device=device)
+        check(kv, 4, 2, 16, 200, 4, [60], splits=2, key_group=48, device=device)
+        check(kv, 4, 2, 16, 100, 3, [100], key_group=16, block_n=128, device=device)
+        check(kv, 4, 2, 16, 100, 4, [30], splits=2, key_group=8, device=device)
+        check(kv, 6, 2, 24, 100, 4, [100], splits=2, value_group=6, device=device, rotate=False)
+        check(kv, 6, 2, 24, 100, 4, [40], value_group=6, key_group=8, window=W, window_rows=1, M=2, dtype=half,
+              device=device, rotate=False)
+    # wide packed tiles (the 16-bit dots): head size 64 (int2 keys: 16 bytes) and 128, groups of 64
+    for kv in ("int4", "int2", "k4v2"):
+        for D in (64, 128) if device != "cpu" else (64,):
+            for rotate in (True, False):
+                check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
+                      value_group=64)
+                check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
+                      rotate=rotate, key_group=64, value_group=64, splits=2)
     print("ok")
 
 

@@ -1,176 +1,90 @@
 """Split-KV attention over a low-bit cache: a few queries, int4 / int2 keys and values
-dequantized on the fly (the layout of `ops/lowbit.py`, the parts of `LowBitStaticCache`).
+read in their packed form (the layout of `ops/lowbit.py`, the parts of `LowBitStaticCache`).
 
 The structure is `ops/splitkv.py`'s: one program per (row, KV head, split),
 the G * M queries of a KV head as the rows of one tile, an online softmax
 over the split's keys (clipped to what the queries can see), the same
-log-sum-exp merge. What changes is where a key tile comes from: each slot j
-of a tile is loaded from exactly one of
+log-sum-exp merge. The split's keys are read in three loops, each clipped to
+the split and each with plain loads of one part:
 
-    j < NS             the bf16 sinks
-    NS <= j < bound    the packed storage: byte j, d // P, bits (d % P) * b (b = 4 or 2, P = 8 / b), times the
-                       key group's (scale, zero) of channel d / the value's of its group
-    bound <= j         the bf16 ring, at j % R
+    [0, NS)          the bf16 sinks
+    [NS, bound)      the packed storage (where the time goes at long context)
+    [bound, end)     the bf16 ring, at j % R
 
-(masked loads: a lane that does not read a part fetches nothing from it), and
-the three are merged before the same two dots as the bf16 kernel.
-
-A rotated cache (`ops/lowbit.py`: the packed slots hold K R and V R) splits
-each dot in two: scores q . k over the bf16 lanes plus (q R) . (k R) over the
-packed ones (q R computed once per call, before the launch), and the packed
-lanes' values go to a second accumulator, multiplied by R once at the end of
-each program (R is loaded only there: no D x D tile stays live in the loop).
+A rotated cache (`ops/lowbit.py`: the packed slots hold K R and V R) reads
+the packed keys with q R (computed once per call, before the launch) and
+accumulates the packed values apart; the program writes both parts, and
+after the merge the output is o_bf16 + o_packed R (R is its own inverse).
 
 A windowed query's keys lie at or above `bound` (the cache keeps at least W
-slots in bf16), so with every row windowed the packed part is never touched.
+slots in bf16), so with every row windowed the packed loop is empty.
 
-Kept simple on purpose; what to profile first on the GPU (docs/long_context.md):
-the predicated three-way load and the per-element dequantization (folding the key
-scales into the query per group and the value scales into p would remove it),
-the byte loaded P times (once per channel it holds), the rotation's second pair
-of dots, and the split count.
+The packed loop never dequantizes an element:
+
+* keys (per channel d a scale s_d and zero z_d per key group): a tile lies
+  inside one key group (BLOCK_Q divides `key_group`; the first tile of a
+  range is masked below NS), so q.k = (q * s).n + q.z with n the levels: one
+  [BLOCK_R, D] multiply and a [BLOCK_R] bias per tile.
+* values (per token j and channel group g a scale and zero): the channel
+  groups are the batch axis of the value dot (acc [NG, BLOCK_R, VG]), so
+  p.v = (p * s_g).n + p.z_g: one [NG, BLOCK_R, BLOCK_Q] multiply and a bias.
+* each packed byte is loaded once ([BLOCK_Q, D / P] bytes) and its P levels
+  are split with shifts and interleaved back into channel order.
+* levels become dot operands without an int-to-float conversion (16 a
+  clock per SM on sm_90, an eighth of the FMA rate: it would cap the
+  stream): in 16-bit,
+  n | bits(MAGIC) is the float MAGIC + n (MAGIC = 128 in bf16, 1024 in
+  fp16), and MAGIC times the sum of the scaled operand is taken off in the
+  bias, computed from the same rounded operand so that nothing cancels.
+
+Why: the kernel that merged sinks / packed / ring in one tile with a
+three-way select and dequantized every element (per-element scale and zero
+loads, every byte loaded once per channel it holds) ran at ~20 GB/s on an
+H200 whatever the split count. Compiled for sm_90 (Llama-3.1-8B shape, int4,
+block 64, 4 warps, 2 stages) it took 121 KB of shared memory for its
+pipelined loads (238 KB at block 128: over the 227 KB limit, the
+OutOfResources) and 209 registers; this one takes 39 KB (73 KB at block 128)
+and 255 registers with <= 40 B of spill (the fp8 kernel of ops/splitkv.py: 23 KB, 234).
+The registers go to the value side (channel groups as the batch axis of a 3D
+dot); the sweep (benchmarks/splitkv_sweep.py) is what decides.
+
+The 16-bit dots take packed tiles at least 16 bytes wide (D / P key bytes,
+VG / P value bytes per group, VG a power of two: the Llama-like shapes,
+head size 64 or 128 with groups of 64). Narrower tiles (tiny test heads)
+came out wrong on sm_90 in bf16 and fp16 (exact under the interpreter);
+for them the kernel runs its dots in fp32 (WIDE=False), same structure.
+
+Layouts the fold does not cover run a slower exact path, chosen at compile
+time: key groups whose largest power-of-two factor is < 16 (a tile then spans
+groups: per-slot scales, dequantized), value groups not a multiple of P
+(bytes straddle groups: loaded per element).
+
+Offsets: 64-bit per program and per tile (scalars), 32-bit within a tile;
+slot indices are 32-bit (caches below 2^31 slots).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
 from .splitkv import MAX_ROWS, _num_sms, merge_splits_kernel
 
+LOG2E = 1.4426950408889634
 
-@functools.cache
+
 def _kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC, KDOC, BOUND, ROT, O, LSE,
-                   sqb, sqm, sqh,
-                   sqrb, sqrm, sqrh,  # q R (rotated caches)
-                   ssb, sss, ssh,  # sinks (K and V alike)
-                   skqb, skqs, skqh,  # packed K
-                   svqb, svqs, svqh,  # packed V
-                   sksb, ksg, sksh,  # key scale / zero [B, S / KG, Hkv, D]
-                   svsb, svss, svsh,  # value scale / zero [B, S, Hkv, D / VG]
-                   srb, srs, srh,  # ring
-                   s_slot_b, s_qdoc_b, s_kdoc_b,
-                   sob, sop, som, soh, slb, slp, slm,
-                   M, S, Hkv, NS, R, KG, scale, window, window_rows, keys_per_split,
-                   G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, IEEE: tl.constexpr):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        b = (pid // Hkv).to(tl.int64)
-        kvh = pid % Hkv
-        r = tl.arange(0, BLOCK_R)
-        m = r // G
-        h = kvh * G + r % G
-        rvalid = m < M
-        d = tl.arange(0, BLOCK_D)
-        dmask = d < D
-        q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
-                    mask=rvalid[:, None] & dmask[None, :], other=0.0)
-        slot = tl.load(SLOT + b * s_slot_b + m, mask=rvalid, other=-1).to(tl.int64)
-        qdoc = tl.load(QDOC + b * s_qdoc_b + m, mask=rvalid, other=-3).to(tl.int64)
-        bound = tl.load(BOUND).to(tl.int64)
-        start = split.to(tl.int64) * keys_per_split
-        end = tl.minimum(start + keys_per_split, S)
-        end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
-        if HAS_WINDOW:
-            if window_rows >= M:  # every row is windowed: skip the keys before the window
-                start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
-        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        if ROTATED:  # q R for the packed lanes' scores, their values' accumulator
-            qr = tl.load(QR + b * sqrb + m[:, None] * sqrm + h[:, None] * sqrh + d[None, :],
-                         mask=rvalid[:, None] & dmask[None, :], other=0.0)
-            acc_q = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        n = tl.arange(0, BLOCK_N)
-        kbyte, vbyte = d // (8 // KBITS), d // (8 // VBITS)
-        kshift = ((d % (8 // KBITS)) * KBITS).to(tl.int32)
-        vshift = ((d % (8 // VBITS)) * VBITS).to(tl.int32)
-        for j0 in range(start, end, BLOCK_N):
-            j = j0 + n
-            jvalid = j < end
-            in_sink = jvalid & (j < NS)
-            in_ring = jvalid & (j >= bound) & (j >= NS)
-            in_q = jvalid & (j >= NS) & (j < bound)
-            ms, mr, mq = (in_sink[:, None] & dmask[None, :], in_ring[:, None] & dmask[None, :],
-                          in_q[:, None] & dmask[None, :])
-            ring_j = j % R
-            # keys: sinks | dequantized | ring
-            k = tl.load(SK + b * ssb + j[:, None] * sss + kvh * ssh + d[None, :], mask=ms, other=0.0).to(tl.float32)
-            kr = tl.load(RK + b * srb + ring_j[:, None] * srs + kvh * srh + d[None, :], mask=mr, other=0.0)
-            kb = tl.load(KQ + b * skqb + j[:, None] * skqs + kvh * skqh + kbyte[None, :], mask=mq, other=0)
-            grp = j // KG
-            ks = tl.load(KS + b * sksb + grp[:, None] * ksg + kvh * sksh + d[None, :], mask=mq, other=0.0)
-            kz = tl.load(KZ + b * sksb + grp[:, None] * ksg + kvh * sksh + d[None, :], mask=mq, other=0.0)
-            kd = ((kb.to(tl.int32) >> kshift[None, :]) & ((1 << KBITS) - 1)).to(tl.float32) * ks.to(tl.float32) \
-                + kz.to(tl.float32)
-            if ROTATED:
-                k = tl.where(mr, kr.to(tl.float32), k).to(q.dtype)  # zero on the packed lanes
-                kd = tl.where(mq, kd, 0.0).to(q.dtype)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee") + tl.dot(qr, tl.trans(kd), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k)) + tl.dot(qr, tl.trans(kd))
-            else:
-                k = tl.where(mr, kr.to(tl.float32), tl.where(mq, kd, k)).to(q.dtype)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-            kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
-            s = s * scale
-            vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
-            if HAS_WINDOW:
-                vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            # values: sinks | dequantized | ring
-            v = tl.load(SV + b * ssb + j[:, None] * sss + kvh * ssh + d[None, :], mask=ms, other=0.0).to(tl.float32)
-            vr = tl.load(RV + b * srb + ring_j[:, None] * srs + kvh * srh + d[None, :], mask=mr, other=0.0)
-            vb = tl.load(VQ + b * svqb + j[:, None] * svqs + kvh * svqh + vbyte[None, :], mask=mq, other=0)
-            vg = d // VG
-            vs = tl.load(VS + b * svsb + j[:, None] * svss + kvh * svsh + vg[None, :], mask=mq, other=0.0)
-            vz = tl.load(VZ + b * svsb + j[:, None] * svss + kvh * svsh + vg[None, :], mask=mq, other=0.0)
-            vd = ((vb.to(tl.int32) >> vshift[None, :]) & ((1 << VBITS) - 1)).to(tl.float32) * vs.to(tl.float32) \
-                + vz.to(tl.float32)
-            if ROTATED:
-                v = tl.where(mr, vr.to(tl.float32), v).to(q.dtype)  # zero on the packed lanes
-                vd = tl.where(mq, vd, 0.0).to(q.dtype)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                    acc_q = acc_q * alpha[:, None] + tl.dot(p, vd.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                    acc_q = acc_q * alpha[:, None] + tl.dot(p.to(vd.dtype), vd)
-            else:
-                v = tl.where(mr, vr.to(tl.float32), tl.where(mq, vd, v)).to(q.dtype)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
-        if ROTATED:  # the packed lanes' values back from the rotated space: (sum p V R) R
-            rot = tl.load(ROT + d[:, None] * D + d[None, :], mask=dmask[:, None] & dmask[None, :], other=0.0)
-            acc += tl.dot(acc_q, rot, input_precision="ieee")
-        seen = l_i > 0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + d[None, :], o,
-                 mask=rvalid[:, None] & dmask[None, :])
-        tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
+    from .splitkv_lowbit_kernel import splitkv_lowbit_fwd  # imports triton
 
     return splitkv_lowbit_fwd
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def wide_tiles(D: int, VG: int, key_bits: int, value_bits: int) -> bool:
+    """Whether the 16-bit dots apply (see the module docstring)."""
+    return D // (8 // key_bits) >= 16 and VG == _pow2(VG) and VG // (8 // value_bits) >= 16
 
 
 def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
@@ -183,7 +97,9 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
     rotated cache (`LowBitStaticCache.rotation`), None for an unrotated one. Same contract
     as `naive_attention` over `ops.lowbit.dense_kv(..., rotated=rotation is not None)`:
-    -> [B, M, H, D] in q's dtype."""
+    -> [B, M, H, D] in q's dtype. num_splits / block_n (keys per tile, a power of two >= 16;
+    packed tiles are also at most the key group's power-of-two factor) / num_warps /
+    num_stages: launch tuning."""
     import triton
 
     B, M, H, D = q.shape
@@ -193,7 +109,14 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         raise ValueError(f"split-KV takes at most {MAX_ROWS} query rows per KV head, got {G} x {M}")
     if q.stride(-1) != 1:
         raise ValueError("q must be contiguous in its last dim")
-    VG = D // v_scale.shape[-1]
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != torch.float32
+                                 or not rotation.is_contiguous()):
+        raise ValueError(f"rotation must be a contiguous fp32 [{D}, {D}] matrix, got {tuple(rotation.shape)} "
+                         f"{rotation.dtype}")
+    NG = v_scale.shape[-1]
+    VG = D // NG
     scale = D ** -0.5 if scale is None else scale
     slot = q_slot.expand(B, M)
     S = length
@@ -202,18 +125,18 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))
     per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
     P = max(1, triton.cdiv(S, per))
-    o = torch.empty(B, P, M, H, D, device=q.device, dtype=torch.float32)
+    parts = 1 if rotation is None else 2  # rotated: [bf16 part | packed part in V R space]
+    o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
     if sk.shape[1] == 0:  # no sinks: any valid pointer (never read)
         sk, sv = rk, rv
-    if rotation is not None and (rotation.shape != (D, D) or rotation.dtype != torch.float32
-                                 or not rotation.is_contiguous()):
-        raise ValueError(f"rotation must be a contiguous fp32 [{D}, {D}] matrix, got {tuple(rotation.shape)} "
-                         f"{rotation.dtype}")
     qr = q if rotation is None else (q.float() @ rotation).to(q.dtype)  # [B, M, H, D], contiguous
+    # packed tiles inside one key group: the largest power of two dividing key_group, if >= 16
+    block_q = min(block_n, key_group & -key_group)
+    key_fold = block_q >= 16
+    block_q = block_q if key_fold else block_n
     _kernel()[(B * Hkv, P)](
-        q, qr, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, slot, q_doc, k_doc, bound,
-        q if rotation is None else rotation, o, lse,
+        q, qr, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, slot, q_doc, k_doc, bound, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
         qr.stride(0), qr.stride(1), qr.stride(2),
         sk.stride(0), sk.stride(1), sk.stride(2),
@@ -223,12 +146,19 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         v_scale.stride(0), v_scale.stride(1), v_scale.stride(2),
         rk.stride(0), rk.stride(1), rk.stride(2),
         slot.stride(0), q_doc.stride(0), k_doc.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        M, S, Hkv, 0 if sk is rk else sk.shape[1], rk.shape[1], key_group, scale,
+        o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1), lse.stride(2),
+        M, S, Hkv, 0 if sk is rk else sk.shape[1], rk.shape[1], key_group, scale * LOG2E,
         0 if window is None else window, M if window_rows is None else window_rows, per,
-        G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, ROTATED=rotation is not None,
-        IEEE=q.dtype == torch.float32,
+        G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, NG=NG, BLOCK_R=max(16, _pow2(G * M)), BLOCK_N=block_n,
+        BLOCK_Q=block_q, BLOCK_D=max(16, _pow2(D)), BLOCK_NG=_pow2(NG), BLOCK_VG=max(16, _pow2(VG)),
+        KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
+        HAS_WINDOW=window is not None, ROTATED=rotation is not None,
+        WIDE=q.dtype != torch.float32 and wide_tiles(D, VG, key_bits, value_bits), IEEE=q.dtype == torch.float32,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
-    return merge_splits_kernel(o, lse, q.dtype)
+    if rotation is None:
+        return merge_splits_kernel(o.view(B, P, M, H, D), lse, q.dtype)
+    # both parts share each split's softmax: merge them as 2H heads, then take the packed part out of V R space
+    out = merge_splits_kernel(o.view(B, P, M, 2 * H, D), lse.repeat_interleave(2, dim=-1), torch.float32)
+    out = out.view(B, M, H, 2, D)
+    return (out[..., 0, :] + out[..., 1, :] @ rotation).to(q.dtype)

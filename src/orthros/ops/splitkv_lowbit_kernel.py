@@ -1,0 +1,223 @@
+"""The Triton code of `ops/splitkv_lowbit.py` (the design is described there). A module of its
+own because the kernel calls Triton helpers, which must be module globals; it imports triton
+and is itself imported on first use."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+@triton.jit
+def _as_operand(n, DT: tl.constexpr):
+    """Integer levels (< 128) -> MAGIC + n in DT (MAGIC 0 in fp32), exactly."""
+    if DT == tl.bfloat16:
+        return (n.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True)  # 128.0 = 0x4300
+    elif DT == tl.float16:
+        return (n.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)  # 1024.0 = 0x6400
+    else:
+        return n.to(tl.float32)
+
+@triton.jit
+def _unpack(x, BITS: tl.constexpr, DT: tl.constexpr):
+    """Packed bytes [..., C] -> levels [..., C * 8 / BITS] in channel order (lowest bits
+    first), as `_as_operand` operands."""
+    mask: tl.constexpr = (1 << BITS) - 1
+    if BITS == 4:
+        return tl.interleave(_as_operand(x & mask, DT), _as_operand(x >> 4, DT))
+    else:  # 2 bits: interleave(interleave(n0, n2), interleave(n1, n3)) is n0 n1 n2 n3
+        n0 = _as_operand(x & mask, DT)
+        n1 = _as_operand((x >> 2) & mask, DT)
+        n2 = _as_operand((x >> 4) & mask, DT)
+        n3 = _as_operand(x >> 6, DT)
+        return tl.interleave(tl.interleave(n0, n2), tl.interleave(n1, n3))
+
+@triton.jit
+def _softmax_step(s, vis, m_i, l_i):
+    """Scores s [BLOCK_R, N] (log2 units) -> (p, alpha, m_new, l_new) of the online softmax."""
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+@triton.jit
+def _visible(j, jvalid, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW: tl.constexpr):
+    kdoc = tl.load(KDOC_b + j, mask=jvalid, other=-4).to(tl.int32)
+    vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
+    if HAS_WINDOW:  # rows past window_rows: no window
+        vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))
+    return vis
+
+@triton.jit
+def _dense_tile(qd, k, v, vis, m_i, l_i, acc, BLOCK_NG: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of bf16 keys k [N, BLOCK_D] and values v [BLOCK_NG, N, BLOCK_VG]."""
+    s = _dot(qd, tl.trans(k), IEEE)
+    p, alpha, m_i, l_i = _softmax_step(s, vis, m_i, l_i)
+    pb = tl.broadcast_to(p.to(v.dtype)[None, :, :], [BLOCK_NG, p.shape[0], p.shape[1]])
+    acc = acc * alpha[None, :, None] + _dot(pb, v, IEEE)
+    return m_i, l_i, acc, alpha
+
+@triton.jit
+def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC, KDOC, BOUND, O, LSE,
+                       sqb, sqm, sqh,
+                       sqrb, sqrm, sqrh,  # q R (rotated caches)
+                       ssb, sss, ssh,  # sinks (K and V alike)
+                       skqb, skqs, skqh,  # packed K
+                       svqb, svqs, svqh,  # packed V
+                       sksb, ksg, sksh,  # key scale / zero [B, S / KG, Hkv, D]
+                       svsb, svss, svsh,  # value scale / zero [B, S, Hkv, D / VG]
+                       srb, srs, srh,  # ring
+                       s_slot_b, s_qdoc_b, s_kdoc_b,
+                       sob, sop, som, soh, sox, slb, slp, slm,
+                       M, S, Hkv, NS, R, KG, qscale, window, window_rows, keys_per_split,
+                       G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                       VG: tl.constexpr, NG: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_VG: tl.constexpr,
+                       KEY_FOLD: tl.constexpr, VALUE_BYTES: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
+                       IEEE: tl.constexpr):
+    # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
+    DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
+    MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
+    PK: tl.constexpr = 8 // KBITS
+    PV: tl.constexpr = 8 // VBITS
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // Hkv).to(tl.int64)
+    kvh = pid % Hkv
+    r = tl.arange(0, BLOCK_R)
+    m = r // G
+    h = kvh * G + r % G
+    rvalid = m < M
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
+                mask=rvalid[:, None] & dmask[None, :], other=0.0)
+    qf = q.to(tl.float32) * qscale  # softmax scale and log2(e) folded in: scores in log2 units
+    qd = qf.to(DT)
+    if ROTATED:  # q R for the packed keys (they hold K R)
+        qr = tl.load(QR + b * sqrb + m[:, None] * sqrm + h[:, None] * sqrh + d[None, :],
+                     mask=rvalid[:, None] & dmask[None, :], other=0.0)
+        qf_p = qr.to(tl.float32) * qscale
+        qd_p = qf_p.to(DT)
+    else:
+        qf_p = qf
+        qd_p = qd
+    slot = tl.load(SLOT + b * s_slot_b + m, mask=rvalid, other=-1).to(tl.int32)
+    qdoc = tl.load(QDOC + b * s_qdoc_b + m, mask=rvalid, other=-3).to(tl.int32)
+    bound = tl.load(BOUND).to(tl.int32)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, S)
+    end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
+    if HAS_WINDOW:
+        if window_rows >= M:  # every row is windowed: skip the keys before the window
+            start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    # values by channel group: channel g * VG + c at acc[g, :, c]
+    g3 = tl.arange(0, BLOCK_NG)[:, None, None]
+    c3 = tl.arange(0, BLOCK_VG)[None, None, :]
+    ch3 = g3 * VG + c3
+    cmask3 = (g3 < NG) & (c3 < VG)
+    acc = tl.zeros([BLOCK_NG, BLOCK_R, BLOCK_VG], tl.float32)
+    acc_p = tl.zeros([BLOCK_NG, BLOCK_R, BLOCK_VG], tl.float32)  # ROTATED: the packed values, in V R space
+    KDOC_b = KDOC + b * s_kdoc_b
+
+    # sinks [0, NS)
+    n = tl.arange(0, BLOCK_N)
+    n3 = n[None, :, None]
+    SK_b, SV_b = SK + b * ssb + kvh * ssh, SV + b * ssb + kvh * ssh
+    for j0 in range(start, tl.minimum(end, NS), BLOCK_N):
+        j = j0 + n
+        jv = j < tl.minimum(end, NS)
+        k = tl.load(SK_b + j[:, None] * sss + d[None, :], mask=jv[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(SV_b + (j0 + n3) * sss + ch3, mask=(j0 + n3 < tl.minimum(end, NS)) & cmask3, other=0.0)
+        vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
+        m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
+
+    # packed [NS, bound): tiles aligned to BLOCK_Q, so (KEY_FOLD) each lies in one key group
+    lo = tl.maximum(start, NS)
+    hi = tl.minimum(end, bound)
+    nq = tl.arange(0, BLOCK_Q)
+    nq3 = nq[None, :, None]
+    ck = tl.arange(0, BLOCK_D // PK)
+    KQ_b = KQ + b * skqb + kvh * skqh
+    VQ_b = VQ + b * svqb + kvh * svqh
+    KS_b, KZ_b = KS + b * sksb + kvh * sksh, KZ + b * sksb + kvh * sksh
+    VS_b, VZ_b = VS + b * svsb + kvh * svsh, VZ + b * svsb + kvh * svsh
+    gq = tl.arange(0, BLOCK_NG)[:, None]
+    for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
+        j = j0 + nq
+        jv = (j >= lo) & (j < hi)
+        kq_t = KQ_b + tl.cast(j0, tl.int64) * skqs  # this tile's first byte: 64-bit once, 32-bit within
+        kb = tl.load(kq_t + nq[:, None] * skqs + ck[None, :], mask=jv[:, None] & (ck < D // PK)[None, :], other=0)
+        kn = _unpack(kb, KBITS, DT)  # [BLOCK_Q, BLOCK_D]: MAGIC + level
+        if KEY_FOLD:
+            grp = tl.cast(j0 // KG, tl.int64) * ksg
+            ks = tl.load(KS_b + grp + d, mask=dmask, other=0.0).to(tl.float32)
+            kz = tl.load(KZ_b + grp + d, mask=dmask, other=0.0).to(tl.float32)
+            qs = (qf_p * ks[None, :]).to(DT)
+            bias = tl.sum(qf_p * kz[None, :], 1) - MAGIC * tl.sum(qs.to(tl.float32), 1)
+            s = _dot(qs, tl.trans(kn), IEEE) + bias[:, None]
+        else:  # the tile spans key groups: per-slot scales
+            grp = (j // KG)[:, None] * ksg + d[None, :]
+            kmask = jv[:, None] & dmask[None, :]
+            ks = tl.load(KS_b + grp, mask=kmask, other=0.0).to(tl.float32)
+            kz = tl.load(KZ_b + grp, mask=kmask, other=0.0).to(tl.float32)
+            k = (kn.to(tl.float32) - MAGIC) * ks + kz
+            s = _dot(qd_p, tl.trans(k.to(DT)), IEEE)
+        vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
+        p, alpha, m_i, l_i = _softmax_step(s, vis, m_i, l_i)
+        jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
+        vq_t = VQ_b + tl.cast(j0, tl.int64) * svqs
+        if VALUE_BYTES:  # [BLOCK_NG, BLOCK_Q, BLOCK_VG / PV] bytes, each once
+            cb3 = tl.arange(0, BLOCK_VG // PV)[None, None, :]
+            vb = tl.load(vq_t + nq3 * svqs + g3 * (VG // PV) + cb3, mask=jv3 & (g3 < NG) & (cb3 < VG // PV),
+                         other=0)
+            vn = _unpack(vb, VBITS, DT)
+        else:  # bytes straddle value groups: per channel
+            vb = tl.load(vq_t + nq3 * svqs + ch3 // PV, mask=jv3 & cmask3, other=0)
+            vn = _as_operand((vb >> ((ch3 % PV) * VBITS).to(tl.uint8)) & ((1 << VBITS) - 1), DT)
+        vsz = nq[None, :] * svss + gq
+        vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
+        vs = tl.load(VS_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)  # [BLOCK_NG, BLOCK_Q]
+        vz = tl.load(VZ_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
+        ps = (p[None, :, :] * vs[:, None, :]).to(DT)  # [BLOCK_NG, BLOCK_R, BLOCK_Q]
+        vbias = tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2)
+        if ROTATED:
+            acc = acc * alpha[None, :, None]
+            acc_p = acc_p * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
+        else:
+            acc = acc * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
+
+    # ring [max(bound, NS), end) at j % R
+    RK_b, RV_b = RK + b * srb + kvh * srh, RV + b * srb + kvh * srh
+    for j0 in range(tl.maximum(start, tl.maximum(bound, NS)), end, BLOCK_N):
+        j = j0 + n
+        jv = j < end
+        k = tl.load(RK_b + (j % R)[:, None] * srs + d[None, :], mask=jv[:, None] & dmask[None, :], other=0.0)
+        v = tl.load(RV_b + ((j0 + n3) % R) * srs + ch3, mask=(j0 + n3 < end) & cmask3, other=0.0)
+        vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
+        m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
+        if ROTATED:
+            acc_p = acc_p * alpha[None, :, None]
+
+    seen = l_i > 0
+    inv = 1.0 / tl.where(seen, l_i, 1.0)[None, :, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    m3, h3 = m[None, :, None], h[None, :, None]
+    omask = (m3 < M) & cmask3
+    if ROTATED:  # two parts, merged then added as o[0] + o[1] R outside: the packed values leave V R space there
+        tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
+        tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + sox + ch3, acc_p * inv, mask=omask)
+    else:
+        tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
+    tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
