@@ -145,7 +145,7 @@ def apply_adapter(model, path: str | Path):
             b = tensors.get(f"{mod}.lora_B")
             if w is None or b is None:
                 raise ValueError(f"{f}: LoRA factors for {mod!r} do not fit this model")
-            w += (b.float() @ t.float()).to(w.dtype) * scale
+            w += (b.float() @ t.float() * scale).to(w.device, w.dtype)  # the file loads on the CPU
         elif name.endswith(".lora_B"):
             continue
         else:
