@@ -52,3 +52,22 @@ def test_interference_scenario(tmp_path):
     for r in res["rows"]:
         assert not r["errors"] and not r["background_finished_early"]
         assert r["long_ttft_ms"] > 0 and r["itl_during_prefill"]["n"] > 0 and r["itl_before"]["n"] > 0
+
+
+def test_each_run_draws_its_own_prompts():
+    """Runs of one scenario never repeat each other's prompts (a repeat would be a prefix-cache
+    hit, not a prefill); one run's prompts are the same for every variant (seeded per run)."""
+    import argparse
+
+    from orthros.bench.serve import _load_runs, add_arguments, run_requests
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--scenario", "traffic", "--scale", "tiny", "--rates", "1", "1", "--num-prompts", "3"])
+    (a, a_out), (b, b_out) = [run_requests(args, i, r) for i, r in enumerate(_load_runs(args))]
+    assert len(a) == len(b) == 3 and all(16 <= len(x) <= 256 for x in a + b)
+    assert not any(x[:8] == y[:8] for x in a for y in b)
+    assert run_requests(args, 0, _load_runs(args)[0]) == (a, a_out)
+    paper = p.parse_args(["--scenario", "paper", "--scale", "tiny"])
+    (p1, _), (p2, _) = [run_requests(paper, i, r) for i, r in enumerate(_load_runs(paper))]
+    assert not any(x[:8] == y[:8] for x in p1 for y in p2)  # 127K prompts are no prefixes of the 128K ones

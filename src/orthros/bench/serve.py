@@ -260,6 +260,16 @@ def _load_runs(args) -> list[dict]:
     return runs
 
 
+def run_requests(args, i: int, run: dict) -> tuple[list[list[int]], list[int]]:
+    """The prompts and output lengths of load run `i`: the same for every variant (one seed
+    per run), different from run to run, so that no run finds another's prompts in the
+    server's prefix cache (a repeated prompt is a cache hit, not a prefill)."""
+    rng = random.Random(f"{args.seed}/run {i}")
+    ins = lengths(run["input"], run["num"], rng)
+    outs = lengths(run["output"], run["num"], rng)
+    return random_prompts(ins, _vocab(args), rng), outs
+
+
 def measure(args) -> dict:
     from .common import environment
 
@@ -278,11 +288,8 @@ def measure(args) -> dict:
             commands[variant] = srv.command
             rng = random.Random(args.seed)
             _warmup(args, srv, rng, args.budget)
-            for run in _load_runs(args):
-                rng = random.Random(args.seed + 1)
-                ins = lengths(run["input"], run["num"], rng)
-                outs = lengths(run["output"], run["num"], rng)
-                prompts = random_prompts(ins, _vocab(args), rng)
+            for i, run in enumerate(_load_runs(args)):
+                prompts, outs = run_requests(args, i, run)
                 results, duration = asyncio.run(run_load(srv.url, srv.model, prompts, outs, run["rate"],
                                                          run["concurrency"], args.seed))
                 row = dict(variant=variant, run=run["name"], rate=None if math.isinf(run["rate"]) else run["rate"],
