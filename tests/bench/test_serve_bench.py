@@ -47,7 +47,11 @@ def test_traffic_scenario_subprocess_server_and_merge(tmp_path):
 
 
 def test_interference_scenario(tmp_path):
-    res = run(tmp_path, "interference", "--server", "inprocess", "--budgets", "16")
+    res = run(tmp_path, "interference", "--server", "inprocess", "--budgets", "16", "--step-log-dir",
+              str(tmp_path / "steps"))
+    for v in ("orthros", "full"):  # each server's engine steps, one JSON line each
+        lines = (tmp_path / "steps" / f"{v}-budget16.jsonl").read_text().splitlines()
+        assert len(lines) > 10 and all(json.loads(x)["ms"] >= 0 for x in lines)
     assert [(r["variant"], r["budget"]) for r in res["rows"]] == [("orthros", 16), ("full", 16)]
     for r in res["rows"]:
         assert not r["errors"] and not r["background_finished_early"]

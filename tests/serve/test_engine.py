@@ -231,3 +231,33 @@ def test_static_block_table_copies_only_what_changed_and_stays_exact():
             c.append(12)
         graphs._fill([Segment([0], len(bl) * 4 - 1, bl, True) for bl in lists], b)
         assert torch.equal(graphs.table[:b].cpu(), expect(lists, b)), k
+
+
+def test_step_log_records_every_step(tmp_path):
+    """--step-log: one JSON line per step; its chunks and decodes add up to the tokens the
+    engine ran and to each request's prompt and output; an unwritable path is a clear error."""
+    import json
+
+    model = make_model("orthros", window=6)
+    prompts, max_tokens = _workload(1)
+    prompts.append(list(range(17)))  # its last chunk is one token (16 + 1): a chunk, not a decode
+    max_tokens.append(3)
+    log = tmp_path / "steps.jsonl"
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=16, chunk_align=4,
+                                     prefix_caching=False, step_log=str(log)))
+    out = Collector()
+    for i, p in enumerate(prompts):
+        eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
+    ran = 0
+    while eng.has_work():
+        ran += eng.step()
+    eng.stop()
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, eng.steps + 1))
+    assert sum(r["decode"] + sum(c[0] for c in r["chunks"]) for r in recs) == ran
+    assert sum(c[0] for r in recs for c in r["chunks"]) == sum(map(len, prompts))
+    assert sum(r["decode"] for r in recs) == sum(len(out.tokens(i)) - 1 for i in range(len(prompts)))
+    assert sum(c[2] for r in recs for c in r["chunks"]) == len(prompts)  # one last chunk per prompt
+    assert all(r["ms"] >= 0 and 0 <= r["t"] for r in recs) and max(r["decode"] for r in recs) > 1
+    with pytest.raises(ValueError, match="cannot write the step log"):
+        Engine(model, EngineConfig(block_size=4, num_blocks=8, step_log=str(tmp_path / "no" / "dir" / "x.jsonl")))

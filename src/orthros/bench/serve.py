@@ -99,6 +99,8 @@ def add_arguments(p):
     p.add_argument("--output-range", type=int, nargs=2, default=None, help="custom: uniform output lengths")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per server (compilation)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-log-dir", default=None,
+                   help="each started server logs its engine steps to DIR/<attention>-budget<N>.jsonl (--step-log)")
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
     p.add_argument("--out-dir", default="benchmarks/results", help="where serve-<scenario>.json / .md go")
     p.add_argument("--plot-dir", default="docs", help="where serve-<scenario>.png goes")
@@ -132,6 +134,9 @@ class Server:
                 "--kv-dtype", a.kv_dtype, "--max-num-seqs", "64", "--max-queue", "4096"]
         if a.layers:
             argv += ["--layers", str(a.layers)]
+        if a.step_log_dir:
+            os.makedirs(a.step_log_dir, exist_ok=True)
+            argv += ["--step-log", os.path.join(a.step_log_dir, f"{self.attention}-budget{self.budget}.jsonl")]
         if device == "cpu" or a.scale == "tiny":  # a tiny model needs little, and a shared GPU keeps the rest
             argv += ["--kv-cache-gib", "0.25"]
         self.model = sc["model"]

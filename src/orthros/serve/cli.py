@@ -30,13 +30,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode-only steps eagerly on CUDA")
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="append one JSON line per engine step (what it ran, its time) to PATH")
 
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_queue=args.max_queue, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-                        prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs)
+                        prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
+                        step_log=args.step_log)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ the exception.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import threading
 import time
@@ -118,6 +119,9 @@ class EngineConfig:
     # quarter of its power of two): compiled attention kernels then see few distinct chunk
     # lengths. None: 128 on CUDA, 1 (no rounding) elsewhere.
     chunk_align: int | None = None
+    # A JSON-lines file with one record per step (what it ran, how long it took; the device is
+    # synchronized at the end of each step to time it): to find which steps are slow.
+    step_log: str | None = None
 
 
 class Engine:
@@ -147,6 +151,14 @@ class Engine:
         self._stop = False
         self.error: BaseException | None = None
         self.steps = 0
+        self._t_start = time.perf_counter()
+        self._used_graph = False
+        self._step_log = None
+        if cfg.step_log:
+            try:
+                self._step_log = open(cfg.step_log, "a", buffering=1)  # line-buffered: a killed server loses no line
+            except OSError as e:
+                raise ValueError(f"cannot write the step log {cfg.step_log}: {e.strerror}") from None
         self.chunk_align = cfg.chunk_align or (128 if self.device.type == "cuda" else 1)
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
@@ -235,6 +247,9 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        if self._step_log is not None:
+            self._step_log.close()
+            self._step_log = None
 
     def run_until_done(self, max_steps: int = 1_000_000) -> None:
         """Step in the calling thread until nothing is left (tests, offline use)."""
@@ -327,15 +342,31 @@ class Engine:
                 self._emit(req, logits[out_i], greedy[out_i], now)
                 out_i += 1
         self.steps += 1
+        if self._step_log is not None:
+            self._log_step(segments, reqs, t0)
         if self.metrics:
             self.metrics.on_step(self, n_tokens, len(segments), time.perf_counter() - t0)
         return n_tokens
 
+    def _log_step(self, segments: list[Segment], reqs: list[Request], t0: float) -> None:
+        """One line: decodes (one new token past the prompt) counted, prompt chunks as
+        [tokens, start, has the output position]."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        dec = [len(s.tokens) == 1 and s.output and s.start >= len(r.prompt) for s, r in zip(segments, reqs)]
+        rec = dict(step=self.steps, t=round(t0 - self._t_start, 6), ms=round((now - t0) * 1e3, 3), decode=sum(dec),
+                   chunks=[[len(s.tokens), s.start, bool(s.output)] for s, d in zip(segments, dec) if not d],
+                   graph=self._used_graph, running=len(self.running), waiting=len(self.waiting))
+        self._step_log.write(json.dumps(rec) + "\n")
+
     def _forward(self, segments: list[Segment]) -> torch.Tensor:
         """One model forward over the segments -> logits [N, V] at their output positions."""
+        self._used_graph = False
         if self.graphs is not None and all(len(s.tokens) == 1 and s.output for s in segments):
             out = self.graphs.run(segments)
             if out is not None:
+                self._used_graph = True
                 return out
         cache = PagedStepCache(self.pool, self.model.config, segments)
         m = self.model
