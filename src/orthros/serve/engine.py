@@ -82,7 +82,7 @@ class TokenEvent:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running` must not compare prompts field by field
 class Request:
     id: int
     prompt: list[int]
