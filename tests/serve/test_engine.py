@@ -184,8 +184,9 @@ def test_static_decode_buffers_equal_the_eager_step(attention):
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_chunk_warm_up_leaves_no_trace(kv_dtype):
-    """The warm-up's forwards (CUDA compiles the budget-cut chunk lengths with them) free their
-    blocks, choose no fp8 scales, and change no later result; the lengths are those `_chunk` cuts."""
+    """The warm-up's forwards (CUDA compiles the budget-cut chunk lengths and the mixed step's
+    kernels with them) free their blocks, choose no fp8 scales, and change no later result;
+    the lengths are those `_chunk` cuts."""
     model = make_model("orthros", window=6, initializer_range=0.3)
     cfg = EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=300, max_num_seqs=8, chunk_align=128,
                        kv_dtype=kv_dtype)
@@ -193,6 +194,7 @@ def test_chunk_warm_up_leaves_no_trace(kv_dtype):
     assert eng.chunk_lengths() == sorted({eng._chunk(10**6, b) for b in range(292, 301)}) == [256]
     with torch.inference_mode():
         eng._compile_chunks()
+        eng._warm_mixed_step()  # a last chunk beside a decode
     assert eng.pool.compiled_chunks == frozenset({256}) and eng.blocks.num_used == 0
     assert not any(eng.pool.scaled) and bool((eng.pool.k_scale == 1).all())
     prompt = list(range(3, 40))

@@ -266,32 +266,45 @@ class Engine:
         return sorted({self._chunk(budget + 1, b) for b in range(max(1, budget - n), budget + 1)})
 
     def warm_up(self) -> None:
-        """On CUDA, before serving: compile the windowed-chunk attention for every budget-cut
-        chunk length (first chunk and later ones), so that no step of a running stream waits
-        for a compilation; other lengths run the blocked op (`PagedKVPool.compiled_chunks`).
-        The writes go to blocks that are free again afterwards."""
-        if self.device.type == "cuda" and self.model.config.attention != "full":
-            self._compile_chunks()
+        """On CUDA, before serving, so that no step of a running stream waits for a compilation:
+        compile the windowed-chunk attention for every budget-cut chunk length (first chunk and
+        later ones; other lengths run the blocked op, `PagedKVPool.compiled_chunks`), then run
+        one mixed step (a prompt's last chunk beside a decode, both with an output position:
+        the eager path's kernels, which the captured decode graphs do not compile). The writes
+        go to blocks that are free again afterwards."""
+        if self.device.type == "cuda":
+            if self.model.config.attention != "full":
+                self._compile_chunks()
+            self._warm_mixed_step()
             torch.cuda.synchronize(self.device)
 
-    def _compile_chunks(self) -> None:
-        mc = self.model.config
-        lengths = [n for n in self.chunk_lengths() if n >= 128]
-        self.pool.compiled_chunks = frozenset(lengths)
-        W = mc.window_size
-        for n in lengths:
-            for start in (0, W):
-                if self.blocks.blocks_for(start + n) > self.blocks.num_free:
-                    continue
-                blocks = self.blocks.allocate(self.blocks.blocks_for(start + n))
-                try:
-                    self._forward([Segment([0] * n, start, blocks, False)])
-                finally:
-                    self.blocks.release(BlockTable(blocks=blocks))
+    def _warm_forward(self, parts: list[tuple[int, int, bool]]) -> None:
+        """One forward over fake sequences [(tokens, start, output)] in blocks freed afterwards
+        (skipped if the pool has too few free); it chooses no fp8 scales."""
+        need = [self.blocks.blocks_for(start + n) for n, start, _ in parts]
+        if sum(need) > self.blocks.num_free:
+            return
+        tables = [self.blocks.allocate(k) for k in need]
+        try:
+            self._forward([Segment([0] * n, start, blocks, out) for (n, start, out), blocks in zip(parts, tables)])
+        finally:
+            for blocks in tables:
+                self.blocks.release(BlockTable(blocks=blocks))
         if self.pool.fp8:  # the warm-up's tokens must not choose the scales
             self.pool.scaled = [False] * self.pool.num_layers
             self.pool.k_scale.fill_(1.0)
             self.pool.v_scale.fill_(1.0)
+
+    def _compile_chunks(self) -> None:
+        lengths = [n for n in self.chunk_lengths() if n >= 128]
+        self.pool.compiled_chunks = frozenset(lengths)
+        for n in lengths:
+            for start in (0, self.model.config.window_size):
+                self._warm_forward([(n, start, False)])
+
+    def _warm_mixed_step(self) -> None:
+        W = self.model.config.window_size or 16
+        self._warm_forward([(W + 3, W, True), (1, W + 1, True)])
 
     # ------------------------------------------------------------- the loop
     def _loop(self) -> None:
