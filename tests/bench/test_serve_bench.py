@@ -52,6 +52,8 @@ def test_interference_scenario(tmp_path):
     for v in ("orthros", "full"):  # each server's engine steps, one JSON line each
         lines = (tmp_path / "steps" / f"{v}-budget16.jsonl").read_text().splitlines()
         assert len(lines) > 10 and all(json.loads(x)["ms"] >= 0 for x in lines)
+        summary = res["steps"][f"{v} budget 16"]  # and its summary in the results
+        assert summary["steps"] == len(lines) and summary["slowest"][0]["ms"] == summary["ms_max"] >= summary["ms_p50"]
     assert [(r["variant"], r["budget"]) for r in res["rows"]] == [("orthros", 16), ("full", 16)]
     for r in res["rows"]:
         assert not r["errors"] and not r["background_finished_early"]

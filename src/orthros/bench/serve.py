@@ -119,6 +119,7 @@ class Server:
         self.args, self.attention, self.budget = args, attention, budget
         self.proc = self.thread_server = None
         self.command = None
+        self.step_log = self.steps = None
 
     def __enter__(self):
         a, sc = self.args, SCALES[self.args.scale]
@@ -136,7 +137,10 @@ class Server:
             argv += ["--layers", str(a.layers)]
         if a.step_log_dir:
             os.makedirs(a.step_log_dir, exist_ok=True)
-            argv += ["--step-log", os.path.join(a.step_log_dir, f"{self.attention}-budget{self.budget}.jsonl")]
+            self.step_log = os.path.join(a.step_log_dir, f"{self.attention}-budget{self.budget}.jsonl")
+            if os.path.exists(self.step_log):
+                os.remove(self.step_log)  # this server's steps only
+            argv += ["--step-log", self.step_log]
         if device == "cpu" or a.scale == "tiny":  # a tiny model needs little, and a shared GPU keeps the rest
             argv += ["--kv-cache-gib", "0.25"]
         self.model = sc["model"]
@@ -207,6 +211,23 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
             self.log.close()
+        if self.step_log and os.path.exists(self.step_log):
+            self.steps = step_summary(self.step_log)
+
+
+def step_summary(path: str, top: int = 8) -> dict:
+    """A step log (`orthros serve --step-log`) in short: step-time quantiles and the slowest steps."""
+    recs = []
+    with open(path) as f:
+        for line in f:
+            try:
+                recs.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a killed server
+                pass
+    ms = sorted(r["ms"] for r in recs)
+    q = (lambda p: ms[min(len(ms) - 1, int(p * len(ms)))]) if ms else (lambda p: None)
+    return dict(path=path, steps=len(recs), ms_p50=q(0.5), ms_p99=q(0.99), ms_max=ms[-1] if ms else None,
+                slowest=sorted(recs, key=lambda r: -r["ms"])[:top])
 
 
 def _die_with_parent() -> None:
@@ -283,11 +304,11 @@ def measure(args) -> dict:
     import torch
 
     env = environment(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
-    rows, commands = [], {}
+    rows, commands, steps = [], {}, {}
     variants = args.variants if not args.url else ["(server at --url)"]
     for variant in variants:
         if args.scenario == "interference":
-            rows += _interference(args, variant, commands)
+            rows += _interference(args, variant, commands, steps)
             continue
         with Server(args, variant, args.budget) as srv:
             commands[variant] = srv.command
@@ -304,14 +325,15 @@ def measure(args) -> dict:
                 rows.append(row)
                 print(f"{variant:8s} {run['name']:>12s}: {row['completed']} ok, TTFT p50 {_ms(row['ttft']['p50'])}, "
                       f"ITL p50 {_ms(row['itl']['p50'])}, {row['output_throughput']:.1f} tok/s", flush=True)
+        _keep_steps(steps, variant, srv)
     return dict(scenario=args.scenario, scale=args.scale, model=SCALES[args.scale]["model"], window=args.window,
-                kv_dtype=args.kv_dtype, env=env, servers=commands,
+                kv_dtype=args.kv_dtype, env=env, servers=commands, **({"steps": steps} if steps else {}),
                 command="orthros bench serve " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"]
                                                             else sys.argv[1:]),
                 rows=rows)
 
 
-def _interference(args, variant, commands) -> list[dict]:
+def _interference(args, variant, commands, steps) -> list[dict]:
     t = SCENARIOS["interference"]
     sc = SCALES[args.scale]
     div = sc["div_in"]
@@ -333,7 +355,17 @@ def _interference(args, variant, commands) -> list[dict]:
             print(f"{variant:8s} budget {budget:>6d}: long TTFT {_ms(row['long_ttft_ms'])}, running ITL during "
                   f"prefill p50 {_ms(row['itl_during_prefill']['p50'])} p99 {_ms(row['itl_during_prefill']['p99'])}"
                   f" (before: p50 {_ms(row['itl_before']['p50'])})", flush=True)
+        _keep_steps(steps, f"{variant} budget {budget}", srv)
     return rows
+
+
+def _keep_steps(steps: dict, key: str, srv: Server) -> None:
+    """The server's step-log summary (--step-log-dir) into the results, its slowest steps printed."""
+    if srv.steps:
+        steps[key] = srv.steps
+        print(f"{key}: {srv.steps['steps']} steps, p50 {_ms(srv.steps['ms_p50'])}, max {_ms(srv.steps['ms_max'])}; "
+              "slowest: " + "; ".join(f"{r['ms']:.0f} ms ({r['decode']} decodes, chunks {r['chunks']})"
+                                      for r in srv.steps["slowest"][:3]), flush=True)
 
 
 def _ms(v) -> str:
@@ -419,6 +451,8 @@ def run(args):
                 runs.append(json.load(f))
         res = merge_runs(runs)
         res["servers"] = {k: v for r in runs for k, v in r.get("servers", {}).items()}
+        if any("steps" in r for r in runs):
+            res["steps"] = {k: v for r in runs for k, v in r.get("steps", {}).items()}
         if len(runs) > 1:
             os.makedirs(args.out_dir, exist_ok=True)
             with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
