@@ -47,6 +47,8 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
+    p.add_argument("--loops", nargs="+", choices=("planar", "interleaved"), default=["planar", "interleaved"],
+                   help="low-bit: the packed loop over bit planes (the default) and/or the interleaving one")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None, help="splice the summary table into this file (between marks)")
@@ -55,7 +57,7 @@ def main():
     B, dev = args.batch, torch.device("cuda")
     rows = []
     sms = _num_sms(dev)
-    print(f"{'context':>8s} {'dtype':6s} {'splits':>6s} {'block':>5s} {'warps':>5s} {'stages':>6s} {'us':>8s} {'GB/s':>6s}")
+    print(f"{'context':>8s} {'dtype':6s} {'splits':>6s} {'block':>5s} {'warps':>5s} {'stages':>6s} {'loop':11s} {'us':>8s} {'GB/s':>6s}")
     for S, dtype in itertools.product(args.contexts, args.dtypes):
         q = torch.randn(B, 2, H, D, device=dev, dtype=torch.bfloat16)
         slot = torch.tensor([[S - 1, S - 1]], device=dev).expand(B, 2)
@@ -77,12 +79,14 @@ def main():
         base_splits = max(1, 2 * sms // (B * HKV))
         configs = [(None, 64, None, None)] + list(itertools.product(
             [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages))
-        for splits, block_n, warps, stages in configs:
-            if dtype in ("int4", "int2", "k4v2"):
+        low = dtype in ("int4", "int2", "k4v2")
+        for (splits, block_n, warps, stages), loop in itertools.product(configs, args.loops if low else [None]):
+            if low:
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
                                                       window=W, window_rows=1, num_splits=splits, block_n=block_n,
-                                                      num_warps=warps, num_stages=stages)
+                                                      num_warps=warps, num_stages=stages,
+                                                      planar=None if loop == "planar" else False)
             else:
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
                                                block_n=block_n, window_rows=1, num_warps=warps, num_stages=stages)
@@ -90,11 +94,11 @@ def main():
                 fn()
                 ms = do_bench(fn, warmup=3, rep=20)
             except Exception as e:  # a launch that does not fit (shared memory): skip it
-                print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s}  failed: {type(e).__name__}")
+                print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s}  failed: {type(e).__name__}")
                 continue
             rows.append({"context": S, "dtype": dtype, "splits": splits, "block_n": block_n, "num_warps": warps,
-                         "num_stages": stages, "us": ms * 1e3, "GB_s": nbytes / ms / 1e6})
-            print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {ms * 1e3:8.1f} {nbytes / ms / 1e6:6.0f}")
+                         "num_stages": stages, "loop": loop, "us": ms * 1e3, "GB_s": nbytes / ms / 1e6})
+            print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s} {ms * 1e3:8.1f} {nbytes / ms / 1e6:6.0f}")
         best = max((r for r in rows if r["context"] == S and r["dtype"] == dtype), key=lambda r: r["GB_s"], default=None)
         if best:
             print(f"best at {S} {dtype}: {best}")
@@ -122,8 +126,9 @@ def summary(rows: list[dict], args) -> str:
            "", "| context | cache | default launch µs | GB/s (roofline) | best (splits, block, warps, stages) | "
            "best µs | GB/s (roofline) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     frac = lambda r: f"{r['GB_s']:.0f} ({100 * r['GB_s'] / (args.bandwidth * 1e3):.0f}%)"
-    for S, dtype in dict.fromkeys((r["context"], r["dtype"]) for r in rows):
-        cell = [r for r in rows if r["context"] == S and r["dtype"] == dtype]
+    for S, dtype, loop in dict.fromkeys((r["context"], r["dtype"], r.get("loop")) for r in rows):
+        cell = [r for r in rows if r["context"] == S and r["dtype"] == dtype and r.get("loop") == loop]
+        dtype = dtype if loop is None else f"{dtype}, {loop} loop"
         d = next((r for r in cell if r["splits"] is None), None)
         b = max(cell, key=lambda r: r["GB_s"])
         cfg = f"{b['splits']}, {b['block_n']}, {b['num_warps']}, {b['num_stages']}"

@@ -53,7 +53,8 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
-          dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64):
+          dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64,
+          planar=None):
     cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
                          value_group)
     B = cache.batch_size
@@ -71,11 +72,12 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound], device=device), length,
                                    cache.key_bits,
                                    cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
-                                   rotation=cache.rotation, num_splits=splits, block_n=block_n)
+                                   rotation=cache.rotation, num_splits=splits, block_n=block_n,
+                                   planar=planar)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
     assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate,
-                       key_group, value_group, block_n, err)
+                       key_group, value_group, block_n, planar, err)
     return bound
 
 
@@ -112,14 +114,17 @@ def main(which: str, device: str = "cpu"):
         check(kv, 6, 2, 24, 100, 4, [100], splits=2, value_group=6, device=device, rotate=False)
         check(kv, 6, 2, 24, 100, 4, [40], value_group=6, key_group=8, window=W, window_rows=1, M=2, dtype=half,
               device=device, rotate=False)
-    # wide packed tiles (the 16-bit dots): head size 64 (int2 keys: 16 bytes) and 128, groups of 64
+    # wide packed tiles (the 16-bit dots): head size 64 (int2 keys: 16 bytes) and 128, groups of 64 and 32,
+    # through the bit-plane loop (the default there) and the interleaving one
     for kv in ("int4", "int2", "k4v2"):
         for D in (64, 128) if device != "cpu" else (64,):
-            for rotate in (True, False):
+            for rotate, planar in ((True, None), (False, None), (True, False)):
                 check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
-                      value_group=64)
+                      value_group=64, planar=planar)
                 check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
-                      rotate=rotate, key_group=64, value_group=64, splits=2)
+                      rotate=rotate, key_group=64, value_group=64, splits=2, planar=planar)
+        check(kv, 6, 2, 128, 200, 4, [70], M=1, dtype=half, device=device, key_group=32, value_group=32,
+              block_n=16, splits=3)
     print("ok")
 
 

@@ -65,6 +65,8 @@ slot indices are 32-bit (caches below 2^31 slots).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .splitkv import MAX_ROWS, _num_sms, merge_splits_kernel
@@ -91,7 +93,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              bound, length: int, key_bits: int, value_bits: int, key_group: int, window=None, scale=None,
                              window_rows: int | None = None, rotation: torch.Tensor | None = None,
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
-                             num_stages: int | None = None):
+                             num_stages: int | None = None, planar: bool | None = None):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -99,7 +101,36 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     as `naive_attention` over `ops.lowbit.dense_kv(..., rotated=rotation is not None)`:
     -> [B, M, H, D] in q's dtype. num_splits / block_n (keys per tile, a power of two >= 16;
     packed tiles are also at most the key group's power-of-two factor) / num_warps /
-    num_stages: launch tuning."""
+    num_stages: launch tuning; planar: the bit-plane packed loop (None: wherever it applies;
+    False: the interleaving one, for comparisons)."""
+    plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
+                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
+                       block_n, num_warps, num_stages, planar)
+    _kernel()[plan.grid](*plan.args, **plan.meta)
+    B, P, M, H, parts, D = plan.o.shape
+    if parts == 1:
+        return merge_splits_kernel(plan.o.view(B, P, M, H, D), plan.lse, q.dtype)
+    # both parts share each split's softmax: merge them as 2H heads, then add the packed part
+    # (out of V R space for a rotated cache)
+    out = merge_splits_kernel(plan.o.view(B, P, M, 2 * H, D), plan.lse.repeat_interleave(2, dim=-1), torch.float32)
+    out = out.view(B, M, H, 2, D)
+    packed = out[..., 1, :] if rotation is None else out[..., 1, :] @ rotation
+    return (out[..., 0, :] + packed).to(q.dtype)
+
+
+@dataclass
+class LaunchPlan:
+    grid: tuple
+    args: list  # positional: tensors and scalars
+    meta: dict  # constexprs and launch options
+    o: torch.Tensor  # the per-split partial outputs [B, P, M, H, parts, D]
+    lse: torch.Tensor
+
+
+def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
+                length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
+                num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None) -> LaunchPlan:
+    """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds)."""
     import triton
 
     B, M, H, D = q.shape
@@ -125,17 +156,23 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))
     per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
     P = max(1, triton.cdiv(S, per))
-    parts = 1 if rotation is None else 2  # rotated: [bf16 part | packed part in V R space]
+    # packed tiles inside one key group: the largest power of two dividing key_group, if >= 16
+    block_q = min(block_n, key_group & -key_group)
+    key_fold = block_q >= 16
+    block_q = block_q if key_fold else block_n
+    wide = q.dtype != torch.float32 and wide_tiles(D, VG, key_bits, value_bits)
+    can_planar = wide and key_fold and D == _pow2(D)
+    if planar and not can_planar:
+        raise ValueError("the bit-plane loop needs 16-bit queries, packed tiles >= 16 bytes wide, key groups "
+                         "with a power-of-two factor >= 16 and a power-of-two head size")
+    planar = can_planar if planar is None else planar
+    parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
     o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
     if sk.shape[1] == 0:  # no sinks: any valid pointer (never read)
         sk, sv = rk, rv
     qr = q if rotation is None else (q.float() @ rotation).to(q.dtype)  # [B, M, H, D], contiguous
-    # packed tiles inside one key group: the largest power of two dividing key_group, if >= 16
-    block_q = min(block_n, key_group & -key_group)
-    key_fold = block_q >= 16
-    block_q = block_q if key_fold else block_n
-    _kernel()[(B * Hkv, P)](
+    args = [
         q, qr, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, slot, q_doc, k_doc, bound, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
         qr.stride(0), qr.stride(1), qr.stride(2),
@@ -149,16 +186,13 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1), lse.stride(2),
         M, S, Hkv, 0 if sk is rk else sk.shape[1], rk.shape[1], key_group, scale * LOG2E,
         0 if window is None else window, M if window_rows is None else window_rows, per,
+    ]
+    meta = dict(
         G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, NG=NG, BLOCK_R=max(16, _pow2(G * M)), BLOCK_N=block_n,
         BLOCK_Q=block_q, BLOCK_D=max(16, _pow2(D)), BLOCK_NG=_pow2(NG), BLOCK_VG=max(16, _pow2(VG)),
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
-        HAS_WINDOW=window is not None, ROTATED=rotation is not None,
-        WIDE=q.dtype != torch.float32 and wide_tiles(D, VG, key_bits, value_bits), IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar,
+        IEEE=q.dtype == torch.float32,
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
-    if rotation is None:
-        return merge_splits_kernel(o.view(B, P, M, H, D), lse, q.dtype)
-    # both parts share each split's softmax: merge them as 2H heads, then take the packed part out of V R space
-    out = merge_splits_kernel(o.view(B, P, M, 2 * H, D), lse.repeat_interleave(2, dim=-1), torch.float32)
-    out = out.view(B, M, H, 2, D)
-    return (out[..., 0, :] + out[..., 1, :] @ rotation).to(q.dtype)
+    return LaunchPlan((B * Hkv, P), args, meta, o, lse)

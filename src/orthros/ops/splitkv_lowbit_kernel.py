@@ -38,6 +38,22 @@ def _unpack(x, BITS: tl.constexpr, DT: tl.constexpr):
         return tl.interleave(tl.interleave(n0, n2), tl.interleave(n1, n3))
 
 @triton.jit
+def _plane_scores(qk, kb, PLANE: tl.constexpr, KS_g, KZ_g, ci, PK: tl.constexpr, KBITS: tl.constexpr,
+                  DT: tl.constexpr, MAGIC: tl.constexpr, IEEE: tl.constexpr):
+    """Bit plane PLANE of a packed key tile kb [BLOCK_Q, D / PK] (channels ci * PK + PLANE):
+    its share of the scores of qk [BLOCK_R, D / PK] (those channels of q, scaled), and of the bias."""
+    ks = tl.load(KS_g + ci * PK + PLANE).to(tl.float32)
+    kz = tl.load(KZ_g + ci * PK + PLANE).to(tl.float32)
+    qs = (qk * ks[None, :]).to(DT)
+    bias = tl.sum(qk * kz[None, :], 1) - MAGIC * tl.sum(qs.to(tl.float32), 1)
+    kn = _as_operand((kb >> (PLANE * KBITS)) & ((1 << KBITS) - 1), DT)
+    return _dot(qs, tl.trans(kn), IEEE), bias
+
+@triton.jit
+def _q_plane(qbase, ci, rmask, PK: tl.constexpr, PLANE: tl.constexpr, qscale):
+    return tl.load(qbase + ci[None, :] * PK + PLANE, mask=rmask, other=0.0).to(tl.float32) * qscale
+
+@triton.jit
 def _softmax_step(s, vis, m_i, l_i):
     """Scores s [BLOCK_R, N] (log2 units) -> (p, alpha, m_new, l_new) of the online softmax."""
     s = tl.where(vis, s, float("-inf"))
@@ -83,7 +99,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        BLOCK_D: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_VG: tl.constexpr,
                        KEY_FOLD: tl.constexpr, VALUE_BYTES: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       PLANAR: tl.constexpr, IEEE: tl.constexpr):
     # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
@@ -154,49 +170,102 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     KS_b, KZ_b = KS + b * sksb + kvh * sksh, KZ + b * sksb + kvh * sksh
     VS_b, VZ_b = VS + b * svsb + kvh * svsh, VZ + b * svsb + kvh * svsh
     gq = tl.arange(0, BLOCK_NG)[:, None]
-    for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
-        j = j0 + nq
-        jv = (j >= lo) & (j < hi)
-        kq_t = KQ_b + tl.cast(j0, tl.int64) * skqs  # this tile's first byte: 64-bit once, 32-bit within
-        kb = tl.load(kq_t + nq[:, None] * skqs + ck[None, :], mask=jv[:, None] & (ck < D // PK)[None, :], other=0)
-        kn = _unpack(kb, KBITS, DT)  # [BLOCK_Q, BLOCK_D]: MAGIC + level
-        if KEY_FOLD:
-            grp = tl.cast(j0 // KG, tl.int64) * ksg
-            ks = tl.load(KS_b + grp + d, mask=dmask, other=0.0).to(tl.float32)
-            kz = tl.load(KZ_b + grp + d, mask=dmask, other=0.0).to(tl.float32)
-            qs = (qf_p * ks[None, :]).to(DT)
-            bias = tl.sum(qf_p * kz[None, :], 1) - MAGIC * tl.sum(qs.to(tl.float32), 1)
-            s = _dot(qs, tl.trans(kn), IEEE) + bias[:, None]
-        else:  # the tile spans key groups: per-slot scales
-            grp = (j // KG)[:, None] * ksg + d[None, :]
-            kmask = jv[:, None] & dmask[None, :]
-            ks = tl.load(KS_b + grp, mask=kmask, other=0.0).to(tl.float32)
-            kz = tl.load(KZ_b + grp, mask=kmask, other=0.0).to(tl.float32)
-            k = (kn.to(tl.float32) - MAGIC) * ks + kz
-            s = _dot(qd_p, tl.trans(k.to(DT)), IEEE)
-        vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
-        p, alpha, m_i, l_i = _softmax_step(s, vis, m_i, l_i)
-        jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
-        vq_t = VQ_b + tl.cast(j0, tl.int64) * svqs
-        if VALUE_BYTES:  # [BLOCK_NG, BLOCK_Q, BLOCK_VG / PV] bytes, each once
-            cb3 = tl.arange(0, BLOCK_VG // PV)[None, None, :]
-            vb = tl.load(vq_t + nq3 * svqs + g3 * (VG // PV) + cb3, mask=jv3 & (g3 < NG) & (cb3 < VG // PV),
-                         other=0)
-            vn = _unpack(vb, VBITS, DT)
-        else:  # bytes straddle value groups: per channel
-            vb = tl.load(vq_t + nq3 * svqs + ch3 // PV, mask=jv3 & cmask3, other=0)
-            vn = _as_operand((vb >> ((ch3 % PV) * VBITS).to(tl.uint8)) & ((1 << VBITS) - 1), DT)
-        vsz = nq[None, :] * svss + gq
-        vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
-        vs = tl.load(VS_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)  # [BLOCK_NG, BLOCK_Q]
-        vz = tl.load(VZ_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
-        ps = (p[None, :, :] * vs[:, None, :]).to(DT)  # [BLOCK_NG, BLOCK_R, BLOCK_Q]
-        vbias = tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2)
+    if PLANAR:  # bit planes: plane i of byte c holds channel c * P + i; no level is moved between lanes
+        DK: tl.constexpr = D // PK  # key bytes a slot
+        VPL: tl.constexpr = VG // PV  # value bytes a group
+        ci = tl.arange(0, DK)
+        cv3 = tl.arange(0, VPL)[None, None, :]
         if ROTATED:
-            acc = acc * alpha[None, :, None]
-            acc_p = acc_p * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
+            qbase = QR + b * sqrb + m[:, None] * sqrm + h[:, None] * sqrh
         else:
-            acc = acc * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
+            qbase = Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh
+        qk0 = _q_plane(qbase, ci, rvalid[:, None], PK, 0, qscale)
+        qk1 = _q_plane(qbase, ci, rvalid[:, None], PK, 1, qscale)
+        if PK == 4:
+            qk2 = _q_plane(qbase, ci, rvalid[:, None], PK, 2, qscale)
+            qk3 = _q_plane(qbase, ci, rvalid[:, None], PK, 3, qscale)
+        a0 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)  # value plane i: channels g * VG + c * PV + i
+        a1 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
+        if PV == 4:
+            a2 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
+            a3 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
+        vmask3 = (g3 < NG) & (cv3 < VPL)
+        for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
+            j = j0 + nq
+            jv = (j >= lo) & (j < hi)
+            kb = tl.load(KQ_b + tl.cast(j0, tl.int64) * skqs + nq[:, None] * skqs + ci[None, :], mask=jv[:, None],
+                         other=0)
+            grp = tl.cast(j0 // KG, tl.int64) * ksg
+            s, bias = _plane_scores(qk0, kb, 0, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+            s1, b1 = _plane_scores(qk1, kb, 1, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+            s, bias = s + s1, bias + b1
+            if PK == 4:
+                s2, b2 = _plane_scores(qk2, kb, 2, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+                s3, b3 = _plane_scores(qk3, kb, 3, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+                s, bias = s + s2 + s3, bias + b2 + b3
+            vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
+            p, alpha, m_i, l_i = _softmax_step(s + bias[:, None], vis, m_i, l_i)
+            jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
+            vb = tl.load(VQ_b + tl.cast(j0, tl.int64) * svqs + nq3 * svqs + g3 * VPL + cv3, mask=jv3 & vmask3,
+                         other=0)  # [BLOCK_NG, BLOCK_Q, VPL]
+            vsz = nq[None, :] * svss + gq
+            vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
+            vs = tl.load(VS_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
+            vz = tl.load(VZ_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
+            ps = (p[None, :, :] * vs[:, None, :]).to(DT)  # [BLOCK_NG, BLOCK_R, BLOCK_Q]
+            vbias = (tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2))[:, :, None]
+            VM: tl.constexpr = (1 << VBITS) - 1
+            acc = acc * alpha[None, :, None]
+            al = alpha[None, :, None]
+            a0 = a0 * al + _dot(ps, _as_operand(vb & VM, DT), IEEE) + vbias
+            a1 = a1 * al + _dot(ps, _as_operand((vb >> VBITS) & VM, DT), IEEE) + vbias
+            if PV == 4:
+                a2 = a2 * al + _dot(ps, _as_operand((vb >> (2 * VBITS)) & VM, DT), IEEE) + vbias
+                a3 = a3 * al + _dot(ps, _as_operand((vb >> (3 * VBITS)) & VM, DT), IEEE) + vbias
+    else:  # levels interleaved back into channel order
+        for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
+            j = j0 + nq
+            jv = (j >= lo) & (j < hi)
+            kq_t = KQ_b + tl.cast(j0, tl.int64) * skqs  # this tile's first byte: 64-bit once, 32-bit within
+            kb = tl.load(kq_t + nq[:, None] * skqs + ck[None, :], mask=jv[:, None] & (ck < D // PK)[None, :], other=0)
+            kn = _unpack(kb, KBITS, DT)  # [BLOCK_Q, BLOCK_D]: MAGIC + level
+            if KEY_FOLD:
+                grp = tl.cast(j0 // KG, tl.int64) * ksg
+                ks = tl.load(KS_b + grp + d, mask=dmask, other=0.0).to(tl.float32)
+                kz = tl.load(KZ_b + grp + d, mask=dmask, other=0.0).to(tl.float32)
+                qs = (qf_p * ks[None, :]).to(DT)
+                bias = tl.sum(qf_p * kz[None, :], 1) - MAGIC * tl.sum(qs.to(tl.float32), 1)
+                s = _dot(qs, tl.trans(kn), IEEE) + bias[:, None]
+            else:  # the tile spans key groups: per-slot scales
+                grp = (j // KG)[:, None] * ksg + d[None, :]
+                kmask = jv[:, None] & dmask[None, :]
+                ks = tl.load(KS_b + grp, mask=kmask, other=0.0).to(tl.float32)
+                kz = tl.load(KZ_b + grp, mask=kmask, other=0.0).to(tl.float32)
+                k = (kn.to(tl.float32) - MAGIC) * ks + kz
+                s = _dot(qd_p, tl.trans(k.to(DT)), IEEE)
+            vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
+            p, alpha, m_i, l_i = _softmax_step(s, vis, m_i, l_i)
+            jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
+            vq_t = VQ_b + tl.cast(j0, tl.int64) * svqs
+            if VALUE_BYTES:  # [BLOCK_NG, BLOCK_Q, BLOCK_VG / PV] bytes, each once
+                cb3 = tl.arange(0, BLOCK_VG // PV)[None, None, :]
+                vb = tl.load(vq_t + nq3 * svqs + g3 * (VG // PV) + cb3, mask=jv3 & (g3 < NG) & (cb3 < VG // PV),
+                             other=0)
+                vn = _unpack(vb, VBITS, DT)
+            else:  # bytes straddle value groups: per channel
+                vb = tl.load(vq_t + nq3 * svqs + ch3 // PV, mask=jv3 & cmask3, other=0)
+                vn = _as_operand((vb >> ((ch3 % PV) * VBITS).to(tl.uint8)) & ((1 << VBITS) - 1), DT)
+            vsz = nq[None, :] * svss + gq
+            vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
+            vs = tl.load(VS_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)  # [BLOCK_NG, BLOCK_Q]
+            vz = tl.load(VZ_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
+            ps = (p[None, :, :] * vs[:, None, :]).to(DT)  # [BLOCK_NG, BLOCK_R, BLOCK_Q]
+            vbias = tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2)
+            if ROTATED:
+                acc = acc * alpha[None, :, None]
+                acc_p = acc_p * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
+            else:
+                acc = acc * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
 
     # ring [max(bound, NS), end) at j % R
     RK_b, RV_b = RK + b * srb + kvh * srh, RV + b * srb + kvh * srh
@@ -207,7 +276,13 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         v = tl.load(RV_b + ((j0 + n3) % R) * srs + ch3, mask=(j0 + n3 < end) & cmask3, other=0.0)
         vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
         m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
-        if ROTATED:
+        if PLANAR:
+            a0 = a0 * alpha[None, :, None]
+            a1 = a1 * alpha[None, :, None]
+            if PV == 4:
+                a2 = a2 * alpha[None, :, None]
+                a3 = a3 * alpha[None, :, None]
+        elif ROTATED:
             acc_p = acc_p * alpha[None, :, None]
 
     seen = l_i > 0
@@ -215,7 +290,16 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     m3, h3 = m[None, :, None], h[None, :, None]
     omask = (m3 < M) & cmask3
-    if ROTATED:  # two parts, merged then added as o[0] + o[1] R outside: the packed values leave V R space there
+    if PLANAR:  # two parts, merged then added as o[0] + o[1] (R) outside; the planes back in channel order
+        tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
+        o1 = O + b * sob + split * sop + m3 * som + h3 * soh + sox + g3 * VG + cv3 * PV
+        pmask = (m3 < M) & vmask3
+        tl.store(o1, a0 * inv, mask=pmask)
+        tl.store(o1 + 1, a1 * inv, mask=pmask)
+        if PV == 4:
+            tl.store(o1 + 2, a2 * inv, mask=pmask)
+            tl.store(o1 + 3, a3 * inv, mask=pmask)
+    elif ROTATED:  # two parts, merged then added as o[0] + o[1] R outside: the packed values leave V R space there
         tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
         tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + sox + ch3, acc_p * inv, mask=omask)
     else:

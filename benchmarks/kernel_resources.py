@@ -1,0 +1,62 @@
+"""What ptxas reports for the low-bit split-KV kernel built for sm_90 (the H200), on this
+machine, no GPU: registers per thread, spilled bytes, shared memory, per cache dtype, packed
+loop (bit planes / interleaving), warps and key tile, at the Llama-3.1-8B attention shape
+(32 heads, 8 KV heads, head size 128; the decode pair: 2 query rows). Static figures from the
+compiler, not timings: spills and shared memory are what the speed sweep
+(benchmarks/splitkv_sweep.py, on the GPU) then explains.
+
+    python benchmarks/kernel_resources.py --out benchmarks/results/long_context/kernel-resources.json \
+        --docs docs/long_context.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import sys
+import time
+
+from orthros.bench.common import splice_marks
+from orthros.ops.cross_compile import compile_for
+from orthros.ops.lowbit_launches import lowbit_launch
+from orthros.ops.splitkv_lowbit import _kernel
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtypes", nargs="+", default=["int4", "int2", "k4v2"], choices=("int4", "int2", "k4v2"))
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--blocks", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--out", default=None)
+    p.add_argument("--docs", default=None)
+    p.add_argument("--tag", default="kernel-resources")
+    args = p.parse_args()
+    cmd = "python " + " ".join(map(shlex.quote, ["benchmarks/kernel_resources.py", *sys.argv[1:]]))
+    rows = []
+    for kv, loop, warps, block in itertools.product(args.dtypes, ("planar", "interleaved"), args.warps, args.blocks):
+        plan = lowbit_launch(kv, planar=None if loop == "planar" else False, block_n=block, num_warps=warps,
+                             num_stages=args.stages)
+        r = dict(kv=kv, loop=loop, num_warps=warps, block_n=block, num_stages=args.stages,
+                 **compile_for(_kernel(), plan.args, plan.meta))
+        rows.append(r)
+        print(r, flush=True)
+    lines = [f"Command: `{cmd}`  ", f"Date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; built for sm_90 "
+             "on a CPU machine (ptxas -v); rotated caches, stages " + str(args.stages) + ".", "",
+             "| cache | packed loop | warps | key tile | registers | spilled bytes | shared memory |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['kv']} | {r['loop']} | {r['num_warps']} | {r['block_n']} | {r['registers']} | "
+              f"{r['spill_bytes']} | {r['shared_bytes'] / 1024:.1f} KiB |" for r in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": cmd, "rows": rows}, f, indent=1)
+    if args.docs and splice_marks(args.docs, text, (f"<!-- {args.tag}-table:begin -->", f"<!-- {args.tag}-table:end -->")):
+        print(f"table written into {args.docs}")
+
+
+if __name__ == "__main__":
+    main()
