@@ -9,8 +9,9 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
 # fails it. Built once per pyproject.toml change; `make clean` (or deleting it) picks up newer
 # releases. numpy is left at its newest: triton >= 3.9's interpreter runs the kernel tests of
 # these directories under numpy 2.4 (triton 3.6's cannot, hence constraints.txt's numpy<2.4).
+# tests/ops/test_cross_compile.py builds every GPU kernel for sm_90 with the newest Triton.
 LATEST ?= .venv-latest
-LATEST_TESTS := tests/models tests/hf tests/convert tests/generation tests/serve
+LATEST_TESTS := tests/models tests/hf tests/convert tests/generation tests/serve tests/ops/test_cross_compile.py
 
 .PHONY: setup setup-latest demo test test-latest clean
 

@@ -35,3 +35,50 @@ def test_signature_types_every_argument():
     assert sig["qscale"] == "fp32" and sig["PLANAR"] == "constexpr" and const["KBITS"] == 2
     with pytest.raises(ValueError, match="positional arguments"):
         signature(_kernel(), plan.args[:-1], plan.meta)
+
+
+def _launches_of(fn, *args, **kwargs):
+    from orthros.ops.cross_compile import captured_launches
+
+    with captured_launches() as launches:
+        fn(*args, **kwargs)
+    assert launches, f"{fn.__name__} launched no kernel"
+    return launches
+
+
+def test_every_kernel_builds_for_sm90():
+    """Each Triton kernel, as its op launches it (bf16; fp8 keys for split-KV and the paged pool):
+    split-KV and its merge, paged attention, the row-wise kernels and their backward kernels."""
+    from orthros.ops import rowwise, rowwise_grad
+    from orthros.ops.paged import paged_attention_kernel
+    from orthros.ops.splitkv import splitkv_attention
+
+    bf = dict(dtype=torch.bfloat16)
+    q, k = torch.zeros(1, 2, 8, 64, **bf), torch.zeros(1, 300, 2, 64, **bf)
+    slot, doc, kdoc = torch.tensor([[298, 299]]), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 300,
+                                                                                                 dtype=torch.long)
+    launches = _launches_of(splitkv_attention, q, k, k, slot, doc, kdoc, window=16, window_rows=1, num_splits=3)
+    f8 = k.to(torch.float8_e4m3fn)
+    launches += _launches_of(splitkv_attention, q, f8, f8, slot, doc, kdoc, num_splits=3, block_n=128)
+    pool = torch.zeros(64 * 16, 2, 64, **bf)
+    table, pos = torch.zeros(3, 8, dtype=torch.int32), torch.tensor([5, 40, 100])
+    launches += _launches_of(paged_attention_kernel, torch.zeros(3, 8, 64, **bf), pool, pool, table, pos, 16,
+                             keys_per_split=64)
+    x, w = torch.zeros(4, 7, 256, **bf), torch.ones(256, **bf)
+    launches += _launches_of(rowwise.rms_norm, x, w, 1e-6, x)
+    cos = torch.ones(1, 7, 1, 64, **bf)
+    a = torch.ones(512, **bf)
+    launches += _launches_of(rowwise.heads, torch.zeros(4, 7, 512, **bf), cos, cos, 8, 64, a, a, torch.ones(64, **bf),
+                             1e-6)
+    launches += _launches_of(rowwise.silu_mul, x, x)
+    launches += _launches_of(rowwise_grad._norm_backward, x, w, 1e-6, x, x)
+    xh, nw = torch.zeros(4, 7, 512, **bf), torch.ones(64, **bf)
+    ctx = type("Ctx", (), dict(saved_tensors=(xh, cos, cos, a, a, nw), cfg=(8, 64, 1e-6), needs_input_grad=[True] * 9))
+    launches += _launches_of(rowwise_grad._Heads.backward, ctx, torch.zeros(4, 7, 8, 64, **bf))
+    names = set()
+    for kernel, args, meta in launches:
+        r = compile_for(kernel, args, meta)
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] <= H200_SHARED, (kernel.__name__, r)
+        names.add(kernel.__name__)
+    assert names == {"splitkv_fwd", "splitkv_merge", "paged_fwd", "rms_norm_fwd", "heads_fwd", "silu_mul_fwd",
+                     "rms_norm_bwd", "heads_bwd"}, names

@@ -5,10 +5,16 @@ ptxas); nothing runs.
 
     plan = launch_plan(...)                       # e.g. ops.splitkv_lowbit.launch_plan
     compile_for(kernel, plan.args, plan.meta)     # {'registers': 168, 'spill_bytes': 0, 'shared_bytes': 39936}
+
+    with captured_launches() as launches:         # or: the launches an op makes, on CPU tensors
+        splitkv_attention(q, k, v, ...)           # (nothing runs: its outputs stay uninitialized)
+    for kernel, args, meta in launches:
+        compile_for(kernel, args, meta)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -19,6 +25,25 @@ import torch
 _PTR = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
         torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
 OPTIONS = ("num_warps", "num_stages")
+
+
+@contextlib.contextmanager
+def captured_launches():
+    """Within the block, a Triton kernel launch is recorded as (kernel, args, keyword args) and
+    not run; -> the list of them."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    run = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, list(args), dict(kwargs)))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = run
 
 
 def signature(kernel, args: list, meta: dict) -> tuple[dict, dict]:
