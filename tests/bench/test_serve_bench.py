@@ -77,3 +77,18 @@ def test_each_run_draws_its_own_prompts():
     paper = p.parse_args(["--scenario", "paper", "--scale", "tiny"])
     (p1, _), (p2, _) = [run_requests(paper, i, r) for i, r in enumerate(_load_runs(paper))]
     assert not any(x[:8] == y[:8] for x in p1 for y in p2)  # 127K prompts are no prefixes of the 128K ones
+
+
+def test_tiny_scale_runs_on_the_cpu_unless_told(monkeypatch):
+    import argparse
+
+    import torch
+
+    from orthros.bench.serve import _device, add_arguments
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert _device(p.parse_args(["--scale", "tiny"])) == "cpu"
+    assert _device(p.parse_args(["--scale", "gpu"])) == "cuda"
+    assert _device(p.parse_args(["--scale", "tiny", "--device", "cuda"])) == "cuda"

@@ -126,9 +126,7 @@ class Server:
         if a.url:
             self.url, self.model = a.url.rstrip("/"), a.model_name or _served_name(a.url)
             return self
-        import torch
-
-        device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = _device(a)
         argv = ["--preset", sc["model"], "--attention", self.attention, "--window", str(a.window),
                 "--dtype", sc["dtype"], "--device", device, "--max-model-len", str(sc["max_model_len"]),
                 "--max-num-batched-tokens", str(self.budget), "--block-size", str(sc["block_size"]),
@@ -286,6 +284,14 @@ def _load_runs(args) -> list[dict]:
     return runs
 
 
+def _device(args) -> str:
+    """--device, else CUDA where there is one, except for the tiny scale: a CPU smoke run (fp32
+    FlexAttention on CUDA would compile once per chunk shape)."""
+    import torch
+
+    return args.device or ("cuda" if torch.cuda.is_available() and args.scale != "tiny" else "cpu")
+
+
 def run_requests(args, i: int, run: dict) -> tuple[list[list[int]], list[int]]:
     """The prompts and output lengths of load run `i`: the same for every variant (one seed
     per run), different from run to run, so that no run finds another's prompts in the
@@ -303,7 +309,7 @@ def measure(args) -> dict:
     args.budget = args.budget or max(1, 8192 // SCALES[args.scale]["div_budget"])
     import torch
 
-    env = environment(torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    env = environment(torch.device(_device(args)))
     rows, commands, steps = [], {}, {}
     variants = args.variants if not args.url else ["(server at --url)"]
     for variant in variants:
