@@ -121,8 +121,8 @@ def main(which: str, device: str = "cpu"):
             for rotate, planar in ((True, None), (False, None), (True, False)):
                 check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
                       value_group=64, planar=planar)
-                check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
-                      rotate=rotate, key_group=64, value_group=64, splits=2, planar=planar)
+            check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
+                  key_group=64, value_group=64, splits=2)  # a decode pair, the default loop
         check(kv, 6, 2, 128, 200, 4, [70], M=1, dtype=half, device=device, key_group=32, value_group=32,
               block_n=16, splits=3)
     print("ok")
