@@ -34,7 +34,9 @@ def test_paper_scenario_both_attentions(tmp_path):
 
 
 def test_traffic_scenario_subprocess_server_and_merge(tmp_path):
-    res = run(tmp_path, "traffic", "--variants", "orthros", "--rates", "20", "--num-prompts", "4")
+    res = run(tmp_path, "traffic", "--variants", "orthros", "--rates", "20", "--num-prompts", "4", "--step-log-dir",
+              str(tmp_path / "steps"))
+    assert any("orthros serve" in line for line in res["steps"]["orthros"]["server_log_tail"])  # its banner
     (row,) = res["rows"]
     assert row["completed"] == 4 and row["rate"] == 20 and "orthros serve --preset tiny" in res["servers"]["orthros"]
     assert all(16 <= q["prompt_len"] <= 256 and 4 <= q["output_len"] <= 16 for q in row["requests"])

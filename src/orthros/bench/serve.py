@@ -120,6 +120,7 @@ class Server:
         self.proc = self.thread_server = None
         self.command = None
         self.step_log = self.steps = None
+        self.log_tail = None  # a started subprocess server's last output lines
 
     def __enter__(self):
         a, sc = self.args, SCALES[self.args.scale]
@@ -208,6 +209,8 @@ class Server:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+            self.log.seek(0)
+            self.log_tail = self.log.read().splitlines()[-20:]
             self.log.close()
         if self.step_log and os.path.exists(self.step_log):
             self.steps = step_summary(self.step_log)
@@ -366,7 +369,11 @@ def _interference(args, variant, commands, steps) -> list[dict]:
 
 
 def _keep_steps(steps: dict, key: str, srv: Server) -> None:
-    """The server's step-log summary (--step-log-dir) into the results, its slowest steps printed."""
+    """The server's step-log summary (--step-log-dir) into the results, its slowest steps
+    printed; with it, a subprocess server's last output lines (a warning such as a failed
+    graph capture shows there)."""
+    if srv.log_tail and srv.steps:
+        srv.steps["server_log_tail"] = srv.log_tail
     if srv.steps:
         steps[key] = srv.steps
         print(f"{key}: {srv.steps['steps']} steps, p50 {_ms(srv.steps['ms_p50'])}, max {_ms(srv.steps['ms_max'])}; "
