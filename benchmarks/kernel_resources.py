@@ -5,8 +5,8 @@ loop (bit planes / interleaving), warps and key tile, at the Llama-3.1-8B attent
 compiler, not timings: spills and shared memory are what the speed sweep
 (benchmarks/splitkv_sweep.py, on the GPU) then explains.
 
-    python benchmarks/kernel_resources.py --out benchmarks/results/long_context/kernel-resources.json \
-        --docs docs/long_context.md
+    python benchmarks/kernel_resources.py --blocks 16 32 64 128 --plot docs/kernel-resources.png \
+        --out benchmarks/results/long_context/kernel-resources.json --docs docs/long_context.md
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import shlex
 import sys
 import time
 
-from orthros.bench.common import splice_marks
+from orthros.bench.common import save_figure, splice_marks, subplots
 from orthros.ops.cross_compile import compile_for
 from orthros.ops.lowbit_launches import lowbit_launch
 from orthros.ops.splitkv_lowbit import _kernel
@@ -33,6 +33,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None)
     p.add_argument("--tag", default="kernel-resources")
+    p.add_argument("--plot", default=None, help="spilled bytes against the key tile, a panel per cache dtype (PNG)")
     args = p.parse_args()
     cmd = "python " + " ".join(map(shlex.quote, ["benchmarks/kernel_resources.py", *sys.argv[1:]]))
     rows = []
@@ -54,8 +55,29 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"command": cmd, "rows": rows}, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
     if args.docs and splice_marks(args.docs, text, (f"<!-- {args.tag}-table:begin -->", f"<!-- {args.tag}-table:end -->")):
         print(f"table written into {args.docs}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    kvs = list(dict.fromkeys(r["kv"] for r in rows))
+    fig, axes = subplots(len(kvs), 4.2, 3.4)
+    for ax, kv in zip(axes, kvs):
+        for loop, warps in dict.fromkeys((r["loop"], r["num_warps"]) for r in rows):
+            pts = sorted((r["block_n"], r["spill_bytes"]) for r in rows
+                         if r["kv"] == kv and r["loop"] == loop and r["num_warps"] == warps)
+            ax.plot(*zip(*pts), marker="o", linestyle="-" if loop == "planar" else "--",
+                    label=f"{loop}, {warps} warps")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("key tile")
+        ax.set_ylabel("spilled bytes / thread")
+        ax.set_title(f"{kv}, sm_90 build")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    save_figure(fig, path)
+    print(f"plot written to {path}")
 
 
 if __name__ == "__main__":
