@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 
-from .serve_client import lengths, random_prompts, result_dict, run_interference, run_load, summarize
+from .serve_client import lengths, percentile, random_prompts, result_dict, run_interference, run_load, summarize
 
 VARIANTS = ("orthros", "full")
 K = 1024
@@ -214,6 +214,8 @@ class Server:
             self.log.close()
         if self.step_log and os.path.exists(self.step_log):
             self.steps = step_summary(self.step_log)
+            if self.log_tail:  # a warning such as a failed graph capture shows there
+                self.steps["server_log_tail"] = self.log_tail
 
 
 def step_summary(path: str, top: int = 8) -> dict:
@@ -226,8 +228,8 @@ def step_summary(path: str, top: int = 8) -> dict:
             except json.JSONDecodeError:  # a line cut by a killed server
                 pass
     ms = sorted(r["ms"] for r in recs)
-    q = (lambda p: ms[min(len(ms) - 1, int(p * len(ms)))]) if ms else (lambda p: None)
-    return dict(path=path, steps=len(recs), ms_p50=q(0.5), ms_p99=q(0.99), ms_max=ms[-1] if ms else None,
+    q = (lambda p: percentile(ms, p)) if ms else (lambda p: None)
+    return dict(path=path, steps=len(recs), ms_p50=q(50), ms_p99=q(99), ms_max=q(100),
                 slowest=sorted(recs, key=lambda r: -r["ms"])[:top])
 
 
@@ -369,11 +371,7 @@ def _interference(args, variant, commands, steps) -> list[dict]:
 
 
 def _keep_steps(steps: dict, key: str, srv: Server) -> None:
-    """The server's step-log summary (--step-log-dir) into the results, its slowest steps
-    printed; with it, a subprocess server's last output lines (a warning such as a failed
-    graph capture shows there)."""
-    if srv.log_tail and srv.steps:
-        srv.steps["server_log_tail"] = srv.log_tail
+    """The server's step-log summary (--step-log-dir) into the results, its slowest steps printed."""
     if srv.steps:
         steps[key] = srv.steps
         print(f"{key}: {srv.steps['steps']} steps, p50 {_ms(srv.steps['ms_p50'])}, max {_ms(srv.steps['ms_max'])}; "

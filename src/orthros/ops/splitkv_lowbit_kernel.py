@@ -50,6 +50,18 @@ def _plane_scores(qk, kb, PLANE: tl.constexpr, KS_g, KZ_g, ci, PK: tl.constexpr,
     return _dot(qs, tl.trans(kn), IEEE), bias
 
 @triton.jit
+def _value_scales(p, VS_b, VZ_b, j0, nq, gq, jv, svss, NG: tl.constexpr, DT: tl.constexpr, MAGIC: tl.constexpr):
+    """A packed tile's value scales folded into p [BLOCK_R, BLOCK_Q]: (p * s_g as the dot's
+    operand [BLOCK_NG, BLOCK_R, BLOCK_Q], the bias p . z_g - MAGIC * sum(p * s_g) [BLOCK_NG, BLOCK_R])."""
+    t = tl.cast(j0, tl.int64) * svss  # the tile's first slot: 64-bit once, 32-bit within
+    vsz = nq[None, :] * svss + gq
+    vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
+    vs = tl.load(VS_b + t + vsz, mask=vmask, other=0.0).to(tl.float32)  # [BLOCK_NG, BLOCK_Q]
+    vz = tl.load(VZ_b + t + vsz, mask=vmask, other=0.0).to(tl.float32)
+    ps = (p[None, :, :] * vs[:, None, :]).to(DT)
+    return ps, tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2)
+
+@triton.jit
 def _q_plane(qbase, ci, rmask, PK: tl.constexpr, PLANE: tl.constexpr, qscale):
     return tl.load(qbase + ci[None, :] * PK + PLANE, mask=rmask, other=0.0).to(tl.float32) * qscale
 
@@ -208,12 +220,8 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
             jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
             vb = tl.load(VQ_b + tl.cast(j0, tl.int64) * svqs + nq3 * svqs + g3 * VPL + cv3, mask=jv3 & vmask3,
                          other=0)  # [BLOCK_NG, BLOCK_Q, VPL]
-            vsz = nq[None, :] * svss + gq
-            vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
-            vs = tl.load(VS_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
-            vz = tl.load(VZ_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
-            ps = (p[None, :, :] * vs[:, None, :]).to(DT)  # [BLOCK_NG, BLOCK_R, BLOCK_Q]
-            vbias = (tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2))[:, :, None]
+            ps, vbias = _value_scales(p, VS_b, VZ_b, j0, nq, gq, jv, svss, NG, DT, MAGIC)
+            vbias = vbias[:, :, None]
             VM: tl.constexpr = (1 << VBITS) - 1
             acc = acc * alpha[None, :, None]
             al = alpha[None, :, None]
@@ -255,12 +263,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
             else:  # bytes straddle value groups: per channel
                 vb = tl.load(vq_t + nq3 * svqs + ch3 // PV, mask=jv3 & cmask3, other=0)
                 vn = _as_operand((vb >> ((ch3 % PV) * VBITS).to(tl.uint8)) & ((1 << VBITS) - 1), DT)
-            vsz = nq[None, :] * svss + gq
-            vmask = jv[None, :] & (gq < NG)  # masked lanes 0: p is 0 there, and so must p * scale be
-            vs = tl.load(VS_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)  # [BLOCK_NG, BLOCK_Q]
-            vz = tl.load(VZ_b + tl.cast(j0, tl.int64) * svss + vsz, mask=vmask, other=0.0).to(tl.float32)
-            ps = (p[None, :, :] * vs[:, None, :]).to(DT)  # [BLOCK_NG, BLOCK_R, BLOCK_Q]
-            vbias = tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2)
+            ps, vbias = _value_scales(p, VS_b, VZ_b, j0, nq, gq, jv, svss, NG, DT, MAGIC)
             if ROTATED:
                 acc = acc * alpha[None, :, None]
                 acc_p = acc_p * alpha[None, :, None] + _dot(ps, vn, IEEE) + vbias[:, :, None]
