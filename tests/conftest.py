@@ -10,6 +10,16 @@ from orthros import OrthrosConfig, OrthrosForCausalLM
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
+# Under `pytest -n N` each worker gets its share of the cores, and so do the processes a test
+# starts (CLIs, servers, Inductor's compile workers): N workers each running one thread per core
+# would oversubscribe the machine N times.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _threads = max(1, (os.cpu_count() or 1) // _WORKERS)
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        os.environ.setdefault(_var, str(_threads))
+    torch.set_num_threads(_threads)
+
 
 @pytest.fixture
 def device():
