@@ -263,3 +263,33 @@ def test_step_log_records_every_step(tmp_path):
     assert all(r["ms"] >= 0 and 0 <= r["t"] for r in recs) and max(r["decode"] for r in recs) > 1
     with pytest.raises(ValueError, match="cannot write the step log"):
         Engine(model, EngineConfig(block_size=4, num_blocks=8, step_log=str(tmp_path / "no" / "dir" / "x.jsonl")))
+
+
+def test_a_chunk_s_attention_inputs_do_not_depend_on_the_decodes_beside_it(monkeypatch):
+    """A prompt chunk's attention gets the same shapes and strides whatever else runs in its step
+    (compiled kernels are guarded on both: a stride that followed the step's row count made
+    every new mix of decodes beside a chunk compile it again)."""
+    import orthros.models.paged_cache as paged_cache
+
+    seen = []
+    real = paged_cache.attention
+
+    def recording(q, k, v, *a, **kw):
+        seen.append((tuple(q.shape), q.stride(), tuple(k.shape), k.stride()))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(paged_cache, "attention", recording)
+    model = make_model("orthros", window=6)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=20, chunk_align=4,
+                                     prefix_caching=False))
+    out = Collector()
+    for i, n in enumerate((40, 40, 40)):  # the same prompt length, beside 0, 1 and 2 decoding requests
+        eng.submit(list(range(1 + i, n + 1 + i)), SamplingParams(max_tokens=30), out.sink(i))
+        for _ in range(4):
+            eng.step()
+    eng.run_until_done()
+    by_shape = {}
+    for q_shape, q_stride, k_shape, k_stride in seen:
+        by_shape.setdefault((q_shape, k_shape), set()).add((q_stride, k_stride))
+    assert len(seen) > 6 and any(n > 1 for (q_shape, _), _ in by_shape.items() for n in [q_shape[1]])
+    assert all(len(strides) == 1 for strides in by_shape.values()), by_shape

@@ -265,7 +265,10 @@ class PagedStepCache:
                 grid = pool.compiled_chunks
                 off_grid = n % 128 if grid is None else n not in grid
                 be = "chunked" if window is not None and q.is_cuda and off_grid else backend
-                o[:, d.r0:d.r1] = attention(q[:, d.r0:d.r1], kd, vd, qs, torch.zeros_like(qs),
+                # q[0, r0:r1][None], not q[:, r0:r1]: its batch stride is then the chunk's own, not
+                # the step's row count (compiled kernels guard on strides: every new mix of decodes
+                # beside a chunk would compile it again, 1.5 s steps on an H200)
+                o[:, d.r0:d.r1] = attention(q[0, d.r0:d.r1][None], kd, vd, qs, torch.zeros_like(qs),
                                             torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
                                             scale=scale, backend=be, dense_start=d.dense_start)
         elif q_slot is self.layout.out_slot:

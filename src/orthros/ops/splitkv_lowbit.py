@@ -51,8 +51,10 @@ dot); the sweep (benchmarks/splitkv_sweep.py) is what decides.
 The 16-bit dots take packed tiles at least 16 bytes wide (D / P key bytes,
 VG / P value bytes per group, VG a power of two: the Llama-like shapes,
 head size 64 or 128 with groups of 64). Narrower tiles (tiny test heads)
-came out wrong on sm_90 in bf16 and fp16 (exact under the interpreter);
-for them the kernel runs its dots in fp32 (WIDE=False), same structure.
+came out wrong on sm_90 in bf16 and fp16 (exact under the interpreter), and
+so did their fp32 dots in TF32 (relative errors 1.2-3.4 on the H200, head
+sizes 16 and 32); for them the kernel runs its dots in full fp32 (WIDE=False,
+IEEE), same structure: slow, but only tiny heads take it.
 
 Layouts the fold does not cover run a slower exact path, chosen at compile
 time: key groups whose largest power-of-two factor is < 16 (a tile then spans
@@ -192,7 +194,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         BLOCK_Q=block_q, BLOCK_D=max(16, _pow2(D)), BLOCK_NG=_pow2(NG), BLOCK_VG=max(16, _pow2(VG)),
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)
