@@ -81,11 +81,12 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     return bound
 
 
-def main(which: str, device: str = "cpu"):
-    """which: "fast" leaves the 3-split launches out; on a GPU the 16-bit cases run in bf16."""
+def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
+    """which: "fast" leaves the 3-split launches out; on a GPU the 16-bit cases run in bf16;
+    kvs: the cache dtypes checked (a GPU test runs one each, in parallel)."""
     half = torch.float16 if device == "cpu" else torch.bfloat16  # the interpreter has no bf16 dots
     bounds = set()
-    for kv in ("int4", "int2", "k4v2"):
+    for kv in kvs:
         for H, Hkv, D in ((4, 2, 16), (6, 2, 32)):
             for length, sinks, chunks in ((5, 4, [5]), (37, 4, [7, 30]), (61, 0, [64]), (201, 4, [13, 100]),
                                           (300, 2, [1, 299])):
@@ -106,7 +107,7 @@ def main(which: str, device: str = "cpu"):
     # groups of 48 (tiles of 16, the largest power of two dividing it); block 128 > group; groups of 8
     # (a tile spans groups: the per-slot path); head size 24 with value groups of 6 (non-power-of-two
     # groups; int2 bytes straddle groups: the per-channel path)
-    for kv in ("int4", "k4v2"):
+    for kv in [x for x in kvs if x != "int2"]:
         check(kv, 4, 2, 16, 150, 4, [150], splits=3, key_group=32, block_n=16, device=device)
         check(kv, 4, 2, 16, 200, 4, [60], splits=2, key_group=48, device=device)
         check(kv, 4, 2, 16, 100, 3, [100], key_group=16, block_n=128, device=device)
@@ -116,7 +117,7 @@ def main(which: str, device: str = "cpu"):
               device=device, rotate=False)
     # wide packed tiles (the 16-bit dots): head size 64 (int2 keys: 16 bytes) and 128, groups of 64 and 32,
     # through the bit-plane loop (the default there) and the interleaving one
-    for kv in ("int4", "int2", "k4v2"):
+    for kv in kvs:
         for D in (64, 128) if device != "cpu" else (64,):
             for rotate, planar in ((True, None), (False, None), (True, False)):
                 check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,

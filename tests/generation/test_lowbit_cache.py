@@ -206,10 +206,11 @@ def test_user_errors():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the kernel cases (CI runs them interpreted)")
-def test_kernel_matches_reference_on_gpu():
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
+def test_kernel_matches_reference_on_gpu(kv_dtype):
     from .splitkv_lowbit_cases import main
 
-    main("all", "cuda")
+    main("all", "cuda", kvs=(kv_dtype,))
 
 
 def test_kernel_against_reference_triton_interpreter():
