@@ -182,6 +182,15 @@ def test_static_decode_buffers_equal_the_eager_step(attention):
     assert torch.allclose(static, eager, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_graphs_fused_kernels_equal_the_eager_step_triton_interpreter():
+    """The decode graphs run the layers' elementwise work as the fused Triton kernels at any
+    batch size (on CUDA); under TRITON_INTERPRET=1 on CPU, that forward equals the eager step."""
+    from ..conftest import run_triton_interpreted
+
+    r = run_triton_interpreted("-m", "tests.serve.graphs_fused_cases", timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 def test_chunk_warm_up_leaves_no_trace(kv_dtype):
     """The warm-up's forwards (CUDA compiles the budget-cut chunk lengths and the mixed step's

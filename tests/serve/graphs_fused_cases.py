@@ -1,0 +1,46 @@
+"""Run under TRITON_INTERPRET=1 (see test_engine.py): the decode graphs' forward with the fused
+Triton elementwise kernels (what a CUDA capture runs) gives the eager step's logits, and
+really runs those kernels."""
+
+import torch
+
+import orthros.layers.fused as fused
+from orthros.models.paged_cache import Segment
+from orthros.serve.engine import Engine, EngineConfig, SamplingParams
+from orthros.serve.graphs import DecodeGraphs
+
+from ..conftest import make_model
+
+
+def main():
+    for attention in ("orthros", "full"):
+        model = make_model(attention, window=6, initializer_range=0.3)
+        eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64))
+        for p in ([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9]):
+            eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
+        for _ in range(4):
+            eng.step()
+        for r in eng.running:
+            assert eng._grow(r, len(r.tokens))
+        segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+        with torch.inference_mode():
+            eager = eng._forward(segments)
+            graphs = DecodeGraphs(eng)
+            graphs.fuse = True
+            graphs._fill(segments, 4)
+            calls = []
+            real = fused._rowwise
+            fused._rowwise = lambda: calls.append(1) or real()
+            try:
+                static = graphs._forward(graphs._cache(4))[:3]
+            finally:
+                fused._rowwise = real
+        L = model.config.num_hidden_layers
+        assert len(calls) >= 4 * L, (attention, len(calls))  # norms, q/k heads, SwiGLU: every layer
+        err = ((static - eager).norm() / eager.norm()).item()
+        assert err < 1e-5, (attention, err)
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
