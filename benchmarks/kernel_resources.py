@@ -1,6 +1,6 @@
 """What ptxas reports for the low-bit split-KV kernel built for sm_90 (the H200), on this
 machine, no GPU: registers per thread, spilled bytes, shared memory, per cache dtype, packed
-loop (bit planes / interleaving), warps and key tile, at the Llama-3.1-8B attention shape
+loop (bit planes with values folded into p or dequantized / interleaving), warps and key tile, at the Llama-3.1-8B attention shape
 (32 heads, 8 KV heads, head size 128; the decode pair: 2 query rows). Static figures from the
 compiler, not timings: spills and shared memory are what the speed sweep
 (benchmarks/splitkv_sweep.py, on the GPU) then explains.
@@ -30,6 +30,9 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 128])
     p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--loops", nargs="+", default=["planar", "planar-dq", "interleaved"],
+                   choices=("planar", "planar-dq", "interleaved"),
+                   help="packed loops: bit planes (values folded into p / dequantized: -dq), interleaving")
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None)
     p.add_argument("--tag", default="kernel-resources")
@@ -37,8 +40,9 @@ def main():
     args = p.parse_args()
     cmd = "python " + " ".join(map(shlex.quote, ["benchmarks/kernel_resources.py", *sys.argv[1:]]))
     rows = []
-    for kv, loop, warps, block in itertools.product(args.dtypes, ("planar", "interleaved"), args.warps, args.blocks):
-        plan = lowbit_launch(kv, planar=None if loop == "planar" else False, block_n=block, num_warps=warps,
+    for kv, loop, warps, block in itertools.product(args.dtypes, args.loops, args.warps, args.blocks):
+        plan = lowbit_launch(kv, planar=None if loop.startswith("planar") else False,
+                             dequant_values=loop == "planar-dq", block_n=block, num_warps=warps,
                              num_stages=args.stages)
         r = dict(kv=kv, loop=loop, num_warps=warps, block_n=block, num_stages=args.stages,
                  **compile_for(_kernel(), plan.args, plan.meta))
@@ -68,7 +72,7 @@ def plot(rows: list[dict], path: str) -> None:
         for loop, warps in dict.fromkeys((r["loop"], r["num_warps"]) for r in rows):
             pts = sorted((r["block_n"], r["spill_bytes"]) for r in rows
                          if r["kv"] == kv and r["loop"] == loop and r["num_warps"] == warps)
-            ax.plot(*zip(*pts), marker="o", linestyle="-" if loop == "planar" else "--",
+            ax.plot(*zip(*pts), marker="o", linestyle={"planar": "-", "planar-dq": ":"}.get(loop, "--"),
                     label=f"{loop}, {warps} warps")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("key tile")

@@ -47,8 +47,10 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
-    p.add_argument("--loops", nargs="+", choices=("planar", "interleaved"), default=["planar", "interleaved"],
-                   help="low-bit: the packed loop over bit planes (the default) and/or the interleaving one")
+    p.add_argument("--loops", nargs="+", choices=("planar", "planar-dq", "interleaved"),
+                   default=["planar", "interleaved"],
+                   help="low-bit: the packed loop over bit planes (the default; planar-dq: its values dequantized "
+                        "in registers) and/or the interleaving one")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None, help="splice the summary table into this file (between marks)")
@@ -86,7 +88,8 @@ def main():
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
                                                       window=W, window_rows=1, num_splits=splits, block_n=block_n,
                                                       num_warps=warps, num_stages=stages,
-                                                      planar=None if loop == "planar" else False)
+                                                      planar=None if loop.startswith("planar") else False,
+                                                      dequant_values=loop == "planar-dq")
             else:
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
                                                block_n=block_n, window_rows=1, num_warps=warps, num_stages=stages)

@@ -6,7 +6,8 @@ output row), all rows windowed, one split and several; rotated caches (the defau
 unrotated ones, a head size that is not a power of two (block-diagonal rotation, padded tile);
 packed tiles at key-group edges and the layouts of the kernel's per-slot / per-channel paths;
 16-bit cases with narrow packed tiles (fp32 dots) and wide ones (head sizes 64 / 128 with groups
-of 64: the 16-bit dots of real shapes)."""
+of 64: the 16-bit dots of real shapes), through the bit-plane loop with its values folded
+into p or dequantized in registers (`dequant_values`), and the interleaving one."""
 
 import sys
 
@@ -54,7 +55,7 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
           dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64,
-          planar=None):
+          planar=None, dequant_values=False):
     cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
                          value_group)
     B = cache.batch_size
@@ -73,7 +74,7 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
                                    cache.key_bits,
                                    cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
                                    rotation=cache.rotation, num_splits=splits, block_n=block_n,
-                                   planar=planar)
+                                   planar=planar, dequant_values=dequant_values)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
     assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate,
@@ -119,9 +120,13 @@ def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
     # through the bit-plane loop (the default there) and the interleaving one
     for kv in kvs:
         for D in (64, 128) if device != "cpu" else (64,):
-            for rotate, planar in ((True, None), (False, None), (True, False)):
+            for rotate, planar, vdq in ((True, None, False), (False, None, False), (True, False, False),
+                                        (True, None, True), (False, None, True)):
                 check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
-                      value_group=64, planar=planar)
+                      value_group=64, planar=planar, dequant_values=vdq)
+            check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
+                  key_group=64, value_group=32 if kv == "int4" else 64, splits=2,
+                  dequant_values=True)  # int4: 2-4 value groups (int2 values need 64 for 16-byte planes)
             check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
                   key_group=64, value_group=64, splits=2)  # a decode pair, the default loop
         check(kv, 6, 2, 128, 200, 4, [70], M=1, dtype=half, device=device, key_group=32, value_group=32,

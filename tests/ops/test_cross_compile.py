@@ -27,6 +27,16 @@ def test_lowbit_kernel_builds_for_sm90(kv, shape, planar, dtype):
     assert 0 < r["registers"] <= 255 and 0 < r["shared_bytes"] <= H200_SHARED, r
 
 
+@pytest.mark.parametrize("kv", ["int4", "int2"])
+def test_lowbit_kernel_with_values_dequantized_builds_for_sm90(kv):
+    plan = lowbit_launch(kv, dequant_values=True)
+    assert plan.meta["PLANAR"] and plan.meta["VDQ"]
+    r = compile_for(_kernel(), plan.args, plan.meta)
+    assert 0 < r["registers"] <= 255 and 0 < r["shared_bytes"] <= H200_SHARED, r
+    with pytest.raises(ValueError, match="bit-plane loop"):
+        lowbit_launch(kv, planar=False, dequant_values=True)
+
+
 def test_signature_types_every_argument():
     plan = lowbit_launch("int2")
     sig, const = signature(_kernel(), plan.args, {k: v for k, v in plan.meta.items()

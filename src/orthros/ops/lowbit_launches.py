@@ -12,7 +12,7 @@ from .splitkv_lowbit import LaunchPlan, launch_plan
 
 
 def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, rotate: bool = True,
-                  planar: bool | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                  planar: bool | None = None, dequant_values: bool = False, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                   dtype=torch.bfloat16, context: int = 1000) -> LaunchPlan:
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=heads,
                                   num_key_value_heads=kv_heads, head_dim=head_dim, window_size=128)
@@ -23,4 +23,4 @@ def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: i
     return launch_plan(q, *cache.layer(0), slot, torch.zeros(1, 2, dtype=torch.long), cache.doc,
                        torch.tensor([bound]), context, cache.key_bits, cache.value_bits, cache.key_group, window=128,
                        window_rows=1, rotation=cache.rotation, num_splits=4, block_n=block_n, num_warps=num_warps,
-                       num_stages=num_stages, planar=planar)
+                       num_stages=num_stages, planar=planar, dequant_values=dequant_values)

@@ -95,7 +95,8 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              bound, length: int, key_bits: int, value_bits: int, key_group: int, window=None, scale=None,
                              window_rows: int | None = None, rotation: torch.Tensor | None = None,
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
-                             num_stages: int | None = None, planar: bool | None = None):
+                             num_stages: int | None = None, planar: bool | None = None,
+                             dequant_values: bool = False):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -104,10 +105,12 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     -> [B, M, H, D] in q's dtype. num_splits / block_n (keys per tile, a power of two >= 16;
     packed tiles are also at most the key group's power-of-two factor) / num_warps /
     num_stages: launch tuning; planar: the bit-plane packed loop (None: wherever it applies;
-    False: the interleaving one, for comparisons)."""
+    False: the interleaving one, for comparisons); dequant_values: in the bit-plane loop,
+    values dequantized in registers and read with plain 2-D dots, instead of their scales
+    folded into p with dots batched over the channel groups (for comparisons)."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
-                       block_n, num_warps, num_stages, planar)
+                       block_n, num_warps, num_stages, planar, dequant_values)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     B, P, M, H, parts, D = plan.o.shape
     if parts == 1:
@@ -131,7 +134,8 @@ class LaunchPlan:
 
 def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                 length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
-                num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None) -> LaunchPlan:
+                num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None,
+                dequant_values=False) -> LaunchPlan:
     """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds)."""
     import triton
 
@@ -168,6 +172,8 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         raise ValueError("the bit-plane loop needs 16-bit queries, packed tiles >= 16 bytes wide, key groups "
                          "with a power-of-two factor >= 16 and a power-of-two head size")
     planar = can_planar if planar is None else planar
+    if dequant_values and not planar:
+        raise ValueError("dequant_values is a variant of the bit-plane loop (planar)")
     parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
     o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
@@ -193,7 +199,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         G=G, D=D, KBITS=key_bits, VBITS=value_bits, VG=VG, NG=NG, BLOCK_R=max(16, _pow2(G * M)), BLOCK_N=block_n,
         BLOCK_Q=block_q, BLOCK_D=max(16, _pow2(D)), BLOCK_NG=_pow2(NG), BLOCK_VG=max(16, _pow2(VG)),
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
-        HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar,
+        HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
         **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
     )

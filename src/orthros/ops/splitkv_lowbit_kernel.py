@@ -111,7 +111,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        BLOCK_D: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_VG: tl.constexpr,
                        KEY_FOLD: tl.constexpr, VALUE_BYTES: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
-                       PLANAR: tl.constexpr, IEEE: tl.constexpr):
+                       PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr):
     # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
@@ -196,11 +196,21 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         if PK == 4:
             qk2 = _q_plane(qbase, ci, rvalid[:, None], PK, 2, qscale)
             qk3 = _q_plane(qbase, ci, rvalid[:, None], PK, 3, qscale)
-        a0 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)  # value plane i: channels g * VG + c * PV + i
-        a1 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
-        if PV == 4:
-            a2 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
-            a3 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
+        if VDQ:  # value plane i, 2-D: byte c of the slot holds channel c * PV + i
+            DV: tl.constexpr = D // PV  # value bytes a slot
+            cb = tl.arange(0, DV)
+            gv = tl.arange(0, BLOCK_NG)
+            a0 = tl.zeros([BLOCK_R, DV], tl.float32)
+            a1 = tl.zeros([BLOCK_R, DV], tl.float32)
+            if PV == 4:
+                a2 = tl.zeros([BLOCK_R, DV], tl.float32)
+                a3 = tl.zeros([BLOCK_R, DV], tl.float32)
+        else:
+            a0 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)  # value plane i: channels g * VG + c * PV + i
+            a1 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
+            if PV == 4:
+                a2 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
+                a3 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
         vmask3 = (g3 < NG) & (cv3 < VPL)
         for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
             j = j0 + nq
@@ -217,19 +227,35 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                 s, bias = s + s2 + s3, bias + b2 + b3
             vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
             p, alpha, m_i, l_i = _softmax_step(s + bias[:, None], vis, m_i, l_i)
-            jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
-            vb = tl.load(VQ_b + tl.cast(j0, tl.int64) * svqs + nq3 * svqs + g3 * VPL + cv3, mask=jv3 & vmask3,
-                         other=0)  # [BLOCK_NG, BLOCK_Q, VPL]
-            ps, vbias = _value_scales(p, VS_b, VZ_b, j0, nq, gq, jv, svss, NG, DT, MAGIC)
-            vbias = vbias[:, :, None]
             VM: tl.constexpr = (1 << VBITS) - 1
             acc = acc * alpha[None, :, None]
-            al = alpha[None, :, None]
-            a0 = a0 * al + _dot(ps, _as_operand(vb & VM, DT), IEEE) + vbias
-            a1 = a1 * al + _dot(ps, _as_operand((vb >> VBITS) & VM, DT), IEEE) + vbias
-            if PV == 4:
-                a2 = a2 * al + _dot(ps, _as_operand((vb >> (2 * VBITS)) & VM, DT), IEEE) + vbias
-                a3 = a3 * al + _dot(ps, _as_operand((vb >> (3 * VBITS)) & VM, DT), IEEE) + vbias
+            if VDQ:  # values dequantized in registers (n * s + z), plain 2-D dots with p
+                t = tl.cast(j0, tl.int64)
+                vb = tl.load(VQ_b + t * svqs + nq[:, None] * svqs + cb[None, :], mask=jv[:, None], other=0)
+                vso = t * svss + nq[:, None] * svss + gv[None, :]  # [BLOCK_Q, NG]
+                vs = tl.load(VS_b + vso, mask=jv[:, None], other=0.0).to(tl.float32)
+                vz = tl.load(VZ_b + vso, mask=jv[:, None], other=0.0).to(tl.float32)
+                vs = tl.reshape(tl.broadcast_to(vs[:, :, None], [BLOCK_Q, BLOCK_NG, VPL]), [BLOCK_Q, DV])
+                vz = tl.reshape(tl.broadcast_to(vz[:, :, None], [BLOCK_Q, BLOCK_NG, VPL]), [BLOCK_Q, DV])
+                pd = p.to(DT)
+                al2 = alpha[:, None]
+                a0 = a0 * al2 + _dot(pd, ((vb & VM).to(tl.float32) * vs + vz).to(DT), IEEE)
+                a1 = a1 * al2 + _dot(pd, (((vb >> VBITS) & VM).to(tl.float32) * vs + vz).to(DT), IEEE)
+                if PV == 4:
+                    a2 = a2 * al2 + _dot(pd, (((vb >> (2 * VBITS)) & VM).to(tl.float32) * vs + vz).to(DT), IEEE)
+                    a3 = a3 * al2 + _dot(pd, ((vb >> (3 * VBITS)).to(tl.float32) * vs + vz).to(DT), IEEE)
+            else:  # value scales folded into p: dots batched over the channel groups
+                jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
+                vb = tl.load(VQ_b + tl.cast(j0, tl.int64) * svqs + nq3 * svqs + g3 * VPL + cv3, mask=jv3 & vmask3,
+                             other=0)  # [BLOCK_NG, BLOCK_Q, VPL]
+                ps, vbias = _value_scales(p, VS_b, VZ_b, j0, nq, gq, jv, svss, NG, DT, MAGIC)
+                vbias = vbias[:, :, None]
+                al = alpha[None, :, None]
+                a0 = a0 * al + _dot(ps, _as_operand(vb & VM, DT), IEEE) + vbias
+                a1 = a1 * al + _dot(ps, _as_operand((vb >> VBITS) & VM, DT), IEEE) + vbias
+                if PV == 4:
+                    a2 = a2 * al + _dot(ps, _as_operand((vb >> (2 * VBITS)) & VM, DT), IEEE) + vbias
+                    a3 = a3 * al + _dot(ps, _as_operand((vb >> (3 * VBITS)) & VM, DT), IEEE) + vbias
     else:  # levels interleaved back into channel order
         for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
             j = j0 + nq
@@ -280,11 +306,18 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
         m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
         if PLANAR:
-            a0 = a0 * alpha[None, :, None]
-            a1 = a1 * alpha[None, :, None]
-            if PV == 4:
-                a2 = a2 * alpha[None, :, None]
-                a3 = a3 * alpha[None, :, None]
+            if VDQ:
+                a0 = a0 * alpha[:, None]
+                a1 = a1 * alpha[:, None]
+                if PV == 4:
+                    a2 = a2 * alpha[:, None]
+                    a3 = a3 * alpha[:, None]
+            else:
+                a0 = a0 * alpha[None, :, None]
+                a1 = a1 * alpha[None, :, None]
+                if PV == 4:
+                    a2 = a2 * alpha[None, :, None]
+                    a3 = a3 * alpha[None, :, None]
         elif ROTATED:
             acc_p = acc_p * alpha[None, :, None]
 
@@ -295,13 +328,19 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     omask = (m3 < M) & cmask3
     if PLANAR:  # two parts, merged then added as o[0] + o[1] (R) outside; the planes back in channel order
         tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
-        o1 = O + b * sob + split * sop + m3 * som + h3 * soh + sox + g3 * VG + cv3 * PV
-        pmask = (m3 < M) & vmask3
-        tl.store(o1, a0 * inv, mask=pmask)
-        tl.store(o1 + 1, a1 * inv, mask=pmask)
+        if VDQ:
+            o1 = O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + sox + cb[None, :] * PV
+            pmask = rvalid[:, None]
+            pinv = 1.0 / tl.where(seen, l_i, 1.0)[:, None]
+        else:
+            o1 = O + b * sob + split * sop + m3 * som + h3 * soh + sox + g3 * VG + cv3 * PV
+            pmask = (m3 < M) & vmask3
+            pinv = inv
+        tl.store(o1, a0 * pinv, mask=pmask)
+        tl.store(o1 + 1, a1 * pinv, mask=pmask)
         if PV == 4:
-            tl.store(o1 + 2, a2 * inv, mask=pmask)
-            tl.store(o1 + 3, a3 * inv, mask=pmask)
+            tl.store(o1 + 2, a2 * pinv, mask=pmask)
+            tl.store(o1 + 3, a3 * pinv, mask=pmask)
     elif ROTATED:  # two parts, merged then added as o[0] + o[1] R outside: the packed values leave V R space there
         tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
         tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + sox + ch3, acc_p * inv, mask=omask)
