@@ -24,7 +24,7 @@ import torch
 
 _PTR = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8", torch.int8: "i8",
         torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 @contextlib.contextmanager
