@@ -16,7 +16,7 @@ RoPE, or SwiGLU's gate) at any batch size, where eager decoding keeps small
 inputs unfused. Outside attention and the cache writes, an Orthros step runs
 ~1.5x the eager ops of a full-attention one (two streams, SO; counted on CPU,
 4 layers: 283 against 188), 75 against 60 with the fusion. The bucket's first
-(eager) run uses the same kernels as its capture.
+(eager) run uses the same kernels as its capture. fp32 models keep the eager ops.
 
 Padded rows decode token 0 at position 0 into a scratch block that no
 request owns (the pool's last block), so they read and write nothing real.
@@ -58,7 +58,9 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, PagedStepCache]] = {}
         self.mempool = None
         self.disabled = False
-        self.fuse = dev.type == "cuda"  # the Triton elementwise kernels at any size (see above)
+        # the Triton elementwise kernels at any size (see above); fp32 models (tests, references)
+        # keep the eager ops, so that their greedy tokens stay exactly those of the eager paths
+        self.fuse = dev.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16)
 
     def _cache(self, b: int) -> PagedStepCache:
         return PagedStepCache.static_decode(self.pool, self.input_ids[:, :b], self.pos[:b], self.slots[:b],
