@@ -1,5 +1,6 @@
 """Run under TRITON_INTERPRET=1 (see test_paged.py): the paged single-query kernel against its
-gathered reference, over scattered blocks, several splits, windows, GQA and an fp8 pool."""
+gathered reference, over scattered blocks, several splits, windows, GQA, an fp8 pool, and results stored into a given
+output (a view; fp16)."""
 
 import torch
 
@@ -20,6 +21,18 @@ def main():
             ref = paged_attention_ref(q, kp, vp, table, pos, bs, window)
             err = ((out - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (window, per, err)
+    # into a view of a larger buffer (the decode pair's output rows): one split stores there itself,
+    # several merge there; nothing outside the view is touched
+    buf = torch.full((1, 2 * R, H, D), float("nan"))
+    for window, per in ((7, None), (None, 16)):
+        res = paged_attention_kernel(q, kp, vp, table, pos, bs, window, keys_per_split=per, out=buf[0, R:])
+        ref = paged_attention_ref(q, kp, vp, table, pos, bs, window)
+        assert res.data_ptr() == buf[0, R:].data_ptr() and bool(buf[0, :R].isnan().all())
+        assert ((buf[0, R:] - ref).norm() / ref.norm()).item() < 1e-5, (window, per)
+    q16 = q.half()  # one split: fp32 results stored into an fp16 output directly
+    res = paged_attention_kernel(q16, kp.half(), vp.half(), table, pos, bs, 7, out=torch.empty(R, H, D).half())
+    ref = paged_attention_ref(q, kp, vp, table, pos, bs, 7)
+    assert res.dtype == torch.float16 and ((res.float() - ref).norm() / ref.norm()).item() < 5e-3
     k8, v8 = kp.to(FP8), vp.to(FP8)
     out = paged_attention_kernel(q, k8, v8, table, pos, bs, None, keys_per_split=16)
     ref = paged_attention_ref(q, k8, v8, table, pos, bs, None)

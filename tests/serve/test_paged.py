@@ -25,6 +25,21 @@ def test_paged_reference_equals_naive_on_gathered_keys():
         assert rel_err(got, ref[:, 0]) < 1e-6
 
 
+def test_paged_op_stores_into_a_given_output_and_checks_it():
+    from orthros.ops.paged import paged_attention
+
+    torch.manual_seed(0)
+    kp, vp = torch.randn(64, 2, 8), torch.randn(64, 2, 8)
+    table, pos, q = torch.tensor([[3, 1, 0], [2, 5, 4]]), torch.tensor([5, 9]), torch.randn(2, 4, 8)
+    buf = torch.zeros(1, 4, 4, 8)
+    res = paged_attention(q, kp, vp, table, pos, 4, out=buf[0, 2:])
+    assert res.data_ptr() == buf[0, 2:].data_ptr() and torch.equal(buf[0, :2], torch.zeros(2, 4, 8))
+    assert rel_err(buf[0, 2:], paged_attention_ref(q, kp, vp, table, pos, 4)) < 1e-6
+    for bad in (torch.zeros(2, 4, 7), torch.zeros(2, 4, 8, dtype=torch.float64), torch.zeros(2, 8, 4).transpose(1, 2)):
+        with pytest.raises(ValueError, match="out must be"):
+            paged_attention(q, kp, vp, table, pos, 4, out=bad)
+
+
 def test_paged_kernel_interpreted():
     r = run_triton_interpreted("-m", "tests.serve.paged_kernel_cases", timeout=300)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

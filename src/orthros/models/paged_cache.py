@@ -246,8 +246,9 @@ class PagedStepCache:
             q = q * pool.k_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(q.dtype)
         if window_rows is not None:  # the pair path: [base rows | output rows] of one decode
             r = window_rows
-            o = torch.cat([self._attend_single(layer_idx, q[:, :r], self._base_single, window, scale),
-                           self._attend_single(layer_idx, q[:, r:], self._out_single, None, scale)], 1)
+            o = q.new_empty(q.shape)  # both calls store into it: no concatenation
+            self._attend_single(layer_idx, q[:, :r], self._base_single, window, scale, out=o[:, :r])
+            self._attend_single(layer_idx, q[:, r:], self._out_single, None, scale, out=o[:, r:])
         elif q_slot is self.layout.base_slot and not self._dense:  # every segment is one token: rows in order
             o = self._attend_single(layer_idx, q, self._base_single, window, scale)
         elif q_slot is self.layout.base_slot:
@@ -279,10 +280,11 @@ class PagedStepCache:
             o = o * pool.v_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(o.dtype)
         return o
 
-    def _attend_single(self, layer_idx, q, single: _Single, window, scale):
-        """q [1, R, H, D], one query per row of `single` -> [1, R, H, D]."""
+    def _attend_single(self, layer_idx, q, single: _Single, window, scale, out=None):
+        """q [1, R, H, D], one query per row of `single` -> [1, R, H, D] (into `out` if given)."""
         if q.shape[1] == 0:
-            return q
+            return q if out is None else out
         o = paged_attention(q[0], self.pool.k[layer_idx], self.pool.v[layer_idx], single.table, single.pos,
-                            self.pool.block_size, window=window, scale=scale, max_len=single.max_len)
+                            self.pool.block_size, window=window, scale=scale, max_len=single.max_len,
+                            out=None if out is None else out[0])
         return o[None]

@@ -106,7 +106,8 @@ def paged_splits(max_len: int, rows: int, kv_heads: int, device, block_n: int = 
 
 
 def paged_attention(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
-                    scale: float | None = None, keys_per_split: int | None = None, max_len: int | None = None):
+                    scale: float | None = None, keys_per_split: int | None = None, max_len: int | None = None,
+                    out: torch.Tensor | None = None):
     """Single queries over a paged pool.
 
     Args:
@@ -116,21 +117,29 @@ def paged_attention(q, k_pool, v_pool, table, pos, block_size: int, window: int 
         pos: [R] int position of each query (it sees keys 0..pos, or the last `window`).
         keys_per_split: the kernel's split size (static: fixes the launch grid); default from
             `max_len` (the longest sequence, default table.shape[1] * block_size).
+        out: [R, H, D] in q's dtype (a view is fine) to write the result into, instead of a new
+            tensor: the kernels store there directly (no copy).
     Returns:
-        [R, H, D] in q's dtype.
+        [R, H, D] in q's dtype (`out` if given).
     """
     from . import triton_available
 
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device
+                            or out.stride(-1) != 1):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, contiguous in its last dim; got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
     if q.shape[0] == 0:
-        return q.new_zeros(q.shape)
+        return q.new_zeros(q.shape) if out is None else out
     if not (q.is_cuda and triton_available()):
-        return paged_attention_ref(q, k_pool, v_pool, table, pos, block_size, window, scale)
-    return paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size, window, scale, keys_per_split, max_len)
+        o = paged_attention_ref(q, k_pool, v_pool, table, pos, block_size, window, scale)
+        return o if out is None else out.copy_(o)
+    return paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size, window, scale, keys_per_split, max_len,
+                                  out)
 
 
 def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
                            scale: float | None = None, keys_per_split: int | None = None,
-                           max_len: int | None = None):
+                           max_len: int | None = None, out: torch.Tensor | None = None):
     """`paged_attention` through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
     import triton
 
@@ -146,7 +155,9 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
         keys_per_split = triton.cdiv(cap, block_n) * block_n  # a window's few keys: one split, no merge
     per = keys_per_split or paged_splits(max_len or cap, R, Hkv, q.device, block_n)
     P = max(1, triton.cdiv(cap, per))
-    o = torch.empty(R, P, H, D, device=q.device, dtype=torch.float32)
+    out = torch.empty(R, H, D, device=q.device, dtype=q.dtype) if out is None else out
+    # one split: the kernel stores the result itself, in q's dtype; else fp32 partials to merge
+    o = out[:, None] if P == 1 else torch.empty(R, P, H, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(R, P, H, device=q.device, dtype=torch.float32)
     _kernel()[(R * Hkv, P)](
         q, k_pool, v_pool, table, pos, o, lse,
@@ -157,18 +168,17 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
     )
     if P == 1:
-        return o[:, 0].to(q.dtype)
-    out = torch.empty(R, 1, H, D, device=q.device, dtype=q.dtype)
+        return out
     lse_out = torch.empty(R, 1, H, device=q.device, dtype=torch.float32)
     # The merge kernel's layout is [B, P, M, H, D]: here B = R and M = 1.
-    o5, lse4 = o[:, :, None], lse[:, :, None]
+    o5, lse4, out4 = o[:, :, None], lse[:, :, None], out[:, None]
     _merge_kernel()[(R * H,)](
-        o5, lse4, out, lse_out, P, 1, H,
+        o5, lse4, out4, lse_out, P, 1, H,
         o5.stride(0), o5.stride(1), o5.stride(2), o5.stride(3), lse4.stride(0), lse4.stride(1), lse4.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), lse_out.stride(0), lse_out.stride(1),
+        out4.stride(0), out4.stride(1), out4.stride(2), lse_out.stride(0), lse_out.stride(1),
         D=D, BLOCK_P=min(64, triton.next_power_of_2(P)), BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
-    return out[:, 0]
+    return out
 
 
 def paged_attention_ref(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
