@@ -10,7 +10,7 @@ import torch
 from orthros.generate import generate
 from orthros.serve.engine import Engine, EngineConfig, QueueFull, SamplingParams
 
-from ..conftest import DEVICE, make_model
+from ..conftest import DEVICE, make_model, rel_err
 
 
 def _workload(seed=0):
@@ -189,6 +189,35 @@ def test_decode_graphs_fused_kernels_equal_the_eager_step_triton_interpreter():
 
     r = run_triton_interpreted("-m", "tests.serve.graphs_fused_cases", timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs (the interpreter test above covers the kernels on CPU)")
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+def test_bf16_decode_graphs_with_fused_kernels_match_the_eager_step(attention):
+    """A bf16 model's captured decode step (fused Triton elementwise kernels) is captured, replays
+    exactly what its first run computed, and stays within bf16 rounding of the eager step."""
+    from orthros.models.paged_cache import Segment
+    from orthros.serve.graphs import DecodeGraphs
+
+    model = make_model(attention, window=6, initializer_range=0.3).to(torch.bfloat16)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64,
+                                     cuda_graphs=False))
+    for p in ([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9]):
+        eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
+    for _ in range(4):
+        eng.step()
+    for r in eng.running:
+        assert eng._grow(r, len(r.tokens))
+    segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+    with torch.inference_mode():
+        eager = eng._forward(segments).float()
+        graphs = DecodeGraphs(eng)
+        assert graphs.fuse
+        first = graphs.run(segments)  # eager, with the fused kernels; then captured
+        replay = graphs.run(segments)
+    assert not graphs.disabled and 4 in graphs.graphs
+    assert torch.equal(first, replay)
+    assert rel_err(replay, eager) < 2e-2
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
