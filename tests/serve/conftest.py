@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from orthros.convert.tiny import tiny_tokenizer
-from orthros.serve.engine import EngineConfig
+from orthros.serve.engine import Engine, EngineConfig, SamplingParams
 
 from ..conftest import make_model
 
@@ -50,3 +50,20 @@ def reference(model, tok, prompt_ids, max_new):
     with torch.no_grad():
         ids = generate(model, [prompt_ids], max_new_tokens=max_new, stop_tokens=tok.eos_token_id)
     return ids[0, len(prompt_ids):].tolist()
+
+
+def decoding_engine(model, **engine):
+    """An engine with three requests of different lengths all decoding, each with room for its next
+    token, and that decode step's segments: (engine, segments)."""
+    from orthros.models.paged_cache import Segment
+
+    eng = Engine(model, EngineConfig(**{**dict(block_size=4, num_blocks=64, max_num_seqs=8, max_model_len=64),
+                                        **engine}))
+    for p in ([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9]):
+        eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
+    for _ in range(4):
+        eng.step()
+    assert len(eng.running) == 3 and all(len(r.tokens) - r.computed == 1 for r in eng.running)  # all decoding
+    for r in eng.running:
+        assert eng._grow(r, len(r.tokens))
+    return eng, [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]

@@ -5,24 +5,16 @@ really runs those kernels."""
 import torch
 
 import orthros.layers.fused as fused
-from orthros.models.paged_cache import Segment
-from orthros.serve.engine import Engine, EngineConfig, SamplingParams
 from orthros.serve.graphs import DecodeGraphs
 
 from ..conftest import make_model
+from .conftest import decoding_engine
 
 
 def main():
     for attention in ("orthros", "full"):
         model = make_model(attention, window=6, initializer_range=0.3)
-        eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64))
-        for p in ([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9]):
-            eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
-        for _ in range(4):
-            eng.step()
-        for r in eng.running:
-            assert eng._grow(r, len(r.tokens))
-        segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+        eng, segments = decoding_engine(model, max_num_seqs=4)
         with torch.inference_mode():
             eager = eng._forward(segments)
             graphs = DecodeGraphs(eng)

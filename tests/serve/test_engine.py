@@ -11,6 +11,7 @@ from orthros.generate import generate
 from orthros.serve.engine import Engine, EngineConfig, QueueFull, SamplingParams
 
 from ..conftest import DEVICE, make_model, rel_err
+from .conftest import decoding_engine
 
 
 def _workload(seed=0):
@@ -161,19 +162,10 @@ def test_bad_requests_and_queue_bound():
 def test_static_decode_buffers_equal_the_eager_step(attention):
     """What the CUDA graphs capture, run eagerly on CPU: a decode-only step over the static
     buffers, padded to its bucket with scratch rows, gives the eager step's logits."""
-    from orthros.models.paged_cache import Segment
     from orthros.serve.graphs import DecodeGraphs
 
     model = make_model(attention, window=6, initializer_range=0.3)
-    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=8, max_model_len=64))
-    for i, p in enumerate(([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9])):
-        eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
-    for _ in range(4):
-        eng.step()
-    assert len(eng.running) == 3 and all(len(r.tokens) - r.computed == 1 for r in eng.running)  # all decoding
-    for r in eng.running:
-        assert eng._grow(r, len(r.tokens))
-    segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+    eng, segments = decoding_engine(model)
     eager = eng._forward(segments)
     graphs = DecodeGraphs(eng)
     assert graphs.buckets == [1, 2, 4, 8]
@@ -196,19 +188,10 @@ def test_decode_graphs_fused_kernels_equal_the_eager_step_triton_interpreter():
 def test_bf16_decode_graphs_with_fused_kernels_match_the_eager_step(attention):
     """A bf16 model's captured decode step (fused Triton elementwise kernels) is captured, replays
     exactly what its first run computed, and stays within bf16 rounding of the eager step."""
-    from orthros.models.paged_cache import Segment
     from orthros.serve.graphs import DecodeGraphs
 
     model = make_model(attention, window=6, initializer_range=0.3).to(torch.bfloat16)
-    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64,
-                                     cuda_graphs=False))
-    for p in ([1, 2, 3, 4, 5, 6, 7], list(range(40, 61)), [9]):
-        eng.submit(p, SamplingParams(max_tokens=30), lambda ev: None)
-    for _ in range(4):
-        eng.step()
-    for r in eng.running:
-        assert eng._grow(r, len(r.tokens))
-    segments = [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+    eng, segments = decoding_engine(model, max_num_seqs=4, cuda_graphs=False)
     with torch.inference_mode():
         eager = eng._forward(segments).float()
         graphs = DecodeGraphs(eng)
