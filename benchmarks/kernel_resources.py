@@ -20,7 +20,7 @@ import time
 
 from orthros.bench.common import save_figure, splice_marks, subplots
 from orthros.ops.cross_compile import compile_for
-from orthros.ops.lowbit_launches import lowbit_launch
+from orthros.ops.lowbit_launches import LOOPS, lowbit_launch, loop_options
 from orthros.ops.splitkv_lowbit import _kernel
 
 
@@ -30,8 +30,7 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 128])
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--loops", nargs="+", default=["planar", "planar-dq", "interleaved"],
-                   choices=("planar", "planar-dq", "interleaved"),
+    p.add_argument("--loops", nargs="+", default=list(LOOPS), choices=LOOPS,
                    help="packed loops: bit planes (values folded into p / dequantized: -dq), interleaving")
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None)
@@ -41,9 +40,7 @@ def main():
     cmd = "python " + " ".join(map(shlex.quote, ["benchmarks/kernel_resources.py", *sys.argv[1:]]))
     rows = []
     for kv, loop, warps, block in itertools.product(args.dtypes, args.loops, args.warps, args.blocks):
-        plan = lowbit_launch(kv, planar=None if loop.startswith("planar") else False,
-                             dequant_values=loop == "planar-dq", block_n=block, num_warps=warps,
-                             num_stages=args.stages)
+        plan = lowbit_launch(kv, block_n=block, num_warps=warps, num_stages=args.stages, **loop_options(loop))
         r = dict(kv=kv, loop=loop, num_warps=warps, block_n=block, num_stages=args.stages,
                  **compile_for(_kernel(), plan.args, plan.meta))
         rows.append(r)

@@ -30,6 +30,7 @@ from orthros import OrthrosConfig
 from orthros.bench.common import splice_marks
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.ops.lowbit_launches import LOOPS, loop_options
 from orthros.ops.splitkv import _num_sms, splitkv_attention
 from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
 
@@ -47,8 +48,7 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
-    p.add_argument("--loops", nargs="+", choices=("planar", "planar-dq", "interleaved"),
-                   default=["planar", "interleaved"],
+    p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar", "interleaved"],
                    help="low-bit: the packed loop over bit planes (the default; planar-dq: its values dequantized "
                         "in registers) and/or the interleaving one")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
@@ -87,9 +87,7 @@ def main():
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
                                                       window=W, window_rows=1, num_splits=splits, block_n=block_n,
-                                                      num_warps=warps, num_stages=stages,
-                                                      planar=None if loop.startswith("planar") else False,
-                                                      dequant_values=loop == "planar-dq")
+                                                      num_warps=warps, num_stages=stages, **loop_options(loop))
             else:
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
                                                block_n=block_n, window_rows=1, num_warps=warps, num_stages=stages)

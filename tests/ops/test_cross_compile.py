@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from orthros.ops.cross_compile import compile_for, signature  # noqa: E402
+from orthros.ops.cross_compile import OPTIONS, compile_for, signature  # noqa: E402
 from orthros.ops.lowbit_launches import lowbit_launch  # noqa: E402
 from orthros.ops.splitkv_lowbit import _kernel  # noqa: E402
 
@@ -39,8 +39,7 @@ def test_lowbit_kernel_with_values_dequantized_builds_for_sm90(kv):
 
 def test_signature_types_every_argument():
     plan = lowbit_launch("int2")
-    sig, const = signature(_kernel(), plan.args, {k: v for k, v in plan.meta.items()
-                                                  if k not in ("num_warps", "num_stages")})
+    sig, const = signature(_kernel(), plan.args, {k: v for k, v in plan.meta.items() if k not in OPTIONS})
     assert sig["Q"] == "*bf16" and sig["KQ"] == "*u8" and sig["O"] == "*fp32" and sig["M"] == "i32"
     assert sig["qscale"] == "fp32" and sig["PLANAR"] == "constexpr" and const["KBITS"] == 2
     with pytest.raises(ValueError, match="positional arguments"):

@@ -62,6 +62,17 @@ def _value_scales(p, VS_b, VZ_b, j0, nq, gq, jv, svss, NG: tl.constexpr, DT: tl.
     return ps, tl.sum(p[None, :, :] * vz[:, None, :], 2) - MAGIC * tl.sum(ps.to(tl.float32), 2)
 
 @triton.jit
+def _along_channels(x, BLOCK_Q: tl.constexpr, BLOCK_NG: tl.constexpr, VPL: tl.constexpr):
+    """Per-group values x [BLOCK_Q, NG] -> [BLOCK_Q, NG * VPL]: each repeated over its group's bytes."""
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK_Q, BLOCK_NG, VPL]), [BLOCK_Q, BLOCK_NG * VPL])
+
+@triton.jit
+def _dequant_plane(vb, PLANE: tl.constexpr, VBITS: tl.constexpr, vs, vz, DT: tl.constexpr):
+    """Bit plane PLANE of packed value bytes vb, dequantized (level * scale + zero) into DT."""
+    n = (vb >> (PLANE * VBITS)) & ((1 << VBITS) - 1)
+    return (n.to(tl.float32) * vs + vz).to(DT)
+
+@triton.jit
 def _q_plane(qbase, ci, rmask, PK: tl.constexpr, PLANE: tl.constexpr, qscale):
     return tl.load(qbase + ci[None, :] * PK + PLANE, mask=rmask, other=0.0).to(tl.float32) * qscale
 
@@ -235,15 +246,15 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                 vso = t * svss + nq[:, None] * svss + gv[None, :]  # [BLOCK_Q, NG]
                 vs = tl.load(VS_b + vso, mask=jv[:, None], other=0.0).to(tl.float32)
                 vz = tl.load(VZ_b + vso, mask=jv[:, None], other=0.0).to(tl.float32)
-                vs = tl.reshape(tl.broadcast_to(vs[:, :, None], [BLOCK_Q, BLOCK_NG, VPL]), [BLOCK_Q, DV])
-                vz = tl.reshape(tl.broadcast_to(vz[:, :, None], [BLOCK_Q, BLOCK_NG, VPL]), [BLOCK_Q, DV])
+                vs = _along_channels(vs, BLOCK_Q, BLOCK_NG, VPL)
+                vz = _along_channels(vz, BLOCK_Q, BLOCK_NG, VPL)
                 pd = p.to(DT)
                 al2 = alpha[:, None]
-                a0 = a0 * al2 + _dot(pd, ((vb & VM).to(tl.float32) * vs + vz).to(DT), IEEE)
-                a1 = a1 * al2 + _dot(pd, (((vb >> VBITS) & VM).to(tl.float32) * vs + vz).to(DT), IEEE)
+                a0 = a0 * al2 + _dot(pd, _dequant_plane(vb, 0, VBITS, vs, vz, DT), IEEE)
+                a1 = a1 * al2 + _dot(pd, _dequant_plane(vb, 1, VBITS, vs, vz, DT), IEEE)
                 if PV == 4:
-                    a2 = a2 * al2 + _dot(pd, (((vb >> (2 * VBITS)) & VM).to(tl.float32) * vs + vz).to(DT), IEEE)
-                    a3 = a3 * al2 + _dot(pd, ((vb >> (3 * VBITS)).to(tl.float32) * vs + vz).to(DT), IEEE)
+                    a2 = a2 * al2 + _dot(pd, _dequant_plane(vb, 2, VBITS, vs, vz, DT), IEEE)
+                    a3 = a3 * al2 + _dot(pd, _dequant_plane(vb, 3, VBITS, vs, vz, DT), IEEE)
             else:  # value scales folded into p: dots batched over the channel groups
                 jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
                 vb = tl.load(VQ_b + tl.cast(j0, tl.int64) * svqs + nq3 * svqs + g3 * VPL + cv3, mask=jv3 & vmask3,
@@ -306,23 +317,21 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
         m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
         if PLANAR:
-            if VDQ:
-                a0 = a0 * alpha[:, None]
-                a1 = a1 * alpha[:, None]
-                if PV == 4:
-                    a2 = a2 * alpha[:, None]
-                    a3 = a3 * alpha[:, None]
+            if VDQ:  # the planes' layout: [rows, bytes] or [groups, rows, bytes]
+                al = alpha[:, None]
             else:
-                a0 = a0 * alpha[None, :, None]
-                a1 = a1 * alpha[None, :, None]
-                if PV == 4:
-                    a2 = a2 * alpha[None, :, None]
-                    a3 = a3 * alpha[None, :, None]
+                al = alpha[None, :, None]
+            a0 = a0 * al
+            a1 = a1 * al
+            if PV == 4:
+                a2 = a2 * al
+                a3 = a3 * al
         elif ROTATED:
             acc_p = acc_p * alpha[None, :, None]
 
     seen = l_i > 0
-    inv = 1.0 / tl.where(seen, l_i, 1.0)[None, :, None]
+    linv = 1.0 / tl.where(seen, l_i, 1.0)
+    inv = linv[None, :, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     m3, h3 = m[None, :, None], h[None, :, None]
     omask = (m3 < M) & cmask3
@@ -331,7 +340,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         if VDQ:
             o1 = O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + sox + cb[None, :] * PV
             pmask = rvalid[:, None]
-            pinv = 1.0 / tl.where(seen, l_i, 1.0)[:, None]
+            pinv = linv[:, None]
         else:
             o1 = O + b * sob + split * sop + m3 * som + h3 * soh + sox + g3 * VG + cv3 * PV
             pmask = (m3 < M) & vmask3
