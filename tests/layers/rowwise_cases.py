@@ -32,6 +32,11 @@ def check_kernels(dtype, tol, device="cpu"):
                 out = rowwise.heads(x, cos, sin, H, D, *so, norm, 1e-6)
                 ref = fused.heads(x, cos, sin, H, D, *so, norm, 1e-6)
                 assert out.shape == ref.shape and rel_err(out, ref) < tol, (so[0] is None, norm is None)
+        # SO per row (a decode pair: base rows, then output rows, each stream its own)
+        ar, br = r(M, H * D), r(M, H * D)
+        for norm in (None, nw):
+            out = rowwise.heads(x, cos, sin, H, D, ar, br, norm, 1e-6)
+            assert rel_err(out, fused.heads(x, cos, sin, H, D, ar, br, norm, 1e-6)) < tol, ("per-row SO", norm is None)
         # cos / sin broadcast over the batch
         out = rowwise.heads(x, cos[:1], sin[:1], H, D)
         assert rel_err(out, fused.heads(x, cos[:1], sin[:1], H, D)) < tol

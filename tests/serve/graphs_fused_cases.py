@@ -5,6 +5,7 @@ really runs those kernels."""
 import torch
 
 import orthros.layers.fused as fused
+from orthros.ops import rowwise
 from orthros.serve.graphs import DecodeGraphs
 
 from ..conftest import make_model
@@ -20,15 +21,18 @@ def main():
             graphs = DecodeGraphs(eng)
             graphs.fuse = True
             graphs._fill(segments, 4)
-            calls = []
-            real = fused._rowwise
+            calls, heads = [], []
+            real, real_heads = fused._rowwise, rowwise.heads
             fused._rowwise = lambda: calls.append(1) or real()
+            rowwise.heads = lambda *a, **k: heads.append(a[0].shape) or real_heads(*a, **k)
             try:
                 static = graphs._forward(graphs._cache(4))[:3]
             finally:
-                fused._rowwise = real
+                fused._rowwise, rowwise.heads = real, real_heads
         L = model.config.num_hidden_layers
         assert len(calls) >= 4 * L, (attention, len(calls))  # norms, q/k heads, SwiGLU: every layer
+        # queries (Orthros: both streams' rows, each with its own SO, in one call) and keys: every layer
+        assert len(heads) == 2 * L, (attention, heads)
         err = ((static - eager).norm() / eager.norm()).item()
         assert err < 1e-5, (attention, err)
     print("ok")

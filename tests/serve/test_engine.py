@@ -68,6 +68,50 @@ def test_concurrent_greedy_equals_alone(attention):
         assert got == ref, (i, got, ref)
 
 
+class _EagerGraphs:
+    """Stands in for `serve.graphs.DecodeGraphs` on CPU: runs the decodes it is given eagerly
+    (their own forward) and counts the steps it saw mixed with prompt chunks."""
+
+    def __init__(self, eng):
+        self.eng, self.calls = eng, []
+
+    def run(self, segments):
+        self.calls.append(len(segments))
+        return self.eng._eager_forward(segments)
+
+
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+def test_mixed_steps_split_into_decodes_and_chunks_equal_alone(attention):
+    """With graphs on, a step mixing decodes and prompt chunks is two forwards (the decodes', the
+    chunks'), whose logits go back to the segments' order: outputs still equal each prompt alone."""
+    model = make_model(attention, window=6, initializer_range=0.3)
+    prompts, max_tokens = _workload(1)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
+                                     chunk_align=4, cuda_graphs=False))
+    eng.graphs = _EagerGraphs(eng)
+    mixed = []
+    forward = eng._eager_forward
+    eng._eager_forward = lambda segs: (mixed.append(len(segs)), forward(segs))[1]
+    out = Collector()
+    for i, p in enumerate(prompts):
+        eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
+        eng.step()
+    eng.run_until_done()
+    assert eng.graphs.calls and mixed  # steps with decodes, and eager chunk forwards beside them
+    for i, p in enumerate(prompts):
+        assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
+
+
+def test_split_step_logits_go_back_to_the_segments_order():
+    from orthros.models.paged_cache import Segment
+
+    segs = [Segment([1], 5, [], True), Segment([1, 2], 0, [], False), Segment([3], 9, [], True),
+            Segment([4, 5, 6], 0, [], True), Segment([7], 0, [], True)]
+    dec = torch.tensor([[0.0], [2.0], [4.0]])  # the single-token outputs: segments 0, 2, 4
+    rest = torch.tensor([[3.0]])  # segment 3's output
+    assert Engine._merge(segs, dec, rest).flatten().tolist() == [0.0, 2.0, 3.0, 4.0]
+
+
 def test_chunks_cut_by_the_budget_are_aligned():
     eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128))
     assert [eng._chunk(left, budget) for left, budget in ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300),

@@ -56,6 +56,7 @@ class OrthrosAttention(nn.Module):
             self.so_beta = nn.Parameter(torch.zeros(n))
             self.so_alpha_out = nn.Parameter(torch.ones(n))
             self.so_beta_out = nn.Parameter(torch.zeros(n))
+        self._pair_so_rows: dict = {}  # (rows, params' identity) -> the pair path's per-row SO (see _pair_so)
         self.base_window = None if c.attention == "full" else c.window_size
         self.out_window = c.window_size if c.attention == "swa" else None
 
@@ -76,6 +77,26 @@ class OrthrosAttention(nn.Module):
         k = self._heads(self.k_proj(x), cos, sin, self.n_kv, norm=self.k_norm)
         return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
+    def _pair_so(self, T: int, R: int):
+        """SO's (alpha, beta) per row of a decode pair [R, H*D]: the base stream's for the T
+        base rows, the output stream's for the rest. Without autograd they are made once per
+        shape (and per parameter version) and kept: a captured decode graph then reads them
+        instead of concatenating them again at every replay (which also keeps them alive for
+        the graph)."""
+        params = (self.so_alpha, self.so_alpha_out, self.so_beta, self.so_beta_out)
+
+        def make():
+            return tuple(torch.cat([p.expand(T, -1), p_out.expand(R - T, -1)])
+                         for p, p_out in ((params[0], params[1]), (params[2], params[3])))
+
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
+            return make()  # (inference tensors keep no version to tell a change by)
+        key = (T, R) + tuple((p.data_ptr(), p.dtype, p._version) for p in params)
+        so = self._pair_so_rows.get(key)
+        if so is None:
+            so = self._pair_so_rows[key] = make()
+        return so
+
     def _forward_pair(self, x, layout, rope, rope_base, cache=None):
         """Both streams as one tensor x [B, T + N, C], base rows first (a decode step): one
         projection, one SO/RoPE kernel and, where the cache's kernel takes both windows,
@@ -86,10 +107,7 @@ class OrthrosAttention(nn.Module):
         k, v = self.keys_values(x[:, :T], *rope_base)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        so = (None, None)
-        if self.scale_offset:
-            so = tuple(torch.cat([p.expand(T, -1), p_out.expand(R - T, -1)])
-                       for p, p_out in ((self.so_alpha, self.so_alpha_out), (self.so_beta, self.so_beta_out)))
+        so = self._pair_so(T, R) if self.scale_offset else (None, None)
         q = self._heads(q, *rope, self.n_heads, so, self.q_norm)
         if hasattr(cache, "attend") and self.out_window is None:  # one launch (split-KV, window_rows)
             slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)

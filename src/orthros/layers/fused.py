@@ -98,10 +98,12 @@ def _dtypes_match(x, tensors) -> bool:
             and all(t.dtype == x.dtype and t.device == x.device for t in tensors))
 
 
-def fused(fn, kernel=None, params=lambda *a, **k: (), train_kernel=None, no_grad_args=lambda *a, **k: ()):
+def fused(fn, kernel=None, params=lambda *a, **k: (), train_kernel=None, no_grad_args=lambda *a, **k: (),
+          row_params: bool = False):
     """`fn`, run as a Triton `kernel` (no autograd), as `train_kernel` (Triton forward and
     backward, where one exists) or compiled, where fusion pays off (see the module docstring).
-    `params(*args)`: the parameter tensors the kernels read per feature (they must be 1-D);
+    `params(*args)`: the parameter tensors the kernels read per feature (they must be 1-D, or
+    2-D, one per row, where `row_params` says `kernel` takes that);
     `no_grad_args(*args)`: inputs `train_kernel` gives no gradient (they must not need one)."""
 
     @functools.wraps(fn)
@@ -115,11 +117,12 @@ def fused(fn, kernel=None, params=lambda *a, **k: (), train_kernel=None, no_grad
         if (large or mode == "triton") and mode != "compile" and triton_available():
             ps = [p for p in params(x, *args, **kwargs) if p is not None]
             tensors = [t for t in (x, *args, *kwargs.values()) if torch.is_tensor(t)]
-            if all(p.dim() == 1 for p in ps) and _dtypes_match(x, tensors):
+            per_feature = all(p.dim() == 1 for p in ps)
+            if (per_feature or row_params and all(p.dim() <= 2 for p in ps)) and _dtypes_match(x, tensors):
                 grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
                 if not grad and kernel is not None:
                     return kernel(x, *args, **kwargs)
-                if grad and train_kernel is not None and mode == "triton" and not any(
+                if grad and per_feature and train_kernel is not None and mode == "triton" and not any(
                         t is not None and t.requires_grad for t in no_grad_args(x, *args, **kwargs)):
                     return train_kernel(x, *args, **kwargs)
         if large:
@@ -149,5 +152,5 @@ fused_add_rms_norm = fused(add_rms_norm, lambda x, r, w, eps: _rowwise().rms_nor
 fused_heads = fused(heads, lambda *a, **k: _rowwise().heads(*a, **k),
                     lambda x, cos, sin, n, d, alpha=None, beta=None, w=None, eps=0.0: (alpha, beta, w),
                     train_kernel=lambda *a, **k: _grad().heads_autograd(*a, **k),
-                    no_grad_args=lambda x, cos, sin, *a, **k: (cos, sin))
+                    no_grad_args=lambda x, cos, sin, *a, **k: (cos, sin), row_params=True)
 fused_silu_mul = fused(silu_mul, lambda g, u: _rowwise().silu_mul(g, u))

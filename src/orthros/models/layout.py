@@ -32,6 +32,10 @@ class Layout:
     # queries then sit at consecutive slots), or None.
     base_dense: int | None = None
     out_dense: int | None = None
+    # Every new token is its own sequence's output row, in order (a serving engine's decode-only
+    # step, rows packed as [1, T]): the model may run both streams as one tensor, as it does for
+    # [B, 1] decodes.
+    pairs: bool = False
 
 
 def pad_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,15 +159,18 @@ class OrthrosModel(OrthrosPreTrainedModel):
         two_streams = self.config.has_output_stream
         ho = gather(hb) if two_streams else None
         L = len(self.layers)
-        if trace is None and two_streams and hb.shape[1] == ho.shape[1] == 1 and not torch.is_grad_enabled():
-            # A decode step: the token's base and output rows travel as one [B, 2, C] tensor,
-            # so each norm, residual add and projection runs once for the two. The last
-            # layer's base row is computed too (two rows cost what one does) and dropped.
+        T = hb.shape[1]
+        if (trace is None and two_streams and T == ho.shape[1] and (T == 1 or layout.pairs)
+                and not torch.is_grad_enabled()):
+            # A decode step: the tokens' base and output rows travel as one [B, 2T, C] tensor
+            # (T = 1, or a packed decode-only step), so each norm, residual add and projection
+            # runs once for the two. The last layer's base rows are computed too (a few rows
+            # cost what fewer do) and dropped.
             h = torch.cat([hb, ho], 1)
             rope = tuple(torch.cat([b, o], 1) for b, o in zip(rope_base, rope_out))
             for block in self.layers:
                 h, _ = block(h, None, layout, rope_base, rope_out, cache, pair_rope=rope)
-            return self.norm(h[:, 1:])
+            return self.norm(h[:, T:])
         for i, block in enumerate(self.layers):
             last = i == L - 1
             if last and not two_streams:

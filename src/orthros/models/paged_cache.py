@@ -190,7 +190,7 @@ class PagedStepCache:
             base_slot=torch.arange(T, device=dev)[None], base_pos=base_pos, base_doc=base_doc,
             key_doc=base_doc, out_idx=oi, out_valid=torch.ones_like(oi, dtype=torch.bool),
             out_slot=oi.clone(), out_pos=base_pos.gather(1, oi), out_doc=base_doc.gather(1, oi),
-            next_pos=base_pos[:, -1] + 1, last_doc=base_doc[:, -1])
+            next_pos=base_pos[:, -1] + 1, last_doc=base_doc[:, -1], pairs=not dense and N == T)
         self.num_outputs = N
 
     @classmethod
@@ -212,7 +212,8 @@ class PagedStepCache:
         doc = rows[None]
         self.layout = Layout(base_slot=rows[None], base_pos=base_pos, base_doc=doc, key_doc=doc, out_idx=rows[None],
                              out_valid=torch.ones(1, B, dtype=torch.bool, device=dev), out_slot=rows[None].clone(),
-                             out_pos=base_pos, out_doc=doc, next_pos=base_pos[:, -1] + 1, last_doc=doc[:, -1])
+                             out_pos=base_pos, out_doc=doc, next_pos=base_pos[:, -1] + 1, last_doc=doc[:, -1],
+                             pairs=True)
         self.num_outputs = B
         return self
 

@@ -43,10 +43,11 @@ def _kernels():
         tl.store(Y + row * sy + c, (w * y).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def heads_fwd(X, COS, SIN, A, B, NW, Y, NH, eps, sx, sc, sy,
+    def heads_fwd(X, COS, SIN, A, B, NW, Y, NH, eps, sx, sc, sy, M, sa,
                   D2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                   HAS_SO: tl.constexpr, HAS_NORM: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        so = (row % M) * sa  # SO per feature (sa = 0) or per row of the M rows (sa = H * D)
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
         dm = d < D2
@@ -55,8 +56,9 @@ def _kernels():
         x1 = tl.load(X + row * sx + lo, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(X + row * sx + lo + D2, mask=m, other=0.0).to(tl.float32)
         if HAS_SO:
-            x1 = x1 * tl.load(A + lo, mask=m, other=0.0).to(tl.float32) + tl.load(B + lo, mask=m, other=0.0).to(tl.float32)
-            x2 = x2 * tl.load(A + lo + D2, mask=m, other=0.0).to(tl.float32) + tl.load(B + lo + D2, mask=m, other=0.0).to(tl.float32)
+            x1 = x1 * tl.load(A + so + lo, mask=m, other=0.0).to(tl.float32) + tl.load(B + so + lo, mask=m, other=0.0).to(tl.float32)
+            x2 = (x2 * tl.load(A + so + lo + D2, mask=m, other=0.0).to(tl.float32)
+                  + tl.load(B + so + lo + D2, mask=m, other=0.0).to(tl.float32))
         if HAS_NORM:
             x1 = x1.to(X.dtype.element_ty).to(tl.float32)
             x2 = x2.to(X.dtype.element_ty).to(tl.float32)
@@ -116,9 +118,17 @@ def _rope_tables(cos, sin, B: int, M: int, head_dim: int):
 
 
 def heads(x, cos, sin, n_heads: int, head_dim: int, alpha=None, beta=None, norm_weight=None, eps: float = 0.0):
-    """[B, M, H*D] -> SO -> [B, M, H, D] -> head norm -> RoPE (cos / sin broadcastable to [B, M, 1, D])."""
+    """[B, M, H*D] -> SO -> [B, M, H, D] -> head norm -> RoPE (cos / sin broadcastable to [B, M, 1, D]).
+    SO's alpha, beta: [H*D], or [M, H*D] for one per row (a decode pair's two streams)."""
     B, M = x.shape[:2]
     xr = _rows(x)
+    sa = 0
+    if alpha is not None and alpha.dim() == 2:
+        if alpha.shape != (M, n_heads * head_dim) or beta.shape != alpha.shape:
+            raise ValueError(f"per-row SO must be [{M}, {n_heads * head_dim}], got {tuple(alpha.shape)}, "
+                             f"{tuple(beta.shape)}")
+        alpha, beta = alpha.contiguous(), beta.contiguous()
+        sa = n_heads * head_dim
     cos2, sin2 = _rope_tables(cos, sin, B, M, head_dim)
     y = torch.empty(B, M, n_heads, head_dim, dtype=x.dtype, device=x.device)
     D2 = head_dim // 2
@@ -126,7 +136,7 @@ def heads(x, cos, sin, n_heads: int, head_dim: int, alpha=None, beta=None, norm_
     _kernels()[1][(B * M,)](
         xr, cos2, sin2, alpha if alpha is not None else xr, beta if beta is not None else xr,
         norm_weight if norm_weight is not None else xr, y, n_heads, eps,
-        xr.stride(0), cos2.stride(0), n_heads * head_dim,
+        xr.stride(0), cos2.stride(0), n_heads * head_dim, M, sa,
         D2=D2, BLOCK_H=BLOCK_H, BLOCK_D=BLOCK_D, HAS_SO=alpha is not None, HAS_NORM=norm_weight is not None,
         num_warps=max(1, min(16, BLOCK_H * BLOCK_D // 256)))
     return y

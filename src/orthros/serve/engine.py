@@ -12,10 +12,12 @@ token budget (`max_num_batched_tokens`), as vLLM does:
        their whole prompt are free (after reusing cached prefix blocks) and
        fewer than `max_num_seqs` run: their first chunk.
 
-and runs all of it as ONE forward (`models.paged_cache.PagedStepCache`): a
+and runs all of it as one forward (`models.paged_cache.PagedStepCache`): a
 chunk whose end is not the end of its token list has no output position
 (base stream only); the others have one, at their last token, whose logits
 give the next token. A decode is the one-token case of the same rule.
+On CUDA the decodes of a step run through captured graphs (`serve.graphs`),
+beside an eager forward for the step's chunks (`Engine._forward`).
 
 The engine runs in a background thread (`start`); `submit` / `abort` are
 safe from any thread, and each request's events go to its `sink` callable
@@ -115,6 +117,9 @@ class EngineConfig:
     kv_dtype: str = "auto"
     prefix_caching: bool = True
     cuda_graphs: bool = True  # decode-only steps on CUDA replay captured graphs
+    # With graphs: a step mixing decodes and prompt chunks replays the decodes' graph, then runs
+    # the chunks eagerly (two forwards) instead of one eager forward over all of them
+    split_mixed_steps: bool = True
     # A prompt chunk cut short by the budget is rounded down to a multiple of this (and of a
     # quarter of its power of two): compiled attention kernels then see few distinct chunk
     # lengths. None: 128 on CUDA, 1 (no rounding) elsewhere.
@@ -286,7 +291,8 @@ class Engine:
             return
         tables = [self.blocks.allocate(k) for k in need]
         try:
-            self._forward([Segment([0] * n, start, blocks, out) for (n, start, out), blocks in zip(parts, tables)])
+            # eager: the graphs are captured from real steps (an fp8 pool's scales come later)
+            self._eager_forward([Segment([0] * n, start, blocks, out) for (n, start, out), blocks in zip(parts, tables)])
         finally:
             for blocks in tables:
                 self.blocks.release(BlockTable(blocks=blocks))
@@ -374,13 +380,45 @@ class Engine:
         self._step_log.write(json.dumps(rec) + "\n")
 
     def _forward(self, segments: list[Segment]) -> torch.Tensor:
-        """One model forward over the segments -> logits [N, V] at their output positions."""
+        """The step's logits [N, V] at the segments' output positions, in their order.
+
+        Decode-only steps replay a captured graph. A step mixing decodes and prompt chunks runs,
+        where graphs are on (`EngineConfig.split_mixed_steps`), the decodes through their graph
+        and the chunks in a second, eager forward: run eagerly, a decode row costs the whole
+        model's per-layer kernel launches on the host (hundreds of small kernels for a few
+        rows), which is what running streams would wait for beside every chunk."""
         self._used_graph = False
-        if self.graphs is not None and all(len(s.tokens) == 1 and s.output for s in segments):
-            out = self.graphs.run(segments)
-            if out is not None:
-                self._used_graph = True
-                return out
+        if self.graphs is not None:
+            dec = [i for i, s in enumerate(segments) if len(s.tokens) == 1 and s.output]
+            if len(dec) == len(segments):
+                out = self.graphs.run(segments)
+                if out is not None:
+                    self._used_graph = True
+                    return out
+            elif dec and self.cfg.split_mixed_steps:
+                out = self.graphs.run([segments[i] for i in dec])
+                if out is not None:
+                    self._used_graph = True
+                    picked = set(dec)
+                    rest = [s for i, s in enumerate(segments) if i not in picked]
+                    return self._merge(segments, out, self._eager_forward(rest))
+        return self._eager_forward(segments)
+
+    @staticmethod
+    def _merge(segments: list[Segment], dec_logits: torch.Tensor, rest_logits: torch.Tensor) -> torch.Tensor:
+        """Interleave the decodes' logits and the other segments' back into the segments' order."""
+        order, d, r = [], 0, dec_logits.shape[0]
+        for s in segments:
+            if len(s.tokens) == 1 and s.output:
+                order.append(d)
+                d += 1
+            elif s.output:
+                order.append(r)
+                r += 1
+        both = torch.cat([dec_logits, rest_logits])
+        return both if order == list(range(len(order))) else both[torch.tensor(order, device=both.device)]
+
+    def _eager_forward(self, segments: list[Segment]) -> torch.Tensor:
         cache = PagedStepCache(self.pool, self.model.config, segments)
         m = self.model
         h = m.model(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
