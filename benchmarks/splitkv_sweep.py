@@ -48,9 +48,10 @@ def main():
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
-    p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar", "interleaved"],
-                   help="low-bit: the packed loop over bit planes (the default; planar-dq: its values dequantized "
-                        "in registers) and/or the interleaving one")
+    p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar-dq", "planar", "interleaved"],
+                   help="low-bit: the packed loop over bit planes with its values dequantized in registers "
+                        "(planar-dq, the default), the same with their scales folded into p (planar), "
+                        "and/or the interleaving one")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None, help="splice the summary table into this file (between marks)")

@@ -55,7 +55,7 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
           dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64,
-          planar=None, dequant_values=False):
+          planar=None, dequant_values=None):
     cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
                          value_group)
     B = cache.batch_size
@@ -120,8 +120,8 @@ def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
     # through the bit-plane loop (the default there) and the interleaving one
     for kv in kvs:
         for D in (64, 128) if device != "cpu" else (64,):
-            for rotate, planar, vdq in ((True, None, False), (False, None, False), (True, False, False),
-                                        (True, None, True), (False, None, True)):
+            for rotate, planar, vdq in ((True, None, False), (False, None, False), (True, False, None),
+                                        (True, None, True), (False, None, None)):
                 check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
                       value_group=64, planar=planar, dequant_values=vdq)
             check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,

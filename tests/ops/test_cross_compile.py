@@ -23,6 +23,7 @@ def test_lowbit_kernel_builds_for_sm90(kv, shape, planar, dtype):
     H, Hkv, D = shape
     plan = lowbit_launch(kv, H, Hkv, D, planar=planar, dtype=dtype)
     assert plan.meta["PLANAR"] == (planar is None and D >= 64)
+    assert plan.meta["VDQ"] == plan.meta["PLANAR"]  # the values dequantized wherever the bit-plane loop runs
     r = compile_for(_kernel(), plan.args, plan.meta)
     assert 0 < r["registers"] <= 255 and 0 < r["shared_bytes"] <= H200_SHARED, r
 

@@ -135,7 +135,7 @@ def timed(fn, device):
 
 
 KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
-    ("split-KV attention", ("splitkv",)),
+    ("split-KV attention", ("splitkv", "paged_fwd")),
     ("FlexAttention (SWA)", ("flex", "triton_tem")),
     ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
     ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),

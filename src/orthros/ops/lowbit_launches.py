@@ -16,14 +16,14 @@ LOOPS = ("planar", "planar-dq", "interleaved")  # the packed loops, as benchmark
 def loop_options(loop: str) -> dict:
     """A packed loop's name -> `lowbit_splitkv_attention` / `launch_plan` keyword arguments:
     bit planes with the value scales folded into p (planar), with the values dequantized
-    (planar-dq), or the interleaving loop."""
+    (planar-dq, the kernel's default), or the interleaving loop."""
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     return dict(planar=None if loop.startswith("planar") else False, dequant_values=loop == "planar-dq")
 
 
 def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, rotate: bool = True,
-                  planar: bool | None = None, dequant_values: bool = False, block_n: int = 64,
+                  planar: bool | None = None, dequant_values: bool | None = None, block_n: int = 64,
                   num_warps: int = 4, num_stages: int = 3, dtype=torch.bfloat16, context: int = 1000) -> LaunchPlan:
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=heads,
                                   num_key_value_heads=kv_heads, head_dim=head_dim, window_size=128)

@@ -19,15 +19,22 @@ after the merge the output is o_bf16 + o_packed R (R is its own inverse).
 A windowed query's keys lie at or above `bound` (the cache keeps at least W
 slots in bf16), so with every row windowed the packed loop is empty.
 
-The packed loop never dequantizes an element:
+The packed loop never dequantizes a key, and by default dequantizes the
+values in registers:
 
 * keys (per channel d a scale s_d and zero z_d per key group): a tile lies
   inside one key group (BLOCK_Q divides `key_group`; the first tile of a
   range is masked below NS), so q.k = (q * s).n + q.z with n the levels: one
   [BLOCK_R, D] multiply and a [BLOCK_R] bias per tile.
-* values (per token j and channel group g a scale and zero): the channel
-  groups are the batch axis of the value dot (acc [NG, BLOCK_R, VG]), so
-  p.v = (p * s_g).n + p.z_g: one [NG, BLOCK_R, BLOCK_Q] multiply and a bias.
+* values (per token j and channel group g a scale and zero): dequantized
+  (n * s_g + z_g, one bit plane at a time) and read with plain 2-D dots
+  (`dequant_values`, the default); or, with `dequant_values=False`, never
+  dequantized: the channel groups are the batch axis of the value dot (acc
+  [NG, BLOCK_R, VG]), p.v = (p * s_g).n + p.z_g. The folded form does less
+  arithmetic but keeps a 3-D accumulator live: on an H200 (Llama-3.1-8B
+  shape, 1M slots, 64-key tiles) it spilled 912 / 476 B (int4 / int2) and
+  took 2.44 / 4.43 ms a layer, the dequantizing one 496 / 100 B and 1.99 /
+  2.05 ms (benchmarks/results/long_context/splitkv-sweep-1m-planar-dq.txt).
 * each packed byte is loaded once ([BLOCK_Q, D / P] bytes) and its P levels
   are split with shifts and interleaved back into channel order.
 * levels become dot operands without an int-to-float conversion (16 a
@@ -96,7 +103,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              window_rows: int | None = None, rotation: torch.Tensor | None = None,
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
                              num_stages: int | None = None, planar: bool | None = None,
-                             dequant_values: bool = False):
+                             dequant_values: bool | None = None):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -106,8 +113,9 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     packed tiles are also at most the key group's power-of-two factor) / num_warps /
     num_stages: launch tuning; planar: the bit-plane packed loop (None: wherever it applies;
     False: the interleaving one, for comparisons); dequant_values: in the bit-plane loop,
-    values dequantized in registers and read with plain 2-D dots, instead of their scales
-    folded into p with dots batched over the channel groups (for comparisons)."""
+    values dequantized in registers and read with plain 2-D dots (None: wherever the loop
+    runs; the faster on an H200), or False: their scales folded into p with dots batched
+    over the channel groups (for comparisons)."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
                        block_n, num_warps, num_stages, planar, dequant_values)
@@ -135,7 +143,7 @@ class LaunchPlan:
 def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                 length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
                 num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None,
-                dequant_values=False) -> LaunchPlan:
+                dequant_values=None) -> LaunchPlan:
     """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds)."""
     import triton
 
@@ -174,6 +182,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
     planar = can_planar if planar is None else planar
     if dequant_values and not planar:
         raise ValueError("dequant_values is a variant of the bit-plane loop (planar)")
+    dequant_values = planar if dequant_values is None else dequant_values
     parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
     o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
