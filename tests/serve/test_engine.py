@@ -89,15 +89,14 @@ def test_mixed_steps_split_into_decodes_and_chunks_equal_alone(attention):
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
                                      chunk_align=4, cuda_graphs=False))
     eng.graphs = _EagerGraphs(eng)
-    mixed = []
-    forward = eng._eager_forward
-    eng._eager_forward = lambda segs: (mixed.append(len(segs)), forward(segs))[1]
+    mixed = []  # steps split into the decodes' forward and the chunks'
+    eng._merge = lambda segs, dec, rest: (mixed.append((len(dec), len(rest))), Engine._merge(segs, dec, rest))[1]
     out = Collector()
     for i, p in enumerate(prompts):
         eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
         eng.step()
     eng.run_until_done()
-    assert eng.graphs.calls and mixed  # steps with decodes, and eager chunk forwards beside them
+    assert mixed and eng.graphs.calls  # steps whose decodes ran apart from the chunks beside them
     for i, p in enumerate(prompts):
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
 

@@ -396,12 +396,15 @@ class Engine:
                     self._used_graph = True
                     return out
             elif dec and self.cfg.split_mixed_steps:
+                picked = set(dec)
+                # the chunks' cache first: its host-to-device copies then run while the device is
+                # idle, not queued behind the graph (a pageable copy holds the host until it is done)
+                cache = PagedStepCache(self.pool, self.model.config,
+                                       [s for i, s in enumerate(segments) if i not in picked])
                 out = self.graphs.run([segments[i] for i in dec])
                 if out is not None:
                     self._used_graph = True
-                    picked = set(dec)
-                    rest = [s for i, s in enumerate(segments) if i not in picked]
-                    return self._merge(segments, out, self._eager_forward(rest))
+                    return self._merge(segments, out, self._run(cache))
         return self._eager_forward(segments)
 
     @staticmethod
@@ -419,7 +422,9 @@ class Engine:
         return both if order == list(range(len(order))) else both[torch.tensor(order, device=both.device)]
 
     def _eager_forward(self, segments: list[Segment]) -> torch.Tensor:
-        cache = PagedStepCache(self.pool, self.model.config, segments)
+        return self._run(PagedStepCache(self.pool, self.model.config, segments))
+
+    def _run(self, cache: PagedStepCache) -> torch.Tensor:
         m = self.model
         h = m.model(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
         return m.lm_head(h)[0].float()
