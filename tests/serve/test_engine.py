@@ -101,6 +101,37 @@ def test_mixed_steps_split_into_decodes_and_chunks_equal_alone(attention):
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
 
 
+def test_chunks_padded_to_the_compiled_lengths_change_no_output():
+    """With a grid of compiled chunk lengths, a windowed chunk off the grid (a prompt's last
+    chunk, a short prompt) runs padded to the next length on it: the outputs still equal each
+    prompt alone."""
+    from orthros.models.paged_cache import PagedStepCache
+
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    prompts, max_tokens = _workload(2)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=13, max_num_seqs=6,
+                                     chunk_align=4))
+    eng.pool.compiled_chunks = frozenset({8, 12, 16})
+    padded = []
+    init = PagedStepCache.__init__
+
+    def spy(self, *a, **k):
+        init(self, *a, **k)
+        padded.extend((d.r1 - d.r0, d.rows) for d in self._dense if d.rows > d.r1 - d.r0)
+
+    PagedStepCache.__init__ = spy
+    try:
+        out = Collector()
+        for i, p in enumerate(prompts):
+            eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
+        eng.run_until_done()
+    finally:
+        PagedStepCache.__init__ = init
+    assert padded and all(m in (8, 12, 16) and m > n for n, m in padded)
+    for i, p in enumerate(prompts):
+        assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
+
+
 def test_split_step_logits_go_back_to_the_segments_order():
     from orthros.models.paged_cache import Segment
 

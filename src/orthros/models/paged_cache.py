@@ -123,7 +123,8 @@ class _Dense:
     r0: int
     r1: int
     dense_start: int  # slot of the first query in the gathered keys
-    slots: torch.Tensor  # [S] pool slots of the visible keys, in position order
+    slots: torch.Tensor  # [S] pool slots of the visible keys, in position order (and of any padding)
+    rows: int  # queries the attention call runs: r1 - r0, or more, padded to a compiled length
 
 
 @dataclass
@@ -172,7 +173,11 @@ class PagedStepCache:
             else:
                 a = 0 if self.base_window is None else max(0, s.start - self.base_window + 1)
                 kp = torch.arange(a, s.start + n)
-                dense.append(_Dense(r0, r0 + n, s.start - a, (table[i].long()[kp // bs] * bs + kp % bs).to(dev)))
+                ks = table[i].long()[kp // bs] * bs + kp % bs
+                m = self._padded_rows(n, s.start - a)
+                if m > n:  # keys past the chunk's last one: no real query sees them (causal)
+                    ks = torch.cat([ks, ks[-1:].expand(m - n)])
+                dense.append(_Dense(r0, r0 + n, s.start - a, ks.to(dev), m))
             if s.output:
                 out_single.append((len(out_idx), i, s.start + n - 1))
                 out_idx.append(r0 + n - 1)
@@ -217,6 +222,16 @@ class PagedStepCache:
         self.num_outputs = B
         return self
 
+    def _padded_rows(self, n: int, dense_start: int) -> int:
+        """Queries to run for a windowed chunk of n tokens: a chunk off the engine's compiled
+        grid (a prompt's last chunk, a short prompt) is padded to the next compiled length
+        at the same key offset, if there is one, so that it runs the compiled kernel rather
+        than the blocked op (the padded rows' outputs are dropped)."""
+        grid, W = self.pool.compiled_chunks, self.base_window
+        if grid is None or W is None or n in grid or dense_start not in (0, W - 1):
+            return n
+        return min((g for g in grid if g > n), default=n)
+
     def _single(self, items) -> _Single:
         dev = self.pool.device
         rows = torch.tensor([r for r, _, _ in items], dtype=torch.long)
@@ -259,20 +274,24 @@ class PagedStepCache:
                                                                    self._base_single, window, scale)
             for d in self._dense:
                 kd, vd = pool.gather(layer_idx, d.slots, q.dtype)
-                n, S = d.r1 - d.r0, d.slots.numel()
-                qs = (d.dense_start + torch.arange(n, device=q.device))[None]
+                n, m, S = d.r1 - d.r0, d.rows, d.slots.numel()
+                qs = (d.dense_start + torch.arange(m, device=q.device))[None]
                 # A windowed chunk's compiled kernels are specialised to its length: a length off
-                # the engine's chunk grid (a prompt's last chunk) runs the blocked op instead, so
-                # no step ever waits for a compilation.
+                # the engine's chunk grid is padded onto it (`_padded_rows`) or, past its longest
+                # length, runs the blocked op, so no step ever waits for a compilation.
                 grid = pool.compiled_chunks
-                off_grid = n % 128 if grid is None else n not in grid
+                off_grid = m % 128 if grid is None else m not in grid
                 be = "chunked" if window is not None and q.is_cuda and off_grid else backend
                 # q[0, r0:r1][None], not q[:, r0:r1]: its batch stride is then the chunk's own, not
                 # the step's row count (compiled kernels guard on strides: every new mix of decodes
                 # beside a chunk would compile it again, 1.5 s steps on an H200)
-                o[:, d.r0:d.r1] = attention(q[0, d.r0:d.r1][None], kd, vd, qs, torch.zeros_like(qs),
-                                            torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
-                                            scale=scale, backend=be, dense_start=d.dense_start)
+                qc = q[0, d.r0:d.r1]
+                if m > n:
+                    qc = torch.cat([qc, qc.new_zeros(m - n, *qc.shape[1:])])
+                oc = attention(qc[None], kd, vd, qs, torch.zeros_like(qs),
+                               torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
+                               scale=scale, backend=be, dense_start=d.dense_start)
+                o[:, d.r0:d.r1] = oc[:, :n]
         elif q_slot is self.layout.out_slot:
             o = self._attend_single(layer_idx, q, self._out_single, window, scale)
         else:
