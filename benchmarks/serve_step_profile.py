@@ -47,6 +47,28 @@ def _q(xs, f):
     return round(xs[min(len(xs) - 1, int(f * len(xs)))], 2)
 
 
+def host_profile(eng, top: int = 25) -> dict:
+    """One engine step under the profiler: its wall time, the device time of its kernels, and
+    the host (self CPU) time of its `top` operators: where a host-bound step goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
+    _sync(eng.device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        eng.step()
+        _sync(eng.device)
+        wall = (time.perf_counter() - t0) * 1e3
+    ev = prof.key_averages()
+    cuda = torch.autograd.DeviceType.CUDA
+    device = sum(getattr(e, "self_device_time_total", 0) for e in ev if e.device_type == cuda) / 1e3
+    host = sorted(((e.key[:80], e.self_cpu_time_total / 1e3, e.count) for e in ev if e.device_type != cuda),
+                  key=lambda x: -x[1])[:top]
+    return dict(wall_ms=round(wall, 2), device_ms=round(device, 2),
+                host_self_ms_total=round(sum(e.self_cpu_time_total for e in ev if e.device_type != cuda) / 1e3, 2),
+                top_host_ops=[dict(op=k, self_ms=round(t, 3), calls=c) for k, t, c in host])
+
+
 def measure(attention: str, args) -> dict:
     model, _, _ = load_model(None, "llama-3.1-8b", args.device, "bf16", attention, 128, args.layers,
                              args.long + 4096, seed=0)
@@ -82,7 +104,10 @@ def measure(attention: str, args) -> dict:
         split = False
         while not long.finished:
             eng.cfg.split_mixed_steps = split
-            times[split].append(_timed_step(eng))
+            if split and len(times[True]) == 1 and budget not in res.setdefault("mixed_host", {}):
+                res["mixed_host"][budget] = host_profile(eng)  # one split step, host time by op
+            else:
+                times[split].append(_timed_step(eng))
             split = not split
         eng.cfg.split_mixed_steps = True
         res["mixed"][budget] = {("split" if k else "one forward"): dict(steps=len(v) - 1, p50=_q(v[1:], 0.5),
