@@ -47,6 +47,9 @@ def main():
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="keys per loop iteration")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--maxnreg", type=int, nargs="+", default=[0],
+                   help="bf16 / fp8: registers a thread to cap the build at (0: no cap); a lower cap lets more "
+                        "programs share an SM (sm_90 builds, Triton 3.6: fp8 at 32- and 64-key tiles spill nothing at 168)")
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
     p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar-dq", "planar", "interleaved"],
                    help="low-bit: the packed loop over bit planes with its values dequantized in registers "
@@ -80,10 +83,11 @@ def main():
                 k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
             nbytes = 2 * B * S * HKV * D * k.element_size()
         base_splits = max(1, 2 * sms // (B * HKV))
-        configs = [(None, 64, None, None)] + list(itertools.product(
-            [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages))
         low = dtype in ("int4", "int2", "k4v2")
-        for (splits, block_n, warps, stages), loop in itertools.product(configs, args.loops if low else [None]):
+        configs = [(None, 64, None, None, 0)] + list(itertools.product(
+            [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages,
+            [0] if low else args.maxnreg))
+        for (splits, block_n, warps, stages, nreg), loop in itertools.product(configs, args.loops if low else [None]):
             if low:
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
@@ -91,7 +95,8 @@ def main():
                                                       num_warps=warps, num_stages=stages, **loop_options(loop))
             else:
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
-                                               block_n=block_n, window_rows=1, num_warps=warps, num_stages=stages)
+                                               block_n=block_n, window_rows=1, num_warps=warps, num_stages=stages,
+                                               maxnreg=nreg or None)
             try:
                 fn()
                 ms = do_bench(fn, warmup=3, rep=20)
@@ -99,8 +104,10 @@ def main():
                 print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s}  failed: {type(e).__name__}")
                 continue
             rows.append({"context": S, "dtype": dtype, "splits": splits, "block_n": block_n, "num_warps": warps,
-                         "num_stages": stages, "loop": loop, "us": ms * 1e3, "GB_s": nbytes / ms / 1e6})
-            print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s} {ms * 1e3:8.1f} {nbytes / ms / 1e6:6.0f}")
+                         "num_stages": stages, "maxnreg": nreg or None, "loop": loop, "us": ms * 1e3,
+                         "GB_s": nbytes / ms / 1e6})
+            print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s} "
+                  f"{ms * 1e3:8.1f} {nbytes / ms / 1e6:6.0f}" + (f"  maxnreg {nreg}" if nreg else ""))
         best = max((r for r in rows if r["context"] == S and r["dtype"] == dtype), key=lambda r: r["GB_s"], default=None)
         if best:
             print(f"best at {S} {dtype}: {best}")
@@ -133,7 +140,8 @@ def summary(rows: list[dict], args) -> str:
         dtype = dtype if loop is None else f"{dtype}, {loop} loop"
         d = next((r for r in cell if r["splits"] is None), None)
         b = max(cell, key=lambda r: r["GB_s"])
-        cfg = f"{b['splits']}, {b['block_n']}, {b['num_warps']}, {b['num_stages']}"
+        cfg = f"{b['splits']}, {b['block_n']}, {b['num_warps']}, {b['num_stages']}" + (
+            f", maxnreg {b['maxnreg']}" if b.get("maxnreg") else "")
         out.append(f"| {S} | {dtype} | {d['us']:.1f} | {frac(d)} | {cfg} | {b['us']:.1f} | {frac(b)} |" if d else
                    f"| {S} | {dtype} | – | – | {cfg} | {b['us']:.1f} | {frac(b)} |")
     return "\n".join(out) + "\n"
