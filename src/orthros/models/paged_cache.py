@@ -125,6 +125,9 @@ class _Dense:
     dense_start: int  # slot of the first query in the gathered keys
     slots: torch.Tensor  # [S] pool slots of the visible keys, in position order (and of any padding)
     rows: int  # queries the attention call runs: r1 - r0, or more, padded to a compiled length
+    q_slot: torch.Tensor  # [1, rows] the queries' slots in the gathered keys (made once a step)
+    q_doc: torch.Tensor  # [1, rows] zeros
+    k_doc: torch.Tensor  # [1, S] zeros
 
 
 @dataclass
@@ -177,7 +180,9 @@ class PagedStepCache:
                 m = self._padded_rows(n, s.start - a)
                 if m > n:  # keys past the chunk's last one: no real query sees them (causal)
                     ks = torch.cat([ks, ks[-1:].expand(m - n)])
-                dense.append(_Dense(r0, r0 + n, s.start - a, ks.to(dev), m))
+                qs = (s.start - a + torch.arange(m, device=dev))[None]
+                dense.append(_Dense(r0, r0 + n, s.start - a, ks.to(dev), m, qs, torch.zeros_like(qs),
+                                    torch.zeros(1, ks.numel(), dtype=torch.long, device=dev)))
             if s.output:
                 out_single.append((len(out_idx), i, s.start + n - 1))
                 out_idx.append(r0 + n - 1)
@@ -274,8 +279,7 @@ class PagedStepCache:
                                                                    self._base_single, window, scale)
             for d in self._dense:
                 kd, vd = pool.gather(layer_idx, d.slots, q.dtype)
-                n, m, S = d.r1 - d.r0, d.rows, d.slots.numel()
-                qs = (d.dense_start + torch.arange(m, device=q.device))[None]
+                n, m = d.r1 - d.r0, d.rows
                 # A windowed chunk's compiled kernels are specialised to its length: a length off
                 # the engine's chunk grid is padded onto it (`_padded_rows`) or, past its longest
                 # length, runs the blocked op, so no step ever waits for a compilation.
@@ -288,9 +292,8 @@ class PagedStepCache:
                 qc = q[0, d.r0:d.r1]
                 if m > n:
                     qc = torch.cat([qc, qc.new_zeros(m - n, *qc.shape[1:])])
-                oc = attention(qc[None], kd, vd, qs, torch.zeros_like(qs),
-                               torch.zeros(1, S, dtype=torch.long, device=q.device), window=window,
-                               scale=scale, backend=be, dense_start=d.dense_start)
+                oc = attention(qc[None], kd, vd, d.q_slot, d.q_doc, d.k_doc, window=window, scale=scale,
+                               backend=be, dense_start=d.dense_start)
                 o[:, d.r0:d.r1] = oc[:, :n]
         elif q_slot is self.layout.out_slot:
             o = self._attend_single(layer_idx, q, self._out_single, window, scale)
