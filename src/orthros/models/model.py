@@ -159,8 +159,11 @@ class OrthrosModel(OrthrosPreTrainedModel):
         two_streams = self.config.has_output_stream
         ho = gather(hb) if two_streams else None
         L = len(self.layers)
+        no_outputs = ho is not None and ho.shape[1] == 0 and trace is None
+        if no_outputs:  # a prefill chunk without an output position: the base stream only (no empty-tensor ops)
+            ho = None
         T = hb.shape[1]
-        if (trace is None and two_streams and T == ho.shape[1] and (T == 1 or layout.pairs)
+        if (trace is None and ho is not None and T == ho.shape[1] and (T == 1 or layout.pairs)
                 and not torch.is_grad_enabled()):
             # A decode step: the tokens' base and output rows travel as one [B, 2T, C] tensor
             # (T = 1, or a packed decode-only step), so each norm, residual add and projection
@@ -184,6 +187,8 @@ class OrthrosModel(OrthrosPreTrainedModel):
             if probs is not None:
                 trace.base_attn.append(probs[0])
                 trace.out_attn.append(probs[1] if len(probs) > 1 else _gather_rows(probs[0], layout.out_idx))
+        if no_outputs:
+            return inputs_embeds.new_zeros(inputs_embeds.shape[0], 0, inputs_embeds.shape[-1])
         out = self.norm(ho)
         if trace is not None and trace.hidden_states:
             trace.base_hidden.append(self.norm(hb))
