@@ -423,11 +423,18 @@ def plot(res: dict, path: str) -> None:
         ax.set(xlabel="token budget per step", ylabel="ITL of running streams (ms)",
                title="decode latency while a long prompt prefills")
     elif res["scenario"] == "traffic" or len({r["run"] for r in rows}) > 2:
-        fig, (ax,) = subplots(1, 5.5, 4)
-        for v in variants:
-            rs = [r for r in rows if r["variant"] == v and r["ttft"]["p99"] is not None]
-            ax.plot([r["request_throughput"] for r in rs], [r["ttft"]["p99"] / 1e3 for r in rs], "o-", label=v)
-        ax.set(xlabel="completed requests / s", ylabel="TTFT p99 (s)", title="throughput vs tail TTFT")
+        # Each run draws its own prompts, so runs differ in work per request: tokens / s (prompt +
+        # output) is the throughput they share; requests / s beside it, each point its run's name
+        fig, axes = subplots(2, 5.5, 4)
+        for key, label, ax in (("total_token_throughput", "tokens / s (prompt + output)", axes[0]),
+                               ("request_throughput", "completed requests / s", axes[1])):
+            for v in variants:
+                rs = [r for r in rows if r["variant"] == v and r["ttft"]["p99"] is not None and key in r]
+                ax.plot([r[key] for r in rs], [r["ttft"]["p99"] / 1e3 for r in rs], "o-", label=v)
+                for r in rs:
+                    ax.annotate(r["run"], (r[key], r["ttft"]["p99"] / 1e3), fontsize=7, xytext=(3, 3),
+                                textcoords="offset points")
+            ax.set(xlabel=label, ylabel="TTFT p99 (s)", title="throughput vs tail TTFT")
     else:
         fig, axes = subplots(2, 4.5, 4)
         runs = list(dict.fromkeys(r["run"] for r in rows))
