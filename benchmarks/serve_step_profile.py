@@ -22,29 +22,23 @@ import time
 
 import torch
 
-from orthros.bench.common import kernel_profile
+from orthros.bench.common import kernel_profile, sync
+from orthros.bench.serve_client import percentile
 from orthros.serve.engine import Engine, EngineConfig, SamplingParams
 from orthros.serve.launch import load_model
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _timed_step(eng) -> float:
-    _sync(eng.device)
+    sync(eng.device)
     t0 = time.perf_counter()
     eng.step()
-    _sync(eng.device)
+    sync(eng.device)
     return (time.perf_counter() - t0) * 1e3
 
 
 def _q(xs, f):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    return round(xs[min(len(xs) - 1, int(f * len(xs)))], 2)
+    """The f-quantile of xs in ms (`bench serve`'s percentile), None for no samples."""
+    return round(percentile(sorted(xs), 100 * f), 2) if xs else None
 
 
 def host_profile(eng, top: int = 25) -> dict:
@@ -53,11 +47,11 @@ def host_profile(eng, top: int = 25) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if eng.device.type == "cuda" else [])
-    _sync(eng.device)
+    sync(eng.device)
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         eng.step()
-        _sync(eng.device)
+        sync(eng.device)
         wall = (time.perf_counter() - t0) * 1e3
     ev = prof.key_averages()
     cuda = torch.autograd.DeviceType.CUDA

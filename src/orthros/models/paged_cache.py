@@ -124,10 +124,14 @@ class _Dense:
     r1: int
     dense_start: int  # slot of the first query in the gathered keys
     slots: torch.Tensor  # [S] pool slots of the visible keys, in position order (and of any padding)
-    rows: int  # queries the attention call runs: r1 - r0, or more, padded to a compiled length
     q_slot: torch.Tensor  # [1, rows] the queries' slots in the gathered keys (made once a step)
     q_doc: torch.Tensor  # [1, rows] zeros
     k_doc: torch.Tensor  # [1, S] zeros
+
+    @property
+    def rows(self) -> int:
+        """Queries the attention call runs: r1 - r0, or more, padded to a compiled length."""
+        return self.q_slot.shape[1]
 
 
 @dataclass
@@ -181,7 +185,7 @@ class PagedStepCache:
                 if m > n:  # keys past the chunk's last one: no real query sees them (causal)
                     ks = torch.cat([ks, ks[-1:].expand(m - n)])
                 qs = (s.start - a + torch.arange(m, device=dev))[None]
-                dense.append(_Dense(r0, r0 + n, s.start - a, ks.to(dev), m, qs, torch.zeros_like(qs),
+                dense.append(_Dense(r0, r0 + n, s.start - a, ks.to(dev), qs, torch.zeros_like(qs),
                                     torch.zeros(1, ks.numel(), dtype=torch.long, device=dev)))
             if s.output:
                 out_single.append((len(out_idx), i, s.start + n - 1))

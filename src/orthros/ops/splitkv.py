@@ -145,6 +145,11 @@ def _num_sms(device) -> int:
     return 4
 
 
+def launch_options(**options) -> dict:
+    """The Triton launch options given (num_warps, num_stages, maxnreg, ...): None means Triton's default."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, num_splits=None,
                       block_n: int | None = None, return_lse: bool = False, window_rows: int | None = None,
                       num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None):
@@ -185,8 +190,7 @@ def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, nu
         M, S, Hkv, scale, 0 if window is None else window, M if window_rows is None else window_rows, per,
         G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=ieee,
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
-           if v is not None},
+        **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     out, lse_out = merge_splits_kernel(o, lse, q.dtype, return_lse=True)
     return (out, lse_out) if return_lse else out

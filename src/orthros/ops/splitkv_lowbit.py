@@ -78,7 +78,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .splitkv import MAX_ROWS, _num_sms, merge_splits_kernel
+from .splitkv import MAX_ROWS, _num_sms, launch_options, merge_splits_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -210,6 +210,6 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None},
+        **launch_options(num_warps=num_warps, num_stages=num_stages),
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)

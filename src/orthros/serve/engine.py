@@ -389,30 +389,31 @@ class Engine:
         rows), which is what running streams would wait for beside every chunk."""
         self._used_graph = False
         if self.graphs is not None:
-            dec = [i for i, s in enumerate(segments) if len(s.tokens) == 1 and s.output]
-            if len(dec) == len(segments):
-                out = self.graphs.run(segments)
-                if out is not None:
-                    self._used_graph = True
-                    return out
-            elif dec and self.cfg.split_mixed_steps:
+            dec = self._decodes(segments)
+            if dec and (len(dec) == len(segments) or self.cfg.split_mixed_steps):
                 picked = set(dec)
+                rest = [s for i, s in enumerate(segments) if i not in picked]
                 # the chunks' cache first: its host-to-device copies then run while the device is
                 # idle, not queued behind the graph (a pageable copy holds the host until it is done)
-                cache = PagedStepCache(self.pool, self.model.config,
-                                       [s for i, s in enumerate(segments) if i not in picked])
+                cache = PagedStepCache(self.pool, self.model.config, rest) if rest else None
                 out = self.graphs.run([segments[i] for i in dec])
                 if out is not None:
                     self._used_graph = True
-                    return self._merge(segments, out, self._run(cache))
+                    return out if cache is None else self._merge(segments, out, self._run(cache))
         return self._eager_forward(segments)
+
+    @staticmethod
+    def _decodes(segments: list[Segment]) -> list[int]:
+        """Indices of the segments a decode graph can run: one token, an output position."""
+        return [i for i, s in enumerate(segments) if len(s.tokens) == 1 and s.output]
 
     @staticmethod
     def _merge(segments: list[Segment], dec_logits: torch.Tensor, rest_logits: torch.Tensor) -> torch.Tensor:
         """Interleave the decodes' logits and the other segments' back into the segments' order."""
+        dec = set(Engine._decodes(segments))
         order, d, r = [], 0, dec_logits.shape[0]
-        for s in segments:
-            if len(s.tokens) == 1 and s.output:
+        for i, s in enumerate(segments):
+            if i in dec:
                 order.append(d)
                 d += 1
             elif s.output:
