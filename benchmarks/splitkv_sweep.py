@@ -84,29 +84,30 @@ def main():
             nbytes = 2 * B * S * HKV * D * k.element_size()
         base_splits = max(1, 2 * sms // (B * HKV))
         low = dtype in ("int4", "int2", "k4v2")
-        configs = [(None, 64, None, None, 0)] + list(itertools.product(
+        configs = [(None, None, None, None, 0)]  # the default launch: every option the kernel's own + list(itertools.product(
             [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages,
             [0] if low else args.maxnreg))
         for (splits, block_n, warps, stages, nreg), loop in itertools.product(configs, args.loops if low else [None]):
+            tile = {} if block_n is None else {"block_n": block_n}
             if low:
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
-                                                      window=W, window_rows=1, num_splits=splits, block_n=block_n,
+                                                      window=W, window_rows=1, num_splits=splits, **tile,
                                                       num_warps=warps, num_stages=stages, **loop_options(loop))
             else:
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
-                                               block_n=block_n, window_rows=1, num_warps=warps, num_stages=stages,
+                                               **tile, window_rows=1, num_warps=warps, num_stages=stages,
                                                maxnreg=nreg or None)
             try:
                 fn()
                 ms = do_bench(fn, warmup=3, rep=20)
             except Exception as e:  # a launch that does not fit (shared memory): skip it
-                print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s}  failed: {type(e).__name__}")
+                print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n!s:>5s} {warps!s:>5s} {stages!s:>6s} {loop or '':11s}  failed: {type(e).__name__}")
                 continue
             rows.append({"context": S, "dtype": dtype, "splits": splits, "block_n": block_n, "num_warps": warps,
                          "num_stages": stages, "maxnreg": nreg or None, "loop": loop, "us": ms * 1e3,
                          "GB_s": nbytes / ms / 1e6})
-            print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n:5d} {warps!s:>5s} {stages!s:>6s} {loop or '':11s} "
+            print(f"{S:8d} {dtype:6s} {splits!s:>6s} {block_n!s:>5s} {warps!s:>5s} {stages!s:>6s} {loop or '':11s} "
                   f"{ms * 1e3:8.1f} {nbytes / ms / 1e6:6.0f}" + (f"  maxnreg {nreg}" if nreg else ""))
         best = max((r for r in rows if r["context"] == S and r["dtype"] == dtype), key=lambda r: r["GB_s"], default=None)
         if best:

@@ -101,6 +101,33 @@ def test_mixed_steps_split_into_decodes_and_chunks_equal_alone(attention):
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
 
 
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+def test_last_prompt_token_runs_as_a_decode(attention):
+    """With `decode_last_prompt_token` (on wherever graphs are), a prompt's chunks never hold
+    an output position: its last token runs as a decode, in the decodes' forward. Outputs still
+    equal each prompt alone (shared prefixes among them)."""
+    model = make_model(attention, window=6, initializer_range=0.3)
+    prompts, max_tokens = _workload(3)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
+                                     chunk_align=4, cuda_graphs=False, decode_last_prompt_token=True))
+    eng.graphs = _EagerGraphs(eng)
+    chunks_with_output = []
+    forward = eng._run
+    eng._run = lambda cache: (chunks_with_output.extend(
+        d.r1 - d.r0 for d in cache._dense if d.r1 - 1 in cache.layout.out_idx[0].tolist()), forward(cache))[1]
+    out = Collector()
+    for i, p in enumerate(prompts):
+        eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
+        eng.step()
+    eng.run_until_done()
+    assert eng.graphs.calls and not chunks_with_output
+    for i, p in enumerate(prompts):
+        assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
+    # off (the CPU default): a prompt's last chunk carries its output position
+    eng2 = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, chunk_align=4))
+    assert not eng2.decode_last_token and eng2._chunk(5, 9) == 5 and eng._chunk(5, 9) == 4 and eng._chunk(1, 9) == 1
+
+
 def test_chunks_padded_to_the_compiled_lengths_change_no_output():
     """With a grid of compiled chunk lengths, a windowed chunk off the grid (a prompt's last
     chunk, a short prompt) runs padded to the next length on it: the outputs still equal each

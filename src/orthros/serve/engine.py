@@ -120,6 +120,12 @@ class EngineConfig:
     # With graphs: a step mixing decodes and prompt chunks replays the decodes' graph, then runs
     # the chunks eagerly (two forwards) instead of one eager forward over all of them
     split_mixed_steps: bool = True
+    # A prompt's last token runs as a decode (the step after its last chunk, which then has no
+    # output position and runs the base stream only): a chunk with an output position runs
+    # both streams eagerly, ~2x the host's kernel launches of a base-only chunk (50-80 ms on
+    # an H200 at the 8B shape), while the decode joins the captured graph. None: wherever
+    # decode graphs run.
+    decode_last_prompt_token: bool | None = None
     # A prompt chunk cut short by the budget is rounded down to a multiple of this (and of a
     # quarter of its power of two): compiled attention kernels then see few distinct chunk
     # lengths. None: 128 on CUDA, 1 (no rounding) elsewhere.
@@ -170,6 +176,8 @@ class Engine:
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self)
+        last = cfg.decode_last_prompt_token
+        self.decode_last_token = self.graphs is not None if last is None else last
 
     def _blocks_from_memory(self) -> int:
         per_block = kv_bytes_per_token(self.model.config, self.dtype, self.cfg.kv_dtype) * self.cfg.block_size
@@ -529,9 +537,10 @@ class Engine:
 
     def _chunk(self, left: int, budget: int) -> int:
         """Tokens of a prompt to run now: all that is left if the budget allows, else the budget
-        rounded down (see `EngineConfig.chunk_align`), or the bare budget if that rounds to 0."""
+        rounded down (see `EngineConfig.chunk_align`), or the bare budget if that rounds to 0;
+        the prompt's last token is left for a decode step (`EngineConfig.decode_last_prompt_token`)."""
         if left <= budget:
-            return left
+            return left - 1 if self.decode_last_token and left > 1 else left
         a = self.chunk_align
         if a > 1:
             a = max(a, (1 << (budget.bit_length() - 1)) // 4 // a * a)
