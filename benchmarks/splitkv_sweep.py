@@ -84,7 +84,8 @@ def main():
             nbytes = 2 * B * S * HKV * D * k.element_size()
         base_splits = max(1, 2 * sms // (B * HKV))
         low = dtype in ("int4", "int2", "k4v2")
-        configs = [(None, None, None, None, 0)]  # the default launch: every option the kernel's own + list(itertools.product(
+        # the default launch (every option the kernel's own), then the sweep
+        configs = [(None, None, None, None, 0)] + list(itertools.product(
             [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages,
             [0] if low else args.maxnreg))
         for (splits, block_n, warps, stages, nreg), loop in itertools.product(configs, args.loops if low else [None]):
