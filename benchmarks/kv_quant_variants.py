@@ -44,6 +44,7 @@ VARIANTS = {
     "int2, key groups of 128": ("int2", dict(key_group=128)),
     "int2, key groups of 32": ("int2", dict(key_group=32)),
     "int2, 64 sinks, 256 recent": ("int2", dict(sinks=64, recent=256)),
+    "int2, key groups of 32, 64 sinks, 256 recent": ("int2", dict(key_group=32, sinks=64, recent=256)),
 }
 
 
