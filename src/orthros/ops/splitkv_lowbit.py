@@ -43,6 +43,8 @@ values in registers:
   n | bits(MAGIC) is the float MAGIC + n (MAGIC = 128 in bf16, 1024 in
   fp16), and MAGIC times the sum of the scaled operand is taken off in the
   bias, computed from the same rounded operand so that nothing cancels.
+  The dequantizing value loop takes the same route in fp32 (n | bits(2^23)
+  is 2^23 + n; 2^23 is taken off exactly before the scale and zero).
 
 Why: the kernel that merged sinks / packed / ring in one tile with a
 three-way select and dequantized every element (per-element scale and zero

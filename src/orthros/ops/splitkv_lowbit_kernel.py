@@ -68,9 +68,12 @@ def _along_channels(x, BLOCK_Q: tl.constexpr, BLOCK_NG: tl.constexpr, VPL: tl.co
 
 @triton.jit
 def _dequant_plane(vb, PLANE: tl.constexpr, VBITS: tl.constexpr, vs, vz, DT: tl.constexpr):
-    """Bit plane PLANE of packed value bytes vb, dequantized (level * scale + zero) into DT."""
-    n = (vb >> (PLANE * VBITS)) & ((1 << VBITS) - 1)
-    return (n.to(tl.float32) * vs + vz).to(DT)
+    """Bit plane PLANE of packed value bytes vb, dequantized (level * scale + zero) into DT.
+    The level becomes a float without an int-to-float conversion (16 a clock per SM on sm_90,
+    an eighth of the FMA rate): n | bits(2^23) is the fp32 2^23 + n; taking 2^23 off is exact."""
+    n = ((vb >> (PLANE * VBITS)) & ((1 << VBITS) - 1)).to(tl.int32)
+    level = (n | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (level * vs + vz).to(DT)
 
 @triton.jit
 def _q_plane(qbase, ci, rmask, PK: tl.constexpr, PLANE: tl.constexpr, qscale):
