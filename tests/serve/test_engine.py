@@ -75,6 +75,9 @@ class _EagerGraphs:
     def __init__(self, eng):
         self.eng, self.calls = eng, []
 
+    def fits(self, segments):
+        return True
+
     def run(self, segments):
         self.calls.append(len(segments))
         return self.eng._eager_forward(segments)

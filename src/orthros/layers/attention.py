@@ -56,7 +56,8 @@ class OrthrosAttention(nn.Module):
             self.so_beta = nn.Parameter(torch.zeros(n))
             self.so_alpha_out = nn.Parameter(torch.ones(n))
             self.so_beta_out = nn.Parameter(torch.zeros(n))
-        self._pair_so_rows: dict = {}  # (T, R) -> the pair path's per-row SO, for one parameter state (_pair_so)
+        self._pair_so_rows: dict = {}  # (T, R) -> the pair path's per-row SO (_pair_so)
+        self._pair_so_params = None  # the parameters' identity those rows were made from
         self.base_window = None if c.attention == "full" else c.window_size
         self.out_window = c.window_size if c.attention == "swa" else None
 
@@ -92,8 +93,8 @@ class OrthrosAttention(nn.Module):
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
             return make()  # (inference tensors keep no version to tell a change by)
         ident = tuple((p.data_ptr(), p.dtype, p._version) for p in params)
-        if self._pair_so_rows.get("params") != ident:  # changed parameters: drop every kept shape
-            self._pair_so_rows = {"params": ident}
+        if self._pair_so_params != ident:  # changed parameters: drop every kept shape
+            self._pair_so_rows, self._pair_so_params = {}, ident
         so = self._pair_so_rows.get((T, R))
         if so is None:
             so = self._pair_so_rows[(T, R)] = make()

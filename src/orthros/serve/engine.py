@@ -398,13 +398,14 @@ class Engine:
         self._used_graph = False
         if self.graphs is not None:
             dec = self._decodes(segments)
-            if dec and (len(dec) == len(segments) or self.cfg.split_mixed_steps):
+            decodes = [segments[i] for i in dec]
+            if dec and (len(dec) == len(segments) or self.cfg.split_mixed_steps) and self.graphs.fits(decodes):
                 picked = set(dec)
                 rest = [s for i, s in enumerate(segments) if i not in picked]
                 # the chunks' cache first: its host-to-device copies then run while the device is
                 # idle, not queued behind the graph (a pageable copy holds the host until it is done)
                 cache = PagedStepCache(self.pool, self.model.config, rest) if rest else None
-                out = self.graphs.run([segments[i] for i in dec])
+                out = self.graphs.run(decodes)
                 if out is not None:
                     self._used_graph = True
                     return out if cache is None else self._merge(segments, out, self._run(cache))

@@ -116,11 +116,17 @@ class DecodeGraphs:
             self._forward(self._cache(b))  # eager first: kernels compiled, memory warmed
             self._capture(b, self._cache(b))
 
+    def fits(self, segments: list[Segment]) -> bool:
+        """Whether `run` can take these decodes: graphs on, a bucket for their number, every
+        sequence within the captured block table."""
+        return (not self.disabled and len(segments) <= self.buckets[-1]
+                and all(len(s.blocks) <= self.max_blocks for s in segments))
+
     def run(self, segments: list[Segment]) -> torch.Tensor | None:
         """Logits [len(segments), V] of a decode-only step, or None (run it eagerly) if it
         does not fit a bucket or capturing failed."""
         n = len(segments)
-        if self.disabled or n > self.buckets[-1] or any(len(s.blocks) > self.max_blocks for s in segments):
+        if not self.fits(segments):
             return None
         b = next(x for x in self.buckets if x >= n)
         self._fill(segments, b)
