@@ -55,6 +55,9 @@ def main():
                    help="low-bit: the packed loop over bit planes with its values dequantized in registers "
                         "(planar-dq, the default), the same with their scales folded into p (planar), "
                         "and/or the interleaving one")
+    p.add_argument("--dots", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"],
+                   help="fp8: the dots' operand type (fp16, the default: one conversion per two values; bf16: "
+                        "through fp16, one more per value)")
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (the H200's)")
     p.add_argument("--out", default=None)
     p.add_argument("--docs", default=None, help="splice the summary table into this file (between marks)")
@@ -88,7 +91,8 @@ def main():
         configs = [(None, None, None, None, 0)] + list(itertools.product(
             [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages,
             [0] if low else args.maxnreg))
-        for (splits, block_n, warps, stages, nreg), loop in itertools.product(configs, args.loops if low else [None]):
+        variants = args.loops if low else [f"{x} dots" for x in args.dots] if dtype == "fp8" else [None]
+        for (splits, block_n, warps, stages, nreg), loop in itertools.product(configs, variants):
             tile = {} if block_n is None else {"block_n": block_n}
             if low:
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
@@ -96,9 +100,10 @@ def main():
                                                       window=W, window_rows=1, num_splits=splits, **tile,
                                                       num_warps=warps, num_stages=stages, **loop_options(loop))
             else:
+                f16 = None if loop is None else loop == "fp16 dots"
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
                                                **tile, window_rows=1, num_warps=warps, num_stages=stages,
-                                               maxnreg=nreg or None)
+                                               maxnreg=nreg or None, fp16_dots=f16)
             try:
                 fn()
                 ms = do_bench(fn, warmup=3, rep=20)
@@ -139,7 +144,7 @@ def summary(rows: list[dict], args) -> str:
     frac = lambda r: f"{r['GB_s']:.0f} ({100 * r['GB_s'] / (args.bandwidth * 1e3):.0f}%)"
     for S, dtype, loop in dict.fromkeys((r["context"], r["dtype"], r.get("loop")) for r in rows):
         cell = [r for r in rows if r["context"] == S and r["dtype"] == dtype and r.get("loop") == loop]
-        dtype = dtype if loop is None else f"{dtype}, {loop} loop"
+        dtype = dtype if loop is None else f"{dtype}, {loop}" if loop.endswith("dots") else f"{dtype}, {loop} loop"
         d = next((r for r in cell if r["splits"] is None), None)
         b = max(cell, key=lambda r: r["GB_s"])
         cfg = f"{b['splits']}, {b['block_n']}, {b['num_warps']}, {b['num_stages']}" + (

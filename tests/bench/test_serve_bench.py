@@ -64,16 +64,18 @@ def test_interference_scenario(tmp_path):
 
 def test_each_run_draws_its_own_prompts():
     """Runs of one scenario never repeat each other's prompts (a repeat would be a prefix-cache
-    hit, not a prefill); one run's prompts are the same for every variant (seeded per run)."""
+    hit, not a prefill); one run's prompts are the same for every variant (seeded per run); runs
+    at different rates carry the same prompt and output lengths (the same work, arriving faster)."""
     import argparse
 
     from orthros.bench.serve import _load_runs, add_arguments, run_requests
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    args = p.parse_args(["--scenario", "traffic", "--scale", "tiny", "--rates", "1", "1", "--num-prompts", "3"])
+    args = p.parse_args(["--scenario", "traffic", "--scale", "tiny", "--rates", "1", "2", "--num-prompts", "3"])
     (a, a_out), (b, b_out) = [run_requests(args, i, r) for i, r in enumerate(_load_runs(args))]
     assert len(a) == len(b) == 3 and all(16 <= len(x) <= 256 for x in a + b)
+    assert [len(x) for x in a] == [len(x) for x in b] and a_out == b_out and len(set(map(len, a))) > 1
     assert not any(x[:8] == y[:8] for x in a for y in b)
     assert run_requests(args, 0, _load_runs(args)[0]) == (a, a_out)
     paper = p.parse_args(["--scenario", "paper", "--scale", "tiny"])
@@ -94,3 +96,20 @@ def test_tiny_scale_runs_on_the_cpu_unless_told(monkeypatch):
     assert _device(p.parse_args(["--scale", "tiny"])) == "cpu"
     assert _device(p.parse_args(["--scale", "gpu"])) == "cuda"
     assert _device(p.parse_args(["--scale", "tiny", "--device", "cuda"])) == "cuda"
+
+
+def test_equal_tail_table_compares_throughput_at_no_higher_ttft_p99():
+    from orthros.bench.serve import equal_tail_table
+
+    def row(variant, rate, p99_s, req_s):
+        return dict(variant=variant, run=f"rate {rate:g}/s", rate=rate, ttft={"p99": 1e3 * p99_s},
+                    request_throughput=req_s, total_token_throughput=1e4 * req_s)
+
+    rows = [row("full", 0.1, 20, 0.1), row("full", 0.2, 60, 0.15), row("full", 0.05, 1, 0.05),
+            row("orthros", 0.25, 5, 0.25), row("orthros", 0.5, 15, 0.48), row("orthros", 1.0, 40, 0.6)]
+    lines = equal_tail_table(rows).splitlines()
+    body = [line for line in lines if line.startswith("| rate")]
+    assert body[0].startswith("| rate 0.05/s") and "none as low" in body[0]
+    assert "| rate 0.5/s | 15.00 s | 0.480 | 4.80x |" in body[1]  # not 1.0/s: its p99 (40 s) is above 20 s
+    assert "| rate 1/s | 40.00 s | 0.600 | 4.00x |" in body[2]
+    assert equal_tail_table([r for r in rows if r["variant"] == "full"]) == ""

@@ -1,11 +1,16 @@
-"""Run under TRITON_INTERPRET=1 (see test_fast_path.py): the split-KV kernel reading an fp8
-cache, with the static cache's scale folding, against the naive op on the dequantized cache."""
+"""The split-KV kernel reading an fp8 cache, with the static cache's scale folding, against the
+naive op on the dequantized cache. Run under TRITON_INTERPRET=1 on CPU (test_fast_path.py), or
+as is on a GPU (`python -m tests.generation.splitkv_fp8_cases`)."""
+
+import os
 
 import torch
 
 from orthros.models.static_cache import FP8, FP8_MAX
 from orthros.ops.naive import naive_attention
 from orthros.ops.splitkv import splitkv_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
 
 
 def main():
@@ -19,6 +24,7 @@ def main():
     slot, qd = torch.tensor([[250]]), torch.zeros(B, 1, dtype=torch.long)
     kd = torch.zeros(B, S, dtype=torch.long)
     kd[:, 260:] = -1
+    q, k8, v8, ks, vs, slot, qd, kd = (t.to(DEVICE) for t in (q, k8, v8, ks, vs, slot, qd, kd))
     for window, splits, block_n in ((None, None, None), (16, 1, None), (16, None, None), (None, None, 64)):
         ref = naive_attention(q, k8.float() * ks[:, None], v8.float() * vs[:, None], slot, qd, kd, window=window)
         qs = q * ks.repeat_interleave(H // Hkv)[:, None]
@@ -27,7 +33,37 @@ def main():
         out = out * vs.repeat_interleave(H // Hkv)[:, None]
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 1e-5, (window, splits, block_n, err)
+    sixteen_bit_queries(k8, v8, ks, vs, kd)
     print("ok")
+
+
+def sixteen_bit_queries(k8, v8, ks, vs, kd):
+    """bf16 queries over fp8 K/V (the decode pair: a windowed row and an output row): the dots
+    run in fp16 (the default, `fp16_dots`) within bf16 rounding of the fp32 reference, also for
+    queries past fp16's range (scaled into it by a power of two). On a GPU the bf16 dots are
+    checked too, and the fp16 ones must be no worse; Triton's interpreter (3.6 and 3.9)
+    multiplies bf16 dots wrongly, so there they are not run."""
+    B, S, Hkv, D = k8.shape
+    H = 4
+    kf, vf = k8.float() * ks[:, None], v8.float() * vs[:, None]
+    slot = torch.tensor([[250, 299]], device=k8.device).expand(B, 2)
+    qd = torch.zeros(B, 2, dtype=torch.long, device=k8.device)
+    for q_scale in (1.0, 1e7):  # 1e7: past fp16's range; the softmax scale keeps the scores as at 1
+        q = (q_scale * torch.randn(B, 2, H, D, device=k8.device)).to(torch.bfloat16)
+        scale = D ** -0.5 / q_scale
+        ref = torch.cat([naive_attention(q.float()[:, :1], kf, vf, slot[:, :1], qd[:, :1], kd, window=16, scale=scale),
+                         naive_attention(q.float()[:, 1:], kf, vf, slot[:, 1:], qd[:, 1:], kd, scale=scale)], 1)
+        qs = q * ks.repeat_interleave(H // Hkv)[:, None].to(q.dtype)
+        errs = {}
+        for f16 in (True, False) if k8.is_cuda else (True,):
+            out = splitkv_attention(qs, k8, v8, slot, qd, kd, window=16, window_rows=1, scale=scale, fp16_dots=f16)
+            assert out.dtype == torch.bfloat16
+            out = out.float() * vs.repeat_interleave(H // Hkv)[:, None]
+            assert torch.isfinite(out).all(), (q_scale, f16)
+            errs[f16] = ((out - ref).norm() / ref.norm()).item()
+        assert max(errs.values()) < 1e-2, (q_scale, errs)
+        if False in errs:
+            assert errs[True] <= 1.5 * errs[False] + 1e-3, (q_scale, errs)
 
 
 if __name__ == "__main__":

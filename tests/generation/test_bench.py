@@ -71,6 +71,12 @@ def test_bench_capacity(tmp_path):
                                                                    ("int4", 300)]
     assert all(r["status"] == "ok" and r["prefill_s"] > 0 and r["tokens_per_s"] > 0 for r in res["rows"])
     assert "Longest prompt that prefilled and decoded: bf16 300, int4 300." in doc
+    run(tmp_path, "capacity", "--kv-dtypes", "bf16:64", "int4:200,100", "--lengths", "300", "--new", "4",
+        "--warmup", "1", "--window", "8", "--chunk-size", "128")
+    res = json.loads((tmp_path / "capacity.json").read_text())
+    assert [(r["kv_dtype"], r["prompt"]) for r in res["rows"]] == [("bf16", 64), ("int4", 100), ("int4", 200)]
+    with pytest.raises(SystemExit):
+        main(["bench", "capacity", "--kv-dtypes", "int3:1M"])
 
 
 def test_bench_errors(tmp_path, capsys):

@@ -40,11 +40,30 @@ def test_lowbit_kernel_with_values_dequantized_builds_for_sm90(kv):
 
 def test_signature_types_every_argument():
     plan = lowbit_launch("int2")
-    sig, const = signature(_kernel(), plan.args, {k: v for k, v in plan.meta.items() if k not in OPTIONS})
+    sig, const, attrs = signature(_kernel(), plan.args, {k: v for k, v in plan.meta.items() if k not in OPTIONS})
     assert sig["Q"] == "*bf16" and sig["KQ"] == "*u8" and sig["O"] == "*fp32" and sig["M"] == "i32"
     assert sig["qscale"] == "fp32" and sig["PLANAR"] == "constexpr" and const["KBITS"] == 2
     with pytest.raises(ValueError, match="positional arguments"):
         signature(_kernel(), plan.args[:-1], plan.meta)
+
+
+def test_signature_is_specialized_as_a_gpu_launch():
+    """Regression: builds without the launch's specialization (16-byte alignment, integers
+    divisible by 16, integers equal to 1 as constants) loaded fp8 keys one byte at a time and
+    did not pipeline them, unlike the kernel that runs (reports were of another build)."""
+    from orthros.ops.splitkv import splitkv_attention
+
+    q = torch.zeros(1, 2, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, 4096, 8, 128, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    (kern, args, meta), *_ = _launches_of(splitkv_attention, q, k, k, torch.tensor([[4094, 4095]]),
+                                          torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 4096, dtype=torch.long),
+                                          window=128, window_rows=1)
+    sig, const, attrs = signature(kern, args, {k: v for k, v in meta.items() if k not in OPTIONS})
+    names = list(kern.arg_names)
+    div16 = {names[i] for (i,), a in attrs.items() if ["tt.divisibility", 16] in a}
+    assert {"Q", "K", "V", "sks", "skh"} <= div16, div16  # strides 1024 and 128
+    assert "M" not in div16 and sig["window_rows"] == "constexpr" and const["window_rows"] == 1
+    assert meta["F16"]  # fp8 keys, bf16 queries: fp16 dots by default
 
 
 def _launches_of(fn, *args, **kwargs):

@@ -1,6 +1,8 @@
-"""Run under TRITON_INTERPRET=1 (see test_paged.py): the paged single-query kernel against its
-gathered reference, over scattered blocks, several splits, windows, GQA, an fp8 pool, and results stored into a given
-output (a view; fp16)."""
+"""Run under TRITON_INTERPRET=1 (see test_paged.py), or as is on a GPU: the paged single-query kernel against its
+gathered reference, over scattered blocks, several splits, windows, GQA, an fp8 pool (fp32 and
+bf16 queries), and results stored into a given output (a view; fp16)."""
+
+import os
 
 import torch
 
@@ -8,8 +10,12 @@ from orthros.models.static_cache import FP8
 from orthros.ops.paged import paged_attention_kernel, paged_attention_ref
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
+
+
 def main():
     torch.manual_seed(0)
+    torch.set_default_device(DEVICE)
     R, H, Hkv, D, bs, nb = 3, 4, 2, 16, 4, 24
     kp, vp = torch.randn(nb * bs, Hkv, D), torch.randn(nb * bs, Hkv, D)
     table = torch.stack([torch.randperm(nb)[:16] for _ in range(R)]).int()
@@ -37,6 +43,16 @@ def main():
     out = paged_attention_kernel(q, k8, v8, table, pos, bs, None, keys_per_split=16)
     ref = paged_attention_ref(q, k8, v8, table, pos, bs, None)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    # bf16 queries over an fp8 pool: fp16 dots (splitkv.use_fp16_dots), also for queries past
+    # fp16's range (scaled by a power of two; the softmax scale keeps the scores as at 1)
+    for q_scale in (1.0, 1e7):
+        qb = (q_scale * q).bfloat16()
+        for window, per in ((7, None), (None, 16)):
+            out = paged_attention_kernel(qb, k8, v8, table, pos, bs, window, scale=D ** -0.5 / q_scale,
+                                         keys_per_split=per)
+            ref = paged_attention_ref(qb.float(), k8, v8, table, pos, bs, window, scale=D ** -0.5 / q_scale)
+            assert out.dtype == torch.bfloat16
+            assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2, (q_scale, window, per)
     print("ok")
 
 

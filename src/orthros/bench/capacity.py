@@ -11,6 +11,7 @@ counts them, at --bandwidth). Before the first length of each dtype an
 untimed prefill of two chunks compiles the prefill kernels.
 
     orthros bench capacity --kv-dtypes fp8 int4 int2 --lengths 1M 2M 3M 4M 6M
+    orthros bench capacity --kv-dtypes fp8:1M,2M int4:2M,3M int2:4M,5M   # lengths per dtype
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from .prefill import _fmt_len, parse_len
 
 def add_arguments(p):
     p.add_argument("--model", default="llama-3.1-8b", help="config name (shape)")
-    p.add_argument("--kv-dtypes", nargs="+", choices=KV_DTYPES, default=["fp8", "int4", "int2"])
+    p.add_argument("--kv-dtypes", nargs="+", type=kv_dtype_spec, default=["fp8", "int4", "int2"],
+                   help=f"cache dtypes ({', '.join(KV_DTYPES)}), each with its own lengths if given as "
+                        "DTYPE:L1,L2,... (else --lengths)")
     p.add_argument("--lengths", nargs="+", type=parse_len, default=[parse_len(x) for x in ("1M", "2M", "3M", "4M")],
                    help="prompt lengths tried in ascending order (stops at the first that does not fit)")
     p.add_argument("--new", type=int, default=32, help="tokens generated after the prompt (the first from prefill)")
@@ -49,6 +52,27 @@ def add_arguments(p):
     p.add_argument("--out-dir", default="docs")
     p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between markers)")
     p.add_argument("--from-json", nargs="+", default=None, help="only re-render from saved JSON")
+
+
+def kv_dtype_spec(s: str) -> str:
+    """'int4' or 'int4:2M,3M' (lengths of that dtype only), checked at parse time."""
+    kv, _, lens = s.partition(":")
+    if kv not in KV_DTYPES:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"unknown cache dtype {kv!r} (one of {', '.join(KV_DTYPES)})")
+    for x in filter(None, lens.split(",")):
+        parse_len(x)
+    return s
+
+
+def plan(args) -> list[tuple[str, list[int]]]:
+    """[(kv dtype, its lengths ascending)] from --kv-dtypes and --lengths."""
+    out = []
+    for spec in args.kv_dtypes:
+        kv, _, lens = spec.partition(":")
+        out.append((kv, sorted(parse_len(x) for x in lens.split(",") if x) if lens else sorted(args.lengths)))
+    return out
 
 
 def _now(device):
@@ -89,14 +113,14 @@ def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dic
 def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
-    lengths = sorted(args.lengths)
-    cfg = variant_config(args, "orthros", lengths[-1] + args.new)
+    todo = plan(args)
+    cfg = variant_config(args, "orthros", max(max(lens) for _, lens in todo) + args.new)
     model = build_model(cfg, device, dtype)
     chunk = args.chunk_size or auto_chunk_size(cfg, 1, dtype)
     step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
     rows = []
     with torch.inference_mode():
-        for kv in args.kv_dtypes:
+        for kv, lengths in todo:
             warm = new_static_cache(model, 1, 2 * chunk, kv)  # compile the prefill kernels (untimed)
             run_prefill(model, torch.zeros(1, 2 * chunk, dtype=torch.long, device=device), None, cache=warm,
                         chunk_size=chunk)

@@ -298,13 +298,15 @@ def _device(args) -> str:
 
 
 def run_requests(args, i: int, run: dict) -> tuple[list[list[int]], list[int]]:
-    """The prompts and output lengths of load run `i`: the same for every variant (one seed
-    per run), different from run to run, so that no run finds another's prompts in the
-    server's prefix cache (a repeated prompt is a cache hit, not a prefill)."""
-    rng = random.Random(f"{args.seed}/run {i}")
-    ins = lengths(run["input"], run["num"], rng)
-    outs = lengths(run["output"], run["num"], rng)
-    return random_prompts(ins, _vocab(args), rng), outs
+    """The prompts and output lengths of load run `i`, the same for every variant. The lengths
+    are the same at every rate too (drawn from one seed for the scenario): runs at different
+    rates are the same work arriving faster, so their throughputs and tails compare. The tokens
+    differ from run to run, so that no run finds another's prompts in the server's prefix cache
+    (a repeated prompt is a cache hit, not a prefill)."""
+    lens_rng = random.Random(f"{args.seed}/lengths")
+    ins = lengths(run["input"], run["num"], lens_rng)
+    outs = lengths(run["output"], run["num"], lens_rng)
+    return random_prompts(ins, _vocab(args), random.Random(f"{args.seed}/run {i}")), outs
 
 
 def measure(args) -> dict:
@@ -404,7 +406,34 @@ def table(res: dict) -> str:
                      f"{r['request_throughput']:.3f} | {r['output_throughput']:.1f} | {_ms(r['ttft']['p50'])} | "
                      f"{_ms(r['ttft']['p99'])} | {_ms(r['tpot']['p50'])} | {_ms(r['itl']['p50'])} | "
                      f"{_ms(r['itl']['p99'])} | {_ms(r['e2el']['p50'])} | {_ms(r['e2el']['p99'])} |")
-    return head + "\n".join(lines)
+    return head + "\n".join(lines) + equal_tail_table(res["rows"])
+
+
+def equal_tail_table(rows: list[dict], base: str = "full", other: str = "orthros") -> str:
+    """Throughput at equal tail latency: for each `base` run, the fastest `other` run whose TTFT
+    p99 is no higher, and the ratio of their request (and token) throughputs. Only runs of the
+    same prompt lengths (rated runs of one scenario) compare; empty if either variant is missing."""
+    rated = lambda v: sorted((r for r in rows if r["variant"] == v and r.get("rate") and r["ttft"]["p99"]),
+                             key=lambda r: r["rate"])
+    a, b = rated(base), rated(other)
+    if not a or not b:
+        return ""
+    lines = ["", "", f"At equal tail latency: for each {base} run, the {other} run with the highest request "
+             f"throughput whose TTFT p99 is no higher (runs at every rate carry the same prompt lengths).", "",
+             f"| {base} run | TTFT p99 | req/s | {other} run | TTFT p99 | req/s | req/s ratio | tokens/s ratio |",
+             "|---|---:|---:|---|---:|---:|---:|---:|"]
+    for r in a:
+        ok = [x for x in b if x["ttft"]["p99"] <= r["ttft"]["p99"]]
+        if not ok:
+            lines.append(f"| {r['run']} | {_ms(r['ttft']['p99'])} | {r['request_throughput']:.3f} | none as low | "
+                         "| | | |")
+            continue
+        x = max(ok, key=lambda x: x["request_throughput"])
+        lines.append(f"| {r['run']} | {_ms(r['ttft']['p99'])} | {r['request_throughput']:.3f} | {x['run']} | "
+                     f"{_ms(x['ttft']['p99'])} | {x['request_throughput']:.3f} | "
+                     f"{x['request_throughput'] / r['request_throughput']:.2f}x | "
+                     f"{x['total_token_throughput'] / r['total_token_throughput']:.2f}x |")
+    return "\n".join(lines)
 
 
 def plot(res: dict, path: str) -> None:
@@ -423,8 +452,8 @@ def plot(res: dict, path: str) -> None:
         ax.set(xlabel="token budget per step", ylabel="ITL of running streams (ms)",
                title="decode latency while a long prompt prefills")
     elif res["scenario"] == "traffic" or len({r["run"] for r in rows}) > 2:
-        # Each run draws its own prompts, so runs differ in work per request: tokens / s (prompt +
-        # output) is the throughput they share; requests / s beside it, each point its run's name
+        # Tail TTFT against throughput, in tokens / s (prompt + output) and requests / s (runs at
+        # every rate carry the same lengths, so the two agree), each point named by its run
         fig, axes = subplots(2, 5.5, 4)
         for key, label, ax in (("total_token_throughput", "tokens / s (prompt + output)", axes[0]),
                                ("request_throughput", "completed requests / s", axes[1])):

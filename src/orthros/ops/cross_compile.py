@@ -46,31 +46,41 @@ def captured_launches():
         JITFunction.run = run
 
 
-def signature(kernel, args: list, meta: dict) -> tuple[dict, dict]:
-    """Triton's (signature, constexprs) for a launch kernel[grid](*args, **meta)."""
+def signature(kernel, args: list, meta: dict) -> tuple[dict, dict, dict]:
+    """Triton's (signature, constexprs, attrs) for a launch kernel[grid](*args, **meta), specialized
+    as a launch on a GPU would be: pointers 16-byte aligned and integers divisible by 16 get
+    `tt.divisibility` (what lets the compiler vectorize loads and pipeline them), integers equal
+    to 1 become constants. Without it a build is not the one that runs (byte loads, no cp.async)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import make_backend
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
     names = kernel.arg_names  # a JITFunction's
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
     pos = [n for n in names if n not in meta]
     if len(pos) != len(args):
         raise ValueError(f"{kernel.__name__}: {len(args)} positional arguments for {len(pos)} parameters")
-    for name, a in zip(pos, args):
-        if isinstance(a, torch.Tensor):
-            if a.dtype not in _PTR:
-                raise ValueError(f"{name}: no Triton pointer type for {a.dtype}")
-            sig[name] = "*" + _PTR[a.dtype]
-        elif isinstance(a, bool):
-            sig[name] = "i1"
-        elif isinstance(a, int):
-            sig[name] = "i32" if -2**31 <= a < 2**31 else "i64"
-        elif isinstance(a, float):
-            sig[name] = "fp32"
-        else:
-            raise ValueError(f"{name}: cannot type {type(a).__name__}")
-    for name in names:
+    values = dict(zip(pos, args))
+    for i, name in enumerate(names):
         if name in meta:
-            sig[name] = "constexpr"
-            const[name] = meta[name]
-    return sig, const
+            sig[name], const[name] = "constexpr", meta[name]
+            continue
+        a = values[name]
+        if isinstance(a, torch.Tensor) and a.dtype not in _PTR:
+            raise ValueError(f"{name}: no Triton pointer type for {a.dtype}")
+        if isinstance(a, float):  # floats are never specialized
+            sig[name] = "fp32"
+            continue
+        if not isinstance(a, (torch.Tensor, bool, int)):
+            raise ValueError(f"{name}: cannot type {type(a).__name__}")
+        kind, attr = native_specialize_impl(BaseBackend, a, False, True, True)
+        sig[name] = kind
+        if kind == "constexpr":
+            const[name] = a
+        elif attr:
+            attrs[(i,)] = backend.parse_attr(attr)
+    return sig, const, attrs
 
 
 def compile_for(kernel, args: list, meta: dict, arch: int = 90) -> dict:
@@ -80,12 +90,12 @@ def compile_for(kernel, args: list, meta: dict, arch: int = 90) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, const = signature(kernel, args, {k: v for k, v in meta.items() if k not in OPTIONS})
+    sig, const, attrs = signature(kernel, args, {k: v for k, v in meta.items() if k not in OPTIONS})
     options = {k: meta[k] for k in OPTIONS if k in meta}
     fn = kernel
     while not isinstance(fn, triton.runtime.JITFunction):  # an autotuner / heuristics wrapper holds it
         fn = fn.fn
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", arch, 32), options=options)
     return dict(ptxas_report(compiled.asm["ptx"], arch), shared_bytes=int(compiled.metadata.shared))
 

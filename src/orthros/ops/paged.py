@@ -43,7 +43,8 @@ def _kernel():
                   sqr, sqh, sks, skh, svs, svh, s_table, sor, sop, soh, slr, slp,
                   Hkv, scale, window, keys_per_split,
                   BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
+                  F16: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         r = (pid // Hkv).to(tl.int64)
@@ -54,6 +55,12 @@ def _kernel():
         d = tl.arange(0, BLOCK_D)
         dmask = d < D
         q = tl.load(Q + r * sqr + h[:, None] * sqh + d[None, :], mask=gvalid[:, None] & dmask[None, :], other=0.0)
+        if F16:  # fp8 pools: dots in fp16 (splitkv.use_fp16_dots)
+            qf = q.to(tl.float32)
+            big = tl.max(tl.max(tl.abs(qf), 1), 0)
+            qs = tl.where(big > 16384.0, tl.exp2(14.0 - tl.ceil(tl.log2(big))), 1.0)  # a power of two: exact
+            q = (qf * qs).to(tl.float16)
+            scale = scale / qs
         pos = tl.load(POS + r).to(tl.int64)
         start = split.to(tl.int64) * keys_per_split
         end = tl.minimum(start + keys_per_split, pos + 1)
@@ -139,11 +146,13 @@ def paged_attention(q, k_pool, v_pool, table, pos, block_size: int, window: int 
 
 def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
                            scale: float | None = None, keys_per_split: int | None = None,
-                           max_len: int | None = None, out: torch.Tensor | None = None):
-    """`paged_attention` through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+                           max_len: int | None = None, out: torch.Tensor | None = None,
+                           fp16_dots: bool | None = None):
+    """`paged_attention` through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
+    fp16_dots: see `splitkv.use_fp16_dots`."""
     import triton
 
-    from .splitkv import _merge_kernel
+    from .splitkv import _merge_kernel, use_fp16_dots
 
     R, H, D = q.shape
     scale = D ** -0.5 if scale is None else scale
@@ -166,6 +175,7 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
         Hkv, scale, 0 if window is None else window, per,
         BS=block_size, G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        F16=use_fp16_dots(q, k_pool, fp16_dots),
     )
     if P == 1:
         return out

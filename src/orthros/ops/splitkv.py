@@ -21,6 +21,7 @@ Forward only (inference). Triton is imported on first use.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -39,7 +40,7 @@ def _kernel():
                     sob, sop, som, soh, slb, slp, slm,
                     M, S, Hkv, scale, window, window_rows, keys_per_split,
                     G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = (pid // Hkv).to(tl.int64)
@@ -52,6 +53,12 @@ def _kernel():
         dmask = d < D
         q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
                     mask=rvalid[:, None] & dmask[None, :], other=0.0)
+        if F16:  # fp8 K/V: dots in fp16 (e4m3 -> fp16 is one conversion for two values, -> bf16 three)
+            qf = q.to(tl.float32)
+            big = tl.max(tl.max(tl.abs(qf), 1), 0)
+            qs = tl.where(big > 16384.0, tl.exp2(14.0 - tl.ceil(tl.log2(big))), 1.0)  # a power of two: exact
+            q = (qf * qs).to(tl.float16)
+            scale = scale / qs
         slot = tl.load(SLOT + b * s_slot_b + m, mask=rvalid, other=-1).to(tl.int64)
         qdoc = tl.load(QDOC + b * s_qdoc_b + m, mask=rvalid, other=-3).to(tl.int64)
         # This split's keys, clipped to what the queries can see.
@@ -145,6 +152,21 @@ def _num_sms(device) -> int:
     return 4
 
 
+def use_fp16_dots(q: torch.Tensor, k: torch.Tensor, want: bool | None = None) -> bool:
+    """Whether a kernel over fp8 K/V runs its dots in fp16 (None: wherever it can, i.e. 16-bit
+    queries over fp8 keys). Hopper converts e4m3 to fp16 two values per instruction, but to bf16
+    only through fp16, one more instruction per value: in a kernel that streams a 1M fp8 cache,
+    those conversions are most of its instructions. fp16 holds every e4m3 value exactly and bf16
+    queries to 3 more mantissa bits; queries above 2^14 are scaled by a power of two first.
+    ORTHROS_FP8_DOTS=bf16 in the environment makes None mean bf16 dots (for A/B runs)."""
+    can = k.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+    if want and not can:
+        raise ValueError(f"fp16 dots are for 16-bit queries over fp8 keys, got {q.dtype} over {k.dtype}")
+    if want is None:
+        return can and os.environ.get("ORTHROS_FP8_DOTS", "fp16") != "bf16"
+    return bool(want)
+
+
 def launch_options(**options) -> dict:
     """The Triton launch options given (num_warps, num_stages, maxnreg, ...): None means Triton's default."""
     return {k: v for k, v in options.items() if v is not None}
@@ -152,11 +174,12 @@ def launch_options(**options) -> dict:
 
 def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, num_splits=None,
                       block_n: int | None = None, return_lse: bool = False, window_rows: int | None = None,
-                      num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None):
+                      num_warps: int | None = None, num_stages: int | None = None, maxnreg: int | None = None,
+                      fp16_dots: bool | None = None):
     """Same contract as `naive_attention`, for G * M <= MAX_ROWS (no autograd).
     window_rows: only the first `window_rows` queries use `window` (see `ops.attention`).
     num_splits / block_n / num_warps / num_stages / maxnreg (registers a thread, NVIDIA): launch
-    tuning (defaults: heuristics / Triton's)."""
+    tuning (defaults: heuristics / Triton's). fp16_dots: see `use_fp16_dots`."""
     import triton
 
     B, M, H, D = q.shape
@@ -190,6 +213,7 @@ def splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, nu
         M, S, Hkv, scale, 0 if window is None else window, M if window_rows is None else window_rows, per,
         G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G * M)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=ieee,
+        F16=use_fp16_dots(q, k, fp16_dots),
         **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     out, lse_out = merge_splits_kernel(o, lse, q.dtype, return_lse=True)
