@@ -75,6 +75,7 @@ def test_bench_capacity(tmp_path):
         "--warmup", "1", "--window", "8", "--chunk-size", "128")
     res = json.loads((tmp_path / "capacity.json").read_text())
     assert [(r["kv_dtype"], r["prompt"]) for r in res["rows"]] == [("bf16", 64), ("int4", 100), ("int4", 200)]
+    assert not (tmp_path / "capacity.partial.json").exists()  # removed once the whole run is saved
     with pytest.raises(SystemExit):
         main(["bench", "capacity", "--kv-dtypes", "int3:1M"])
 
@@ -88,3 +89,24 @@ def test_bench_errors(tmp_path, capsys):
     assert main(["bench", "decode", "--model", "tiny", "--kv-dtype", "int4", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--from-json" in err and "no-such-model" in err and "add --variants orthros" in err
+
+
+def test_bench_capacity_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch):
+    """A run stopped part-way (a time limit, Ctrl-C) leaves the rows it measured in
+    <tag>.partial.json, which --from-json renders."""
+    from orthros.bench import capacity
+
+    real = capacity.try_length
+
+    def stop_at_200(model, T, *a, **kw):
+        if T == 200:
+            raise KeyboardInterrupt
+        return real(model, T, *a, **kw)
+
+    monkeypatch.setattr(capacity, "try_length", stop_at_200)
+    assert main(["bench", "capacity", "--kv-dtypes", "int4:100,200", "--new", "4", "--warmup", "1", "--window", "8",
+                 "--chunk-size", "128", "--model", "tiny", "--out-dir", str(tmp_path), "--docs", "none"]) == 130
+    part = json.loads((tmp_path / "capacity.partial.json").read_text())
+    assert [(r["kv_dtype"], r["prompt"], r["status"]) for r in part["rows"]] == [("int4", 100, "ok")]
+    assert main(["bench", "capacity", "--from-json", str(tmp_path / "capacity.partial.json"), "--out-dir",
+                 str(tmp_path), "--docs", "none"]) == 0

@@ -16,6 +16,7 @@ untimed prefill of two chunks compiles the prefill kernels.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 import time
@@ -113,6 +114,12 @@ def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dic
 def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
+
+    def result(rows):
+        return dict(env=environment(device), command="orthros bench capacity " + " ".join(map(shlex.quote, sys.argv[3:])),
+                    model=args.model, dtype=args.dtype, window=args.window, new=args.new,
+                    bandwidth_tb_s=args.bandwidth, compiled=not args.no_compile, rows=rows)
+
     todo = plan(args)
     cfg = variant_config(args, "orthros", max(max(lens) for _, lens in todo) + args.new)
     model = build_model(cfg, device, dtype)
@@ -136,15 +143,27 @@ def measure(args) -> dict:
                     row.update(status="oom", note=str(e).splitlines()[0][:120])
                 free_memory()
                 rows.append(row)
+                save_partial(args, result(rows))
                 print(f"{kv:>5} {_fmt_len(T):>5}: " + (
                     f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib']:.1f} GiB, decode "
                     f"{row['tokens_per_s']:.1f} tok/s ({100 * row['roofline']:.0f}% of {row['roofline_tok_s']:.1f})"
                     if row["status"] == "ok" else "out of memory"), flush=True)
                 if row["status"] != "ok":
                     break
-    return dict(env=environment(device), command="orthros bench capacity " + " ".join(map(shlex.quote, sys.argv[3:])),
-                model=args.model, dtype=args.dtype, window=args.window, new=args.new, bandwidth_tb_s=args.bandwidth,
-                compiled=not args.no_compile, rows=rows)
+    return result(rows)
+
+
+def save_partial(args, result: dict) -> None:
+    """The rows so far, as OUT_DIR/<tag>.partial.json (a row can take minutes: a run stopped
+    part-way keeps what it measured; `--from-json` renders it). Replaced atomically; removed
+    once the whole run is saved."""
+    import json
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, f"{args.tag}.partial.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def table(result) -> str:
@@ -192,4 +211,7 @@ def run(args):
         return measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
+    partial = os.path.join(args.out_dir, f"{args.tag}.partial.json")
+    if not args.from_json and os.path.exists(partial):
+        os.remove(partial)  # the whole run is saved
     return 0
