@@ -1,0 +1,124 @@
+"""How many instructions a thread spends per int4 level on the way into a tensor-core dot, for
+ways of turning packed nibbles into dot operands, read from sm_90 builds made on this machine
+(no GPU: `ops/cross_compile.py` + the Triton wheel's cuobjdump). Static counts, not timings.
+
+The probe kernel is the key half of a low-bit decode tile: a [64 keys, 64 bytes] uint8 tile of
+int4 levels (two a byte, bit planes) read in a loop and dotted with 16 query rows in fp16:
+
+    fp32-trick   n | bits(2^23) as fp32, minus 2^23, to fp16 (the dequantizing loop's way)
+    fp16-magic   n | 0x6400 as fp16 (1024 + n), minus 1024 in fp16
+    fp16-offset  1024 + n as is (the offset folded out of the dot)
+    lop3-asm     four levels of two bytes a lop3 in fp16 pairs (inline PTX, Marlin's trick):
+                 2 prmt + 4 lop3 + 2 sub.f16x2 + 2 fma.f16x2 for 8 levels
+
+    python benchmarks/dequant_probe.py [--block 64] [--warps 4]
+
+Nothing here runs a kernel: the lop3-asm bit logic was checked by emulating prmt / lop3 / fp16
+in Python on random bytes, not on a GPU.
+
+What it says (docs/long_context.md): the per-level cost of the conversion is what bounds the
+low-bit kernel, and only packed (two-level) fp16 operations bring it near one instruction a level;
+Triton's elementwise ops do not pack them by themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+from collections import Counter
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from orthros.ops.cross_compile import signature
+
+MODES = ("fp32-trick", "fp16-magic", "fp16-offset", "lop3-asm")
+
+
+@triton.jit
+def _nibbles_lop3(kb):
+    """uint8 [..] -> (low, high nibbles) as fp16 levels, four bytes an asm call."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t0, t1, mg, sc, of;
+        mov.b32 mg, 0x64006400;
+        mov.b32 sc, 0x2c002c00;
+        mov.b32 of, 0xd400d400;
+        prmt.b32 t0, $4, 0, 0x4140;
+        prmt.b32 t1, $4, 0, 0x4342;
+        lop3.b32 $0, t0, 0x000f000f, mg, 0xea;
+        lop3.b32 $1, t1, 0x000f000f, mg, 0xea;
+        lop3.b32 $2, t0, 0x00f000f0, mg, 0xea;
+        lop3.b32 $3, t1, 0x00f000f0, mg, 0xea;
+        sub.f16x2 $0, $0, mg;
+        sub.f16x2 $1, $1, mg;
+        fma.rn.f16x2 $2, $2, sc, of;
+        fma.rn.f16x2 $3, $3, sc, of;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[kb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def probe(Q, KB, O, sk, MODE: tl.constexpr, BQ: tl.constexpr):
+    r = tl.arange(0, 16)
+    c = tl.arange(0, 64)
+    n = tl.arange(0, BQ)
+    q0 = tl.load(Q + r[:, None] * 128 + 2 * c[None, :]).to(tl.float16)
+    q1 = tl.load(Q + r[:, None] * 128 + 2 * c[None, :] + 1).to(tl.float16)
+    acc = tl.zeros([16, BQ], tl.float32)
+    for j0 in range(0, 4096, BQ):
+        kb = tl.load(KB + (j0 + n)[:, None] * sk + c[None, :])
+        if MODE == 0:
+            k0 = (((kb & 15).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(tl.float16)
+            k1 = (((kb >> 4).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0).to(tl.float16)
+        elif MODE == 1:
+            k0 = ((kb & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+            k1 = ((kb >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        elif MODE == 2:
+            k0 = ((kb & 15).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+            k1 = ((kb >> 4).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        else:
+            k0, k1 = _nibbles_lop3(kb)
+        acc += tl.dot(q0, tl.trans(k0)) + tl.dot(q1, tl.trans(k1))
+    tl.store(O + r[:, None] * BQ + n[None, :], acc)
+
+
+def loop_counts(mode: int, block: int, warps: int) -> tuple[int, Counter]:
+    """(instructions in the build's main loop, by opcode) for one probe mode."""
+    args = [torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(4096, 64, dtype=torch.uint8),
+            torch.zeros(16, block), 64]
+    sig, const, attrs = signature(probe, args, dict(MODE=mode, BQ=block))
+    c = triton.compile(ASTSource(fn=probe, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with open("/tmp/orthros-dequant-probe.cubin", "wb") as f:
+        f.write(c.asm["cubin"])
+    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
+           if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
+    back = [(int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA (0x[0-9a-f]+)", t))
+            and int(m.group(1), 16) < a]
+    lo, hi = max(back, key=lambda x: x[1] - x[0])  # the longest backward branch: the key loop
+    body = [t for a, t in ins if lo <= a <= hi]
+    return len(body), Counter(re.sub(r"^@!?P\d+\s+", "", t).split()[0].split(".")[0] for t in body)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--block", type=int, default=64, help="keys a tile")
+    p.add_argument("--warps", type=int, default=4)
+    args = p.parse_args()
+    levels = args.block * 128 / (32 * args.warps)  # int4 levels a thread a tile
+    print(f"| conversion | loop instructions a thread | a level | top opcodes |\n| --- | ---: | ---: | --- |")
+    for i, name in enumerate(MODES):
+        n, cnt = loop_counts(i, args.block, args.warps)
+        print(f"| {name} | {n} | {n / levels:.2f} | " + ", ".join(f"{k} {v}" for k, v in cnt.most_common(6)) + " |")
+
+
+if __name__ == "__main__":
+    main()
