@@ -119,6 +119,8 @@ def value_fmt(kind, bits=2, group=64):
 # name -> (key format, value format, cache kwargs, bits / element (K, V) at D = 64)
 FORMATS = {
     "base": (key_fmt("uniform"), value_fmt("uniform"), {}, (2.5, 2.5)),
+    "base-s64r256": (key_fmt("uniform"), value_fmt("uniform"), dict(sinks=64, recent=256), (2.5, 2.5)),
+    "base-v32": (key_fmt("uniform"), value_fmt("uniform", group=32), {}, (2.5, 3.0)),
     "lloyd-v": (key_fmt("uniform"), value_fmt("lloyd"), {}, (2.5, 2.5)),
     "lloyd-k": (key_fmt("lloyd"), value_fmt("uniform"), {}, (2.5, 2.5)),
     "lloyd-kv": (key_fmt("lloyd"), value_fmt("lloyd"), {}, (2.5, 2.5)),
