@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -210,7 +211,7 @@ def main(argv=None):
     p.add_argument("--layers", nargs="*", type=int, default=None, help="quantize only these layers (sensitivity)")
     p.add_argument("--key4-layers", nargs="*", type=int, default=None,
                    help="these layers' keys in int4 (min / max, the cache's format), the others' as the format says")
-    p.add_argument("--out", default="runs/kv_quant_screen.jsonl")
+    p.add_argument("--out", default="benchmarks/results/kv_quant_screen.jsonl", help="records are appended")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(FORMATS))
@@ -231,7 +232,8 @@ def main(argv=None):
             kfl = lambda i: k4 if i in args.key4_layers else kfl0(i)
             kb += 2 * len(args.key4_layers) / model.config.num_hidden_layers
         copy, ppl = run(model, stream, name, kfl, per_layer(vf, lay), kw, args.gaps, args.samples, rows)
-        rec = dict(name=name, layers=args.layers, key4_layers=args.key4_layers, bits=(kb + vb) / 2, copy=copy, ppl=ppl,
+        rec = dict(command="python " + " ".join(map(shlex.quote, ["benchmarks/kv_quant_screen.py", *sys.argv[1:]])),
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), name=name, layers=args.layers, key4_layers=args.key4_layers, bits=(kb + vb) / 2, copy=copy, ppl=ppl,
                    seconds=round(time.time() - t))
         print(json.dumps(rec), flush=True)
         with open(args.out, "a") as fh:

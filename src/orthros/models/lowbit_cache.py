@@ -12,7 +12,7 @@ int2 values (keys are what int2 costs in retrieval: docs/long_context.md).
 `key_bits` sets the key bits per layer: on the real model one layer's int2
 keys cost almost all of int2's copy-probe loss, so an int2 cache keeps the
 keys of the layers in `config.kv_int4_key_layers` (chosen once per model by
-`models.lowbit_calibrate`) in int4, at about 0.07 bits per element a layer.
+`models.lowbit_calibrate`) in int4; each such layer adds 1 / num_layers bits per element.
 
     slot j of a row with L slots filled, bound = max(0, (L - recent) // key_group * key_group):
         j < sinks            bf16 sink buffer  [B, sinks, Hkv, D]
