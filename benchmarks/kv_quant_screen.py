@@ -90,8 +90,21 @@ def uniform_mse(x, bits, dim, valid=None, ratios=(1.0, 0.95, 0.9, 0.85, 0.8, 0.7
     return best
 
 
+def sparse_outlier(x, bits, valid):
+    """Dense-and-sparse (KVQuant): per channel and key group, the slot furthest from the group's
+    mean is kept exact (an fp16 value and a slot index: 22 bits a group) and left out of the range."""
+    v = valid.expand_as(x)
+    mu = (x * v).sum(2, keepdim=True) / v.sum(2, keepdim=True).clamp_min(1)
+    far = ((x - mu).abs() * v).argmax(2, keepdim=True)
+    out = torch.zeros_like(v).scatter_(2, far, True) & v
+    y = uniform(x, bits, 2, v & ~out)
+    return torch.where(out, x.half().float(), y)
+
+
 def key_fmt(kind, bits=2, **kw):
     def f(x, valid):
+        if kind == "sparse":
+            return sparse_outlier(x, bits, valid)
         if kind == "uniform":
             return uniform(x, bits, 2, valid, **kw)
         if kind == "mse":
@@ -122,6 +135,7 @@ FORMATS = {
     "base": (key_fmt("uniform"), value_fmt("uniform"), {}, (2.5, 2.5)),
     "base-s64r256": (key_fmt("uniform"), value_fmt("uniform"), dict(sinks=64, recent=256), (2.5, 2.5)),
     "base-v32": (key_fmt("uniform"), value_fmt("uniform", group=32), {}, (2.5, 3.0)),
+    "sparse-k": (key_fmt("sparse"), value_fmt("uniform"), {}, (2.5 + 22 / 64, 2.5)),
     "lloyd-v": (key_fmt("uniform"), value_fmt("lloyd"), {}, (2.5, 2.5)),
     "lloyd-k": (key_fmt("lloyd"), value_fmt("uniform"), {}, (2.5, 2.5)),
     "lloyd-kv": (key_fmt("lloyd"), value_fmt("lloyd"), {}, (2.5, 2.5)),

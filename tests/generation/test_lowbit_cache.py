@@ -230,7 +230,7 @@ def test_int4_key_layers_of_an_int2_cache():
             LowBitStaticCache(model.config, 1, 8, "cpu", torch.float32, "int2", key_bits=bad)
 
 
-def test_calibration_ranks_layers_by_the_cache_format():
+def test_calibration_ranks_layers_by_the_cache_format(tmp_path):
     """`lowbit_calibrate` reads keys back exactly as an int2 cache stores them (rotated, per channel,
     sinks out of the range), and ranks the layers by the output error that costs."""
     from orthros.models.lowbit_calibrate import _int2_keys, int4_key_layers, key_errors, repeat_row
@@ -248,6 +248,9 @@ def test_calibration_ranks_layers_by_the_cache_format():
     e = key_errors(model, row, last=20, key_group=16)
     assert len(e) == model.config.num_hidden_layers and all(0 < x < 1 for x in e)
     assert int4_key_layers(model, row, n=1, last=20, key_group=16) == [max(range(len(e)), key=e.__getitem__)]
+    model.config.kv_int4_key_layers = [1]  # kept with the model: a reloaded config still lists it
+    model.config.save_pretrained(tmp_path)
+    assert OrthrosConfig.from_pretrained(tmp_path).kv_int4_key_layers == [1]
 
 
 def test_user_errors():
