@@ -238,8 +238,7 @@ class LowBitStaticCache(StaticOrthrosCache):
         """K, V [B, length, Hkv, D] (fp32) as the output stream reads them: dequantized below
         `bound`, bf16 sinks and recent slots (the reference; `bound` an int or a tensor)."""
         return dense_kv(*self.layer(layer_idx), bound, length, self.layer_key_bits[layer_idx], self.value_bits,
-                        self.key_group,
-                        self.rotated)
+                        self.key_group, self.rotated)
 
     def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
                dense_start=None, window_rows=None):
