@@ -84,6 +84,20 @@ def heldout_rows(tok, seq_len: int, n: int, cache: str = "runs/kv-quant-cache") 
     return out
 
 
+def calibrate_int2(model, tok, n: int | None, cache: str = "runs/kv-quant-cache") -> list[int]:
+    """The layers whose keys int2 keeps in int4 (`orthros.models.lowbit_calibrate`), ranked on a
+    repeated segment of a held-out prose row that no cell reads (row 1 of the 2048-token set: the
+    perplexity rows are row 0, the copy probe reads rows 4 on); set on the model's config, which
+    every int2 cache of the run reads. n: None for the calibration's default, 0 for none."""
+    from orthros.experiments.cpt_data import heldout_sets
+    from orthros.models.lowbit_calibrate import int4_key_layers, repeat_row
+
+    ids = torch.from_numpy(heldout_sets(tok, 2048, 16, cache)["prose"][1].astype(np.int64))
+    layers = int4_key_layers(model, repeat_row(ids), n) if n != 0 else []
+    model.config.kv_int4_key_layers = layers
+    return layers
+
+
 def copy_stream(tok, cache: str = "runs/kv-quant-cache") -> torch.Tensor:
     """Held-out text for the copy probe, disjoint from the first perplexity rows (as the CPT experiment)."""
     from orthros.experiments.cpt_data import heldout_sets
@@ -164,7 +178,9 @@ def table(res: dict) -> str:
     head += [f"copy loss @{g}" for g in gaps] + ["passkey", "top-1 agreement"]
     out = [f"Command: `{meta['command']}`  ",
            f"Date: {meta['date']}; {meta['machine']}; torch {meta['torch']}; model {meta['model']} (fp32 weights, "
-           f"window {meta['window']}); chunks of {meta['chunk']} tokens through the cache.", "",
+           f"window {meta['window']}); chunks of {meta['chunk']} tokens through the cache"
+           + (f"; int2 keeps the keys of layers {', '.join(map(str, meta['int4_key_layers']))} in int4 (calibrated: "
+              f"`orthros.models.lowbit_calibrate`)" if meta.get("int4_key_layers") else "") + ".", "",
            "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for kv in DTYPES:
         r = res.get(kv)
@@ -221,6 +237,8 @@ def main(argv=None):
     p.add_argument("--gen-prompt", type=int, default=1024, help="prompt tokens of the agreement runs")
     p.add_argument("--gen-prompts", type=int, default=2, help="agreement prompts (code, prose)")
     p.add_argument("--gen-tokens", type=int, default=256, help="greedy tokens per agreement run (0: none)")
+    p.add_argument("--int4-key-layers", type=int, default=None,
+                   help="layers whose keys int2 keeps in int4, chosen by calibration (default: an eighth; 0: none)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="benchmarks/results/kv_quant_quality.json")
     p.add_argument("--resume", action="store_true", help="keep the cells already in --out")
@@ -237,15 +255,19 @@ def main(argv=None):
     from orthros.models.lowbit_cache import LowBitStaticCache
 
     model, tok, name = load_model(args.model, args.adapter)
+    key4 = calibrate_int2(model, tok, args.int4_key_layers)
     res = json.loads(out.read_text()) if args.resume and out.exists() else {}
+    if args.resume and res.get("meta", {}).get("int4_key_layers", []) != key4:
+        res.pop("int2", None)  # int2 cells of another calibration
     bits = {"bf16": "16", "fp8": "8"}
     for kv in ("int4", "int2", "k4v2"):
-        c = LowBitStaticCache(model.config, 1, 1 << 14, "meta", torch.bfloat16, kv)
+        c = LowBitStaticCache(model.config, 1, 1 << 14, "meta", torch.bfloat16, kv)  # int2: with key4's layers
         bits[kv] = f"{8 * c.slot_bytes() / (2 * model.config.num_key_value_heads * model.config.head_dim):.2f}"
     res["meta"] = dict(command="python " + " ".join(map(shlex.quote, ["benchmarks/kv_quant_quality.py", *sys.argv[1:]])),
                        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
                        machine=f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", model=name,
-                       window=model.config.window_size, chunk=CHUNK, bits=bits, args=vars(args))
+                       window=model.config.window_size, chunk=CHUNK, bits=bits, int4_key_layers=key4,
+                       args=vars(args))
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from orthros import OrthrosConfig
-from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.models.lowbit_cache import LowBitStaticCache, _kernel_takes
 from orthros.ops.naive import naive_attention
 from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
 
@@ -82,6 +82,36 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     return bound
 
 
+def mixed_key_bits(device="cpu", dtype=torch.float32):
+    """A two-layer int2 cache with int4 keys in layer 1 (`key_bits`): each layer's decode read through
+    `attend` (the kernel, with that layer's key bits) against dequantize-then-attend of that layer."""
+    torch.manual_seed(3)
+    cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, window_size=W)
+    B, T = 2, 150
+    cache = LowBitStaticCache(cfg, B, T + 4, device, torch.float32, "int2", key_group=16, value_group=16,
+                              key_bits=[2, 4])
+    k = (2 * torch.randn(2, B, T, 2, 16) + torch.linspace(-3, 3, 16)).to(device)
+    v = torch.randn(2, B, T, 2, 16).to(device)
+    zeros = torch.zeros(B, dtype=torch.long, device=device)
+    cache.append_tokens(torch.zeros(B, T - 1, dtype=torch.long, device=device), zeros + T - 1, zeros)
+    for i in range(2):
+        cache.update(i, k[i, :, : T - 1], v[i, :, : T - 1])
+    cache.doc[:, T - 1] = 0
+    cache.decoding = True  # the last token as a decode step: written, then read at its slot
+    q = torch.randn(B, 1, 4, 16).to(device, dtype)
+    slot, qd = torch.full((B, 1), T - 1, device=device), torch.zeros(B, 1, dtype=torch.long, device=device)
+    assert _kernel_takes(q, cache.sk[0], "triton")  # the kernel, not the reference read, answers `attend`
+    for i in range(2):
+        cache.update(i, k[i, :, T - 1:], v[i, :, T - 1:])
+        out = cache.attend(i, q, None, None, slot, qd, cache.doc, backend="triton")
+        kr, vr = cache.dense(i, T, cache.bound_at(T))
+        ref = naive_attention(q.float(), kr, vr, slot, qd, cache.doc[:, :T])
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), (i, dtype, err)
+    assert cache.kq[1].shape[-1] == 2 * cache.kq[0].shape[-1]  # int4 keys in layer 1, int2 in layer 0
+
+
 def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
     """which: "fast" leaves the 3-split launches out; on a GPU the 16-bit cases run in bf16;
     kvs: the cache dtypes checked (a GPU test runs one each, in parallel)."""
@@ -104,6 +134,9 @@ def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
             check(kv, 4, 2, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device, rotate=rotate)
             check(kv, 4, 2, D, 150, 4, [150], M=3, dtype=half, device=device, rotate=rotate)
     assert bounds == {0, 16, 48, 192, 288}, bounds  # no bound, one key group, several
+    if "int2" in kvs:
+        mixed_key_bits(device)
+        mixed_key_bits(device, half)
     # tiles at key-group edges: several tiles a group, split starts inside a group (block 16 < group 32);
     # groups of 48 (tiles of 16, the largest power of two dividing it); block 128 > group; groups of 8
     # (a tile spans groups: the per-slot path); head size 24 with value groups of 6 (non-power-of-two

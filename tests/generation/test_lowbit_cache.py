@@ -190,6 +190,69 @@ def test_memory_per_element():
         assert abs(bits - want) < 0.01, (kv, bits)
 
 
+def test_int4_key_layers_of_an_int2_cache():
+    """An int2 cache keeps the keys of `config.kv_int4_key_layers` (or `key_bits`) in int4, the other
+    layers' in int2: with every layer listed it is the k4v2 cache bit for bit, prefill and decode; with
+    one, that layer reads what k4v2 stores and the others what int2 stores (K/V do not depend on the
+    cache: the base stream reads bf16 only), and the bits per element count the difference."""
+    model = make_model(window=8)
+    L = model.config.num_hidden_layers
+    ids = torch.randint(0, 256, (2, 90), device=DEVICE)
+    toks = torch.randint(0, 256, (6, 2), device=DEVICE)
+
+    def run(kv, **kw):
+        cache = LowBitStaticCache(model.config, 2, 100, DEVICE, next(model.parameters()).dtype, kv, key_group=16,
+                                  value_group=16, **kw)
+        out = [chunked_logits(model, ids, None, cache, 37)[:, -1]]
+        out += [decode_one_token_fast(model, t, cache) for t in toks]
+        return cache, torch.stack(out, 1)
+
+    c44, ref = run("k4v2")
+    c22, plain = run("int2")
+    model.config.kv_int4_key_layers = list(range(L))
+    try:
+        call, out = run("int2")
+    finally:
+        del model.config.kv_int4_key_layers
+    assert call.layer_key_bits == [4] * L and torch.equal(out, ref) and not torch.equal(plain, ref)
+    c42, _ = run("int2", key_bits=[4] + [2] * (L - 1))
+    b = c42.bound_at(c42.length)
+    assert b > 0 and c42.kq[0].shape[-1] == 2 * c42.kq[1].shape[-1]
+    for i, same in ((0, c44), (1, c22)):
+        for x, y in zip(c42.dense(i, c42.length, b), same.dense(i, c42.length, b)):
+            assert torch.equal(x, y), i
+    cfg = OrthrosConfig.from_name("tiny", head_dim=64, window_size=128)
+    c = LowBitStaticCache(cfg, 1, 1 << 16, "meta", torch.bfloat16, "int2", key_bits=[4] + [2] * (cfg.num_hidden_layers - 1))
+    bits = 8 * c.slot_bytes() / (2 * cfg.num_key_value_heads * cfg.head_dim)
+    assert abs(bits - (2.5 + 1 / cfg.num_hidden_layers)) < 1e-6
+    for bad in ([4] * (L + 1), [3] * L):
+        with pytest.raises(ValueError, match="key_bits"):
+            LowBitStaticCache(model.config, 1, 8, "cpu", torch.float32, "int2", key_bits=bad)
+
+
+def test_calibration_ranks_layers_by_the_cache_format(tmp_path):
+    """`lowbit_calibrate` reads keys back exactly as an int2 cache stores them (rotated, per channel,
+    sinks out of the range), and ranks the layers by the output error that costs."""
+    from orthros.models.lowbit_calibrate import _int2_keys, int4_key_layers, key_errors, repeat_row
+
+    k, _ = _raw(200)
+    cache = filled_cache("int2", 4, 2, 16, 200, 4, [200], pad=0, seed=0)
+    b = cache.bound_at(200)
+    kd, _ = cache.dense(0, 200, b)
+    for row in range(2):
+        assert torch.equal(_int2_keys(k[row].bfloat16().float(), 16, 4)[4:b], kd[row, 4:b])
+    ids = torch.randint(0, 256, (200,))
+    row = repeat_row(ids, seg=20, gap=60, prefix=8)
+    assert row.numel() == 108 and torch.equal(row[8:28], row[88:])
+    model = make_model(window=8)
+    e = key_errors(model, row, last=20, key_group=16)
+    assert len(e) == model.config.num_hidden_layers and all(0 < x < 1 for x in e)
+    assert int4_key_layers(model, row, n=1, last=20, key_group=16) == [max(range(len(e)), key=e.__getitem__)]
+    model.config.kv_int4_key_layers = [1]  # kept with the model: a reloaded config still lists it
+    model.config.save_pretrained(tmp_path)
+    assert OrthrosConfig.from_pretrained(tmp_path).kv_int4_key_layers == [1]
+
+
 def test_user_errors():
     for attention in ("full", "swa"):
         with pytest.raises(ValueError, match="needs attention='orthros'"):

@@ -78,7 +78,7 @@ def random_slots(cache, a: int, b: int, g) -> None:
         for i in range(cache.num_layers):
             for buf in (cache.kq[i], cache.vq[i]):
                 _fill(buf, a, b, g, "bytes")
-            cache.k_scale[i][:, a // kg:].fill_(2.0 / (2**cache.key_bits - 1))
+            cache.k_scale[i][:, a // kg:].fill_(2.0 / (2**cache.layer_key_bits[i] - 1))
             cache.k_zero[i][:, a // kg:].fill_(-1.0)
             cache.v_scale[i][:, a:b].fill_(2.0 / (2**cache.value_bits - 1))
             cache.v_zero[i][:, a:b].fill_(-1.0)

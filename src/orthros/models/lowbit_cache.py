@@ -9,6 +9,10 @@ rotation of the head's channels; fp16 scale and zero; rotate=False keeps the
 unrotated layout, for studies).
 kv_dtype "int4" and "int2" store keys and values alike; "k4v2" int4 keys and
 int2 values (keys are what int2 costs in retrieval: docs/long_context.md).
+`key_bits` sets the key bits per layer: on the real model one layer's int2
+keys cost almost all of int2's copy-probe loss, so an int2 cache keeps the
+keys of the layers in `config.kv_int4_key_layers` (chosen once per model by
+`models.lowbit_calibrate`) in int4; each such layer adds 1 / num_layers bits per element.
 
     slot j of a row with L slots filled, bound = max(0, (L - recent) // key_group * key_group):
         j < sinks            bf16 sink buffer  [B, sinks, Hkv, D]
@@ -64,7 +68,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     def __init__(self, config, batch_size: int, capacity: int, device, dtype: torch.dtype, kv_dtype: str = "int4",
                  key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP, sinks: int = SINKS,
-                 recent: int | None = None, rotate: bool = True):
+                 recent: int | None = None, rotate: bool = True, key_bits=None):
         Cache.__init__(self, layers=[])
         if kv_dtype not in BITS:
             raise ValueError(f"a low-bit cache's kv_dtype is one of {tuple(BITS)}, got {kv_dtype!r}")
@@ -75,14 +79,17 @@ class LowBitStaticCache(StaticOrthrosCache):
             raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size}, {capacity}")
         L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         kb, vb = BITS[kv_dtype]
+        self.layer_key_bits = layer_key_bits(config, kv_dtype, key_bits)
         value_group = min(value_group, D)
         recent = config.window_size if recent is None else recent
-        if D % (8 // min(kb, vb)) or D % value_group:
-            raise ValueError(f"{kv_dtype} packs {8 // min(kb, vb)} channels a byte in value groups of {value_group}: "
+        kmin = min(self.layer_key_bits)
+        if D % (8 // min(kmin, vb)) or D % value_group:
+            raise ValueError(f"{kv_dtype} packs {8 // min(kmin, vb)} channels a byte in value groups of {value_group}: "
                              f"head_dim {D} must be a multiple of both")
         if key_group < 1 or sinks < 0 or recent < config.window_size:
             raise ValueError(f"key_group must be >= 1, sinks >= 0 and recent >= the window ({config.window_size}); "
                              f"got {key_group}, {sinks}, {recent}")
+        # key_bits: the kv_dtype's (every layer unless `layer_key_bits` says otherwise)
         self.kv_dtype, self.key_bits, self.value_bits = kv_dtype, kb, vb
         self.key_group, self.value_group, self.sinks, self.recent = key_group, value_group, sinks, recent
         self.rotated = rotate
@@ -100,7 +107,8 @@ class LowBitStaticCache(StaticOrthrosCache):
         def zeros(*shape, dt=torch.uint8):  # zeros, not empty: unread slots never hold NaN bit patterns
             return [torch.zeros(*shape, device=device, dtype=dt) for _ in range(L)]
 
-        self.kq, self.vq = zeros(B, C, Hkv, D * kb // 8), zeros(B, C, Hkv, D * vb // 8)
+        self.kq = [torch.zeros(B, C, Hkv, D * b // 8, device=device, dtype=torch.uint8) for b in self.layer_key_bits]
+        self.vq = zeros(B, C, Hkv, D * vb // 8)
         self.k_scale, self.k_zero = zeros(B, C // key_group, Hkv, D, dt=torch.float16), \
             zeros(B, C // key_group, Hkv, D, dt=torch.float16)
         self.v_scale, self.v_zero = zeros(B, C, Hkv, D // value_group, dt=torch.float16), \
@@ -141,10 +149,10 @@ class LowBitStaticCache(StaticOrthrosCache):
         return sum(t.numel() * t.element_size() for t in self.buffers()[: 10 * self.num_layers])
 
     def slot_bytes(self) -> float:
-        """Bytes of K + V one quantized slot takes per layer and row (scales included)."""
-        packed = self.layer(0)[2:8]  # kq, vq and the scales
-        slots = packed[0].shape[0] * packed[0].shape[1]
-        return sum(x.numel() * x.element_size() for x in packed) / slots
+        """Bytes of K + V one quantized slot takes per layer and row (scales included; the
+        mean over the layers)."""
+        slots = self.kq[0].shape[0] * self.kq[0].shape[1] * self.num_layers
+        return sum(x.numel() * x.element_size() for i in range(self.num_layers) for x in self.layer(i)[2:8]) / slots
 
     # ----------------------------------------------------------- K/V storage
     def _ring_slots(self, a: int, b: int) -> torch.Tensor:
@@ -193,7 +201,7 @@ class LowBitStaticCache(StaticOrthrosCache):
         g = self.key_group
         slots = first + torch.arange(src.shape[1], device=src.device)
         valid = (slots >= self.sinks)[None].expand(src.shape[0], -1)
-        pk, s, z = quantize_keys(self._rot(src), self.key_bits, g, valid)
+        pk, s, z = quantize_keys(self._rot(src), self.layer_key_bits[layer_idx], g, valid)
         if torch.is_tensor(first):
             grp = first // g + torch.arange(src.shape[1] // g, device=src.device)
             self.kq[layer_idx].index_copy_(1, slots, pk)
@@ -229,8 +237,8 @@ class LowBitStaticCache(StaticOrthrosCache):
     def dense(self, layer_idx: int, length: int, bound) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, length, Hkv, D] (fp32) as the output stream reads them: dequantized below
         `bound`, bf16 sinks and recent slots (the reference; `bound` an int or a tensor)."""
-        return dense_kv(*self.layer(layer_idx), bound, length, self.key_bits, self.value_bits, self.key_group,
-                        self.rotated)
+        return dense_kv(*self.layer(layer_idx), bound, length, self.layer_key_bits[layer_idx], self.value_bits,
+                        self.key_group, self.rotated)
 
     def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
                dense_start=None, window_rows=None):
@@ -241,7 +249,8 @@ class LowBitStaticCache(StaticOrthrosCache):
             bound = self.bound_at(self.slot + 1)
             return lowbit_decode_attention(q, *self.layer(layer_idx), q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                                            bound, 0 if window is None else int(window), scale,
-                                           -1 if window_rows is None else int(window_rows), self.key_bits,
+                                           -1 if window_rows is None else int(window_rows),
+                                           self.layer_key_bits[layer_idx],
                                            self.value_bits, self.key_group, self.rotation,
                                            _kernel_takes(q, self.sk[0], backend))
         if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
@@ -270,7 +279,8 @@ class LowBitStaticCache(StaticOrthrosCache):
             from ..ops.splitkv_lowbit import lowbit_splitkv_attention
 
             b = torch.full((1,), now, device=q.device, dtype=torch.long)
-            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L, self.key_bits,
+            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L,
+                                            self.layer_key_bits[layer_idx],
                                             self.value_bits, self.key_group, scale=scale, rotation=self.rotation)
         b0, hk, hv = self._hi
         o = None
@@ -289,7 +299,23 @@ class LowBitStaticCache(StaticOrthrosCache):
     def __repr__(self) -> str:
         return (f"LowBitStaticCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.length}/"
                 f"{self.capacity}, {self.kv_dtype}, key_group={self.key_group}, value_group={self.value_group}, "
-                f"sinks={self.sinks}, recent={self.recent}, rotate={self.rotated})")
+                f"sinks={self.sinks}, recent={self.recent}, rotate={self.rotated}"
+                + ("" if len(set(self.layer_key_bits)) == 1 else f", key_bits={self.layer_key_bits}") + ")")
+
+
+def layer_key_bits(config, kv_dtype: str, key_bits=None) -> list[int]:
+    """Key bits per layer: `key_bits` (an int, or one int per layer), else the kv_dtype's, with
+    int2's keys in int4 in the layers of `config.kv_int4_key_layers` (if the model has one)."""
+    L, kb = config.num_hidden_layers, BITS[kv_dtype][0]
+    if key_bits is None:
+        keep = (getattr(config, "kv_int4_key_layers", None) or ()) if kv_dtype == "int2" else ()
+        key_bits = [4 if i in set(keep) else kb for i in range(L)]
+    elif isinstance(key_bits, int):
+        key_bits = [key_bits] * L
+    key_bits = [int(b) for b in key_bits]
+    if len(key_bits) != L or not set(key_bits) <= {2, 4}:
+        raise ValueError(f"key_bits must be 2 or 4, one per layer ({L}), got {key_bits}")
+    return key_bits
 
 
 def _kernel_takes(q, sk, backend: str) -> bool:
