@@ -246,3 +246,20 @@ def test_cuda_flex_partial_tiles(docs, T, past):
     case = make_case("base", T=T, past=past, docs=docs, D=64, window=16, dtype=torch.bfloat16, device="cuda",
                      H=8, Hkv=2, seed=T)
     check(op("flex", case["dense_start"]), case)
+
+
+def test_triton_check_is_quiet_inside_compiled_code():
+    """Regression: `triton_available` was functools.cache'd, and every compiled decode step that
+    asked it (the low-bit cache's kernel check) printed dynamo's lru_cache warning and trace."""
+    import warnings
+
+    from orthros.ops import triton_available
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x):
+        return x + 1 if triton_available() else x - 1
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f(torch.zeros(2))
+    assert not [w for w in caught if "lru_cache" in str(w.message)]

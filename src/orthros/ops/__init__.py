@@ -26,7 +26,6 @@ Kernels are imported lazily: `import orthros` never needs Triton.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -40,13 +39,21 @@ __all__ = ["attention", "naive_attention", "chunked_attention", "visible", "PAD_
 BACKENDS = ("auto", "naive", "chunked", "sdpa", "flex", "triton")
 
 
-@functools.cache
+_TRITON: bool | None = None
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether Triton imports (checked once). A plain global, not functools.cache: this runs
+    inside compiled decode steps, where dynamo warns about every lru_cache-wrapped call."""
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
 
 
 def _interpreting() -> bool:
