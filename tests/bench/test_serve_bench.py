@@ -103,7 +103,7 @@ def test_equal_tail_table_compares_throughput_at_no_higher_ttft_p99():
 
     def row(variant, rate, p99_s, req_s):
         return dict(variant=variant, run=f"rate {rate:g}/s", rate=rate, ttft={"p99": 1e3 * p99_s},
-                    request_throughput=req_s, total_token_throughput=1e4 * req_s)
+                    request_throughput=req_s, total_token_throughput=1e4 * req_s, total_input_tokens=1000)
 
     rows = [row("full", 0.1, 20, 0.1), row("full", 0.2, 60, 0.15), row("full", 0.05, 1, 0.05),
             row("orthros", 0.25, 5, 0.25), row("orthros", 0.5, 15, 0.48), row("orthros", 1.0, 40, 0.6)]
@@ -113,3 +113,5 @@ def test_equal_tail_table_compares_throughput_at_no_higher_ttft_p99():
     assert "| rate 0.5/s | 15.00 s | 0.480 | 4.80x |" in body[1]  # not 1.0/s: its p99 (40 s) is above 20 s
     assert "| rate 1/s | 40.00 s | 0.600 | 4.00x |" in body[2]
     assert equal_tail_table([r for r in rows if r["variant"] == "full"]) == ""
+    rows[0]["total_input_tokens"] = 999  # runs with different prompts: no comparison
+    assert equal_tail_table(rows) == ""

@@ -416,8 +416,8 @@ def equal_tail_table(rows: list[dict], base: str = "full", other: str = "orthros
     rated = lambda v: sorted((r for r in rows if r["variant"] == v and r.get("rate") and r["ttft"]["p99"]),
                              key=lambda r: r["rate"])
     a, b = rated(base), rated(other)
-    if not a or not b:
-        return ""
+    if not a or not b or len({r.get("total_input_tokens") for r in a + b}) > 1:
+        return ""  # runs with different prompts (e.g. of an older benchmark) do not compare in req/s
     lines = ["", "", f"At equal tail latency: for each {base} run, the {other} run with the highest request "
              f"throughput whose TTFT p99 is no higher (runs at every rate carry the same prompt lengths).", "",
              f"| {base} run | TTFT p99 | req/s | {other} run | TTFT p99 | req/s | req/s ratio | tokens/s ratio |",
