@@ -16,6 +16,7 @@ untimed prefill of two chunks compiles the prefill kernels.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -153,14 +154,16 @@ def measure(args) -> dict:
     return result(rows)
 
 
-def save_partial(args, result: dict) -> None:
-    """The rows so far, as OUT_DIR/<tag>.partial.json (a row can take minutes: a run stopped
-    part-way keeps what it measured; `--from-json` renders it). Replaced atomically; removed
-    once the whole run is saved."""
-    import json
+def partial_path(args) -> str:
+    return os.path.join(args.out_dir, f"{args.tag}.partial.json")
 
+
+def save_partial(args, result: dict) -> None:
+    """The rows so far, as `partial_path` (a row can take minutes: a run stopped part-way keeps
+    what it measured; `--from-json` renders it). Replaced atomically; removed once the whole
+    run is saved."""
     os.makedirs(args.out_dir, exist_ok=True)
-    path = os.path.join(args.out_dir, f"{args.tag}.partial.json")
+    path = partial_path(args)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -211,7 +214,6 @@ def run(args):
         return measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
-    partial = os.path.join(args.out_dir, f"{args.tag}.partial.json")
-    if not args.from_json and os.path.exists(partial):
-        os.remove(partial)  # the whole run is saved
+    if not args.from_json and os.path.exists(partial_path(args)):
+        os.remove(partial_path(args))  # the whole run is saved
     return 0
