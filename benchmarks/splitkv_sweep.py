@@ -51,10 +51,10 @@ def main():
                    help="bf16 / fp8: registers a thread to cap the build at (0: no cap); a lower cap lets more "
                         "programs share an SM (sm_90 builds, Triton 3.6: fp8 at 32- and 64-key tiles spill nothing at 168)")
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
-    p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar-dq", "planar", "interleaved"],
-                   help="low-bit: the packed loop over bit planes with its values dequantized in registers "
-                        "(planar-dq, the default), the same with their scales folded into p (planar), "
-                        "and/or the interleaving one")
+    p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar-f16", "planar-dq"],
+                   help="low-bit: the packed loop over bit planes with keys and values dequantized in fp16 "
+                        "(planar-f16, the default), with keys folded into q and values dequantized in fp32 "
+                        "(planar-dq), with the value scales folded into p (planar), and/or the interleaving one")
     p.add_argument("--dots", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"],
                    help="fp8: the dots' operand type (fp16, the default: one conversion per two values; bf16: "
                         "through fp16, one more per value)")

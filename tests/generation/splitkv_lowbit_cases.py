@@ -55,11 +55,11 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
           dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64,
-          planar=None, dequant_values=None):
+          planar=None, dequant_values=None, fp16_dequant=None, q_mult=1.0):
     cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
                          value_group)
     B = cache.batch_size
-    q = torch.randn(B, M, H, D).to(device, dtype)
+    q = (q_mult * torch.randn(B, M, H, D)).to(device, dtype)
     slot = torch.full((B, M), length - 1, device=device)
     slot[:, : M - 1] -= torch.arange(M - 1, 0, -1, device=device)  # earlier rows at earlier slots
     qd = torch.zeros(B, M, dtype=torch.long, device=device)
@@ -74,11 +74,11 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
                                    cache.key_bits,
                                    cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
                                    rotation=cache.rotation, num_splits=splits, block_n=block_n,
-                                   planar=planar, dequant_values=dequant_values)
+                                   planar=planar, dequant_values=dequant_values, fp16_dequant=fp16_dequant)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
     assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate,
-                       key_group, value_group, block_n, planar, err)
+                       key_group, value_group, block_n, planar, dequant_values, fp16_dequant, q_mult, err)
     return bound
 
 
@@ -149,23 +149,44 @@ def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
         check(kv, 6, 2, 24, 100, 4, [100], splits=2, value_group=6, device=device, rotate=False)
         check(kv, 6, 2, 24, 100, 4, [40], value_group=6, key_group=8, window=W, window_rows=1, M=2, dtype=half,
               device=device, rotate=False)
-    # wide packed tiles (the 16-bit dots): head size 64 (int2 keys: 16 bytes) and 128, groups of 64 and 32,
-    # through the bit-plane loop (the default there) and the interleaving one
-    for kv in kvs:
-        for D in (64, 128) if device != "cpu" else (64,):
-            for rotate, planar, vdq in ((True, None, False), (False, None, False), (True, False, None),
-                                        (True, None, True), (False, None, None)):
-                check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
-                      value_group=64, planar=planar, dequant_values=vdq)
-            check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
-                  key_group=64, value_group=32 if kv == "int4" else 64, splits=2,
-                  dequant_values=True)  # int4: 2-4 value groups (int2 values need 64 for 16-byte planes)
-            check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=half, device=device,
-                  key_group=64, value_group=64, splits=2)  # a decode pair, the default loop
-        check(kv, 6, 2, 128, 200, 4, [70], M=1, dtype=half, device=device, key_group=32, value_group=32,
-              block_n=16, splits=3)
+    wide_cases(device, kvs, half)
     print("ok")
 
 
+def wide_cases(device="cpu", kvs=("int4", "int2", "k4v2"), half=torch.float16):
+    """Wide packed tiles (the 16-bit dots): head size 64 (int2 keys: 16 bytes) and 128, groups of 64 and
+    32, through the bit-plane loop (the default there: keys and values dequantized in fp16, `fp16_dequant`),
+    its earlier forms (keys folded into q and values dequantized in fp32; values folded into p) and the
+    interleaving one; on a GPU bf16 and fp16 queries, and bf16 queries past 2^14 (the fp16 loop's
+    power-of-two query scale; the interpreter's bf16 dots are wrong, so not on CPU)."""
+    halves = (half,) if device == "cpu" else (torch.bfloat16, torch.float16)
+    for kv in kvs:
+        for D in (64, 128) if device != "cpu" else (64,):
+            for rotate, planar, vdq, f16 in ((True, None, False, None), (False, None, False, None),
+                                             (True, False, None, None), (True, None, True, False),
+                                             (True, None, None, None), (False, None, None, None)):
+                check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=half, device=device, rotate=rotate, key_group=64,
+                      value_group=64, planar=planar, dequant_values=vdq, fp16_dequant=f16)
+            for dt in halves:
+                check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=dt, device=device,
+                      key_group=64, value_group=32 if kv == "int4" else 64, splits=2,
+                      dequant_values=True)  # int4: 2-4 value groups (int2 values need 64 for 16-byte planes)
+                check(kv, 4, 2, D, 300, 4, [100], window=W, window_rows=1, M=2, dtype=dt, device=device,
+                      key_group=64, value_group=64, splits=2)  # a decode pair, the default loop
+                if dt == torch.bfloat16:  # |q| * softmax scale > 2^14: the fp16 loop's power-of-two query scale
+                    check(kv, 4, 2, D, 300, 4, [300], M=1, dtype=dt, device=device, key_group=64, value_group=64,
+                          q_mult=1e5)
+        check(kv, 6, 2, 128, 200, 4, [70], M=1, dtype=half, device=device, key_group=32, value_group=32,
+              block_n=16, splits=3)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "all")
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    if which == "wide":  # the 16-bit dots alone (on a GPU: bf16 and fp16 queries) and the mixed key bits
+        wide_cases(dev)
+        mixed_key_bits(dev)
+        mixed_key_bits(dev, torch.bfloat16 if dev != "cpu" else torch.float16)
+        print("ok")
+    else:
+        main(which, dev)

@@ -24,18 +24,22 @@ def test_lowbit_kernel_builds_for_sm90(kv, shape, planar, dtype):
     plan = lowbit_launch(kv, H, Hkv, D, planar=planar, dtype=dtype)
     assert plan.meta["PLANAR"] == (planar is None and D >= 64)
     assert plan.meta["VDQ"] == plan.meta["PLANAR"]  # the values dequantized wherever the bit-plane loop runs
+    assert plan.meta["F16"] == plan.meta["PLANAR"] and plan.meta["PTX"]  # in fp16, levels by inline PTX
     r = compile_for(_kernel(), plan.args, plan.meta)
     assert 0 < r["registers"] <= 255 and 0 < r["shared_bytes"] <= H200_SHARED, r
 
 
 @pytest.mark.parametrize("kv", ["int4", "int2"])
 def test_lowbit_kernel_with_values_dequantized_builds_for_sm90(kv):
-    plan = lowbit_launch(kv, dequant_values=True)
-    assert plan.meta["PLANAR"] and plan.meta["VDQ"]
+    """The dequantizing loop in its earlier form (keys folded into q, values in fp32) still builds."""
+    plan = lowbit_launch(kv, dequant_values=True, fp16_dequant=False)
+    assert plan.meta["PLANAR"] and plan.meta["VDQ"] and not plan.meta["F16"]
     r = compile_for(_kernel(), plan.args, plan.meta)
     assert 0 < r["registers"] <= 255 and 0 < r["shared_bytes"] <= H200_SHARED, r
     with pytest.raises(ValueError, match="bit-plane loop"):
         lowbit_launch(kv, planar=False, dequant_values=True)
+    with pytest.raises(ValueError, match="dequantizing bit-plane loop"):
+        lowbit_launch(kv, dequant_values=False, fp16_dequant=True)
 
 
 def test_signature_types_every_argument():

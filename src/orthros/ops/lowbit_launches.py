@@ -10,20 +10,23 @@ from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
 from .splitkv_lowbit import LaunchPlan, launch_plan
 
-LOOPS = ("planar", "planar-dq", "interleaved")  # the packed loops, as benchmarks name them
+LOOPS = ("planar-f16", "planar-dq", "planar", "interleaved")  # the packed loops, as benchmarks name them
 
 
 def loop_options(loop: str) -> dict:
     """A packed loop's name -> `lowbit_splitkv_attention` / `launch_plan` keyword arguments:
-    bit planes with the value scales folded into p (planar), with the values dequantized
-    (planar-dq, the kernel's default), or the interleaving loop."""
+    bit planes with keys and values dequantized in fp16 (planar-f16, the kernel's default), with
+    the keys folded into q and the values dequantized in fp32 (planar-dq), with the value scales
+    folded into p (planar), or the interleaving loop."""
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    return dict(planar=None if loop.startswith("planar") else False, dequant_values=loop == "planar-dq")
+    return dict(planar=None if loop.startswith("planar") else False,
+                dequant_values=loop in ("planar-f16", "planar-dq"), fp16_dequant=loop == "planar-f16")
 
 
 def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, rotate: bool = True,
-                  planar: bool | None = None, dequant_values: bool | None = None, block_n: int = 64,
+                  planar: bool | None = None, dequant_values: bool | None = None,
+                  fp16_dequant: bool | None = None, block_n: int = 64,
                   num_warps: int = 4, num_stages: int = 3, dtype=torch.bfloat16, context: int = 1000) -> LaunchPlan:
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=heads,
                                   num_key_value_heads=kv_heads, head_dim=head_dim, window_size=128)
@@ -34,4 +37,5 @@ def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: i
     return launch_plan(q, *cache.layer(0), slot, torch.zeros(1, 2, dtype=torch.long), cache.doc,
                        torch.tensor([bound]), context, cache.key_bits, cache.value_bits, cache.key_group, window=128,
                        window_rows=1, rotation=cache.rotation, num_splits=4, block_n=block_n, num_warps=num_warps,
-                       num_stages=num_stages, planar=planar, dequant_values=dequant_values)
+                       num_stages=num_stages, planar=planar, dequant_values=dequant_values,
+                       fp16_dequant=fp16_dequant)

@@ -80,6 +80,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _interpreting
 from .splitkv import MAX_ROWS, _num_sms, launch_options, merge_splits_kernel
 
 LOG2E = 1.4426950408889634
@@ -105,7 +106,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              window_rows: int | None = None, rotation: torch.Tensor | None = None,
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
                              num_stages: int | None = None, planar: bool | None = None,
-                             dequant_values: bool | None = None):
+                             dequant_values: bool | None = None, fp16_dequant: bool | None = None):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -117,10 +118,13 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     False: the interleaving one, for comparisons); dequant_values: in the bit-plane loop,
     values dequantized in registers and read with plain 2-D dots (None: wherever the loop
     runs; the faster on an H200), or False: their scales folded into p with dots batched
-    over the channel groups (for comparisons)."""
+    over the channel groups (for comparisons); fp16_dequant: in the dequantizing loop, keys
+    and values dequantized in fp16 from levels made by packed-bit operations, the dots in fp16
+    (None: wherever that loop runs), or False: keys folded into q and values dequantized in fp32
+    (the loop before, for comparisons)."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
-                       block_n, num_warps, num_stages, planar, dequant_values)
+                       block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     B, P, M, H, parts, D = plan.o.shape
     if parts == 1:
@@ -145,7 +149,7 @@ class LaunchPlan:
 def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                 length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
                 num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None,
-                dequant_values=None) -> LaunchPlan:
+                dequant_values=None, fp16_dequant=None) -> LaunchPlan:
     """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds)."""
     import triton
 
@@ -185,6 +189,9 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
     if dequant_values and not planar:
         raise ValueError("dequant_values is a variant of the bit-plane loop (planar)")
     dequant_values = planar if dequant_values is None else dequant_values
+    if fp16_dequant and not dequant_values:
+        raise ValueError("fp16_dequant is a variant of the dequantizing bit-plane loop (dequant_values)")
+    fp16_dequant = bool(dequant_values) if fp16_dequant is None else fp16_dequant
     parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
     o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
@@ -212,6 +219,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
+        F16=bool(fp16_dequant), PTX=not _interpreting(),
         **launch_options(num_warps=num_warps, num_stages=num_stages),
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)

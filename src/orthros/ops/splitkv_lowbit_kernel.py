@@ -37,6 +37,100 @@ def _unpack(x, BITS: tl.constexpr, DT: tl.constexpr):
         n3 = _as_operand(x >> 6, DT)
         return tl.interleave(tl.interleave(n0, n2), tl.interleave(n1, n3))
 
+# Levels of packed bytes as exact fp16 values (0 .. 2^bits - 1), every bit plane of the bytes at
+# once. On the GPU by inline PTX, four bytes a call: prmt spreads bytes 0, 1 (2, 3) of a word into
+# the low bytes of two fp16 lanes, lop3 masks one plane's bits and ors in the exponent of 1024 in
+# one instruction, so a lane holds 1024 + n * 2^(bits * plane) (exact), and one packed fp16 fma or
+# subtraction per two levels takes 1024 off and the plane's weight out, exactly. So a level costs
+# (2 + 2P) / (4P) prmt / lop3 and half a packed fp16 op, instead of per-element shifts, masks,
+# 16-bit ors and the repacking of 16-bit values into pairs that plain Triton ops compile to
+# (benchmarks/dequant_probe.py counts both). The interpreter cannot run PTX: `_levels` there is
+# the same map in plain ops (what the tests check the kernel's logic with; the PTX itself against
+# an emulation of its instructions, tests/ops/test_lowbit_ptx.py).
+LEVELS4_PTX = tl.constexpr("""{
+    .reg .b32 t0, t1, mg, sc, of;
+    mov.b32 mg, 0x64006400;
+    mov.b32 sc, 0x2c002c00;
+    mov.b32 of, 0xd400d400;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    lop3.b32 $0, t0, 0x000f000f, mg, 0xea;
+    lop3.b32 $1, t1, 0x000f000f, mg, 0xea;
+    lop3.b32 $2, t0, 0x00f000f0, mg, 0xea;
+    lop3.b32 $3, t1, 0x00f000f0, mg, 0xea;
+    sub.f16x2 $0, $0, mg;
+    sub.f16x2 $1, $1, mg;
+    fma.rn.f16x2 $2, $2, sc, of;
+    fma.rn.f16x2 $3, $3, sc, of;
+}""")
+LEVELS2_PTX = tl.constexpr("""{
+    .reg .b32 t0, t1, mg, s1, o1, s2, o2, s3, o3;
+    mov.b32 mg, 0x64006400;
+    mov.b32 s1, 0x34003400;
+    mov.b32 o1, 0xdc00dc00;
+    mov.b32 s2, 0x2c002c00;
+    mov.b32 o2, 0xd400d400;
+    mov.b32 s3, 0x24002400;
+    mov.b32 o3, 0xcc00cc00;
+    prmt.b32 t0, $8, 0, 0x4140;
+    prmt.b32 t1, $8, 0, 0x4342;
+    lop3.b32 $0, t0, 0x00030003, mg, 0xea;
+    lop3.b32 $1, t1, 0x00030003, mg, 0xea;
+    lop3.b32 $2, t0, 0x000c000c, mg, 0xea;
+    lop3.b32 $3, t1, 0x000c000c, mg, 0xea;
+    lop3.b32 $4, t0, 0x00300030, mg, 0xea;
+    lop3.b32 $5, t1, 0x00300030, mg, 0xea;
+    lop3.b32 $6, t0, 0x00c000c0, mg, 0xea;
+    lop3.b32 $7, t1, 0x00c000c0, mg, 0xea;
+    sub.f16x2 $0, $0, mg;
+    sub.f16x2 $1, $1, mg;
+    fma.rn.f16x2 $2, $2, s1, o1;
+    fma.rn.f16x2 $3, $3, s1, o1;
+    fma.rn.f16x2 $4, $4, s2, o2;
+    fma.rn.f16x2 $5, $5, s2, o2;
+    fma.rn.f16x2 $6, $6, s3, o3;
+    fma.rn.f16x2 $7, $7, s3, o3;
+}""")
+
+
+@triton.jit
+def _levels(x, BITS: tl.constexpr, PTX: tl.constexpr):
+    """Packed bytes x (uint8) -> the levels of each bit plane (plane i: bits i * BITS ..), fp16."""
+    if PTX:
+        if BITS == 4:
+            return tl.inline_asm_elementwise(asm=LEVELS4_PTX, constraints="=r,=r,=r,=r,r", args=[x],
+                                             dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(asm=LEVELS2_PTX, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[x],
+                                             dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                                             pack=4)
+    else:
+        if BITS == 4:
+            return (x & 15).to(tl.float16), (x >> 4).to(tl.float16)
+        else:
+            return ((x & 3).to(tl.float16), ((x >> 2) & 3).to(tl.float16), ((x >> 4) & 3).to(tl.float16),
+                    (x >> 6).to(tl.float16))
+
+
+@triton.jit
+def _split_planes(x, DK: tl.constexpr, PK: tl.constexpr):
+    """x [DK * PK] in channel order -> its PK bit planes [DK] (plane i: channels c * PK + i)."""
+    if PK == 2:
+        return tl.split(tl.reshape(x, [DK, 2]))
+    else:
+        even, odd = tl.split(tl.reshape(x, [DK, 2, 2]))  # planes (0, 2) and (1, 3)
+        p0, p2 = tl.split(even)
+        p1, p3 = tl.split(odd)
+        return p0, p1, p2, p3
+
+
+@triton.jit
+def _f16_keys(qh, lv, ks, kz):
+    """Scores of fp16 query planes qh [BLOCK_R, DK] over key levels lv [BLOCK_Q, DK] of one plane,
+    dequantized in fp16 with that plane's per-channel scale / zero [DK]."""
+    return tl.dot(qh, tl.trans(lv * ks[None, :] + kz[None, :]))
+
+
 @triton.jit
 def _plane_scores(qk, kb, PLANE: tl.constexpr, KS_g, KZ_g, ci, PK: tl.constexpr, KBITS: tl.constexpr,
                   DT: tl.constexpr, MAGIC: tl.constexpr, IEEE: tl.constexpr):
@@ -98,6 +192,14 @@ def _visible(j, jvalid, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW: 
     return vis
 
 @triton.jit
+def _packed_visible(j, jvalid, KDOC_b, qdoc, prow):
+    """`_visible` for packed slots: every row of a launch has slot >= bound + recent - 1 (the cache
+    keeps at least W slots in bf16), so a packed slot is at or before every row's slot and out of
+    every window: what is left is the document, and which rows read the packed part (prow)."""
+    kdoc = tl.load(KDOC_b + j, mask=jvalid, other=-4).to(tl.int32)
+    return (kdoc[None, :] == qdoc[:, None]) & prow[:, None] & jvalid[None, :]
+
+@triton.jit
 def _dense_tile(qd, k, v, vis, m_i, l_i, acc, BLOCK_NG: tl.constexpr, IEEE: tl.constexpr):
     """One tile of bf16 keys k [N, BLOCK_D] and values v [BLOCK_NG, N, BLOCK_VG]."""
     s = _dot(qd, tl.trans(k), IEEE)
@@ -125,7 +227,8 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        BLOCK_D: tl.constexpr, BLOCK_NG: tl.constexpr, BLOCK_VG: tl.constexpr,
                        KEY_FOLD: tl.constexpr, VALUE_BYTES: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
-                       PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr):
+                       PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
+                       PTX: tl.constexpr):
     # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
@@ -210,6 +313,17 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         if PK == 4:
             qk2 = _q_plane(qbase, ci, rvalid[:, None], PK, 2, qscale)
             qk3 = _q_plane(qbase, ci, rvalid[:, None], PK, 3, qscale)
+        if F16:  # fp16 query planes, scaled by a power of two (exact) that keeps them under 2^14
+            big = tl.max(tl.max(tl.maximum(tl.abs(qk0), tl.abs(qk1)), 1), 0)
+            if PK == 4:
+                big = tl.maximum(big, tl.max(tl.max(tl.maximum(tl.abs(qk2), tl.abs(qk3)), 1), 0))
+            qf2 = tl.where(big > 16384.0, tl.exp2(14.0 - tl.ceil(tl.log2(big))), 1.0)
+            unscale = 1.0 / qf2
+            qh0 = (qk0 * qf2).to(tl.float16)
+            qh1 = (qk1 * qf2).to(tl.float16)
+            if PK == 4:
+                qh2 = (qk2 * qf2).to(tl.float16)
+                qh3 = (qk3 * qf2).to(tl.float16)
         if VDQ:  # value plane i, 2-D: byte c of the slot holds channel c * PV + i
             DV: tl.constexpr = D // PV  # value bytes a slot
             cb = tl.arange(0, DV)
@@ -226,38 +340,73 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                 a2 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
                 a3 = tl.zeros([BLOCK_NG, BLOCK_R, VPL], tl.float32)
         vmask3 = (g3 < NG) & (cv3 < VPL)
+        prow = rvalid  # the rows that read packed slots: no windowed row does
+        if HAS_WINDOW:
+            prow = prow & (m >= window_rows)
         for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
             j = j0 + nq
             jv = (j >= lo) & (j < hi)
             kb = tl.load(KQ_b + tl.cast(j0, tl.int64) * skqs + nq[:, None] * skqs + ci[None, :], mask=jv[:, None],
                          other=0)
             grp = tl.cast(j0 // KG, tl.int64) * ksg
-            s, bias = _plane_scores(qk0, kb, 0, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
-            s1, b1 = _plane_scores(qk1, kb, 1, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
-            s, bias = s + s1, bias + b1
-            if PK == 4:
-                s2, b2 = _plane_scores(qk2, kb, 2, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
-                s3, b3 = _plane_scores(qk3, kb, 3, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
-                s, bias = s + s2 + s3, bias + b2 + b3
-            vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
-            p, alpha, m_i, l_i = _softmax_step(s + bias[:, None], vis, m_i, l_i)
+            if F16:  # keys dequantized in fp16 (levels by `_levels`, the group's per-channel scale / zero)
+                ksv = tl.load(KS_b + grp + d)
+                kzv = tl.load(KZ_b + grp + d)
+                if PK == 2:
+                    ks0, ks1 = _split_planes(ksv, DK, 2)
+                    kz0, kz1 = _split_planes(kzv, DK, 2)
+                    l0, l1 = _levels(kb, KBITS, PTX)
+                    s = _f16_keys(qh0, l0, ks0, kz0) + _f16_keys(qh1, l1, ks1, kz1)
+                else:
+                    ks0, ks1, ks2, ks3 = _split_planes(ksv, DK, 4)
+                    kz0, kz1, kz2, kz3 = _split_planes(kzv, DK, 4)
+                    l0, l1, l2, l3 = _levels(kb, KBITS, PTX)
+                    s = (_f16_keys(qh0, l0, ks0, kz0) + _f16_keys(qh1, l1, ks1, kz1)
+                         + _f16_keys(qh2, l2, ks2, kz2) + _f16_keys(qh3, l3, ks3, kz3))
+                s = s * unscale
+            else:
+                s, bias = _plane_scores(qk0, kb, 0, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+                s1, b1 = _plane_scores(qk1, kb, 1, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+                s, bias = s + s1, bias + b1
+                if PK == 4:
+                    s2, b2 = _plane_scores(qk2, kb, 2, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+                    s3, b3 = _plane_scores(qk3, kb, 3, KS_b + grp, KZ_b + grp, ci, PK, KBITS, DT, MAGIC, IEEE)
+                    s, bias = s + s2 + s3, bias + b2 + b3
+                s = s + bias[:, None]
+            vis = _packed_visible(j, jv, KDOC_b, qdoc, prow)
+            p, alpha, m_i, l_i = _softmax_step(s, vis, m_i, l_i)
             VM: tl.constexpr = (1 << VBITS) - 1
             acc = acc * alpha[None, :, None]
             if VDQ:  # values dequantized in registers (n * s + z), plain 2-D dots with p
                 t = tl.cast(j0, tl.int64)
                 vb = tl.load(VQ_b + t * svqs + nq[:, None] * svqs + cb[None, :], mask=jv[:, None], other=0)
                 vso = t * svss + nq[:, None] * svss + gv[None, :]  # [BLOCK_Q, NG]
-                vs = tl.load(VS_b + vso, mask=jv[:, None], other=0.0).to(tl.float32)
-                vz = tl.load(VZ_b + vso, mask=jv[:, None], other=0.0).to(tl.float32)
-                vs = _along_channels(vs, BLOCK_Q, BLOCK_NG, VPL)
-                vz = _along_channels(vz, BLOCK_Q, BLOCK_NG, VPL)
-                pd = p.to(DT)
+                vs = tl.load(VS_b + vso, mask=jv[:, None], other=0.0)
+                vz = tl.load(VZ_b + vso, mask=jv[:, None], other=0.0)
                 al2 = alpha[:, None]
-                a0 = a0 * al2 + _dot(pd, _dequant_plane(vb, 0, VBITS, vs, vz, DT), IEEE)
-                a1 = a1 * al2 + _dot(pd, _dequant_plane(vb, 1, VBITS, vs, vz, DT), IEEE)
-                if PV == 4:
-                    a2 = a2 * al2 + _dot(pd, _dequant_plane(vb, 2, VBITS, vs, vz, DT), IEEE)
-                    a3 = a3 * al2 + _dot(pd, _dequant_plane(vb, 3, VBITS, vs, vz, DT), IEEE)
+                if F16:  # values dequantized in fp16: levels by `_levels`, the token's group scale / zero
+                    vs = _along_channels(vs, BLOCK_Q, BLOCK_NG, VPL)
+                    vz = _along_channels(vz, BLOCK_Q, BLOCK_NG, VPL)
+                    pd = p.to(tl.float16)
+                    if PV == 2:
+                        w0, w1 = _levels(vb, VBITS, PTX)
+                        a0 = a0 * al2 + tl.dot(pd, w0 * vs + vz)
+                        a1 = a1 * al2 + tl.dot(pd, w1 * vs + vz)
+                    else:
+                        w0, w1, w2, w3 = _levels(vb, VBITS, PTX)
+                        a0 = a0 * al2 + tl.dot(pd, w0 * vs + vz)
+                        a1 = a1 * al2 + tl.dot(pd, w1 * vs + vz)
+                        a2 = a2 * al2 + tl.dot(pd, w2 * vs + vz)
+                        a3 = a3 * al2 + tl.dot(pd, w3 * vs + vz)
+                else:
+                    vs = _along_channels(vs.to(tl.float32), BLOCK_Q, BLOCK_NG, VPL)
+                    vz = _along_channels(vz.to(tl.float32), BLOCK_Q, BLOCK_NG, VPL)
+                    pd = p.to(DT)
+                    a0 = a0 * al2 + _dot(pd, _dequant_plane(vb, 0, VBITS, vs, vz, DT), IEEE)
+                    a1 = a1 * al2 + _dot(pd, _dequant_plane(vb, 1, VBITS, vs, vz, DT), IEEE)
+                    if PV == 4:
+                        a2 = a2 * al2 + _dot(pd, _dequant_plane(vb, 2, VBITS, vs, vz, DT), IEEE)
+                        a3 = a3 * al2 + _dot(pd, _dequant_plane(vb, 3, VBITS, vs, vz, DT), IEEE)
             else:  # value scales folded into p: dots batched over the channel groups
                 jv3 = (j0 + nq3 >= lo) & (j0 + nq3 < hi)
                 vb = tl.load(VQ_b + tl.cast(j0, tl.int64) * svqs + nq3 * svqs + g3 * VPL + cv3, mask=jv3 & vmask3,
