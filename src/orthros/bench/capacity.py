@@ -82,6 +82,11 @@ def _now(device):
     return time.perf_counter()
 
 
+def _progress(msg: str) -> None:
+    """A timestamped line on stderr: a run cut by a time limit says where it was."""
+    print(time.strftime("%H:%M:%S ") + msg, file=sys.stderr, flush=True)
+
+
 def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dict:
     """Prefill T random tokens into a `kv` cache, decode args.new - 1 more: one row."""
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
@@ -89,8 +94,10 @@ def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = _now(device)
+    _progress(f"{kv} {_fmt_len(T)}: prefilling {T} tokens in chunks of {chunk}")
     logits, _ = run_prefill(model, ids, None, cache=cache, chunk_size=chunk)
     ttft = _now(device) - t0
+    _progress(f"{kv} {_fmt_len(T)}: prefilled in {ttft:.1f} s; decoding {args.new - 1} tokens")
     if not torch.isfinite(logits.float()).all():
         raise RuntimeError(f"non-finite logits after prefill (T={T}, {kv})")
     tok = logits.argmax(-1)
@@ -123,12 +130,14 @@ def measure(args) -> dict:
 
     todo = plan(args)
     cfg = variant_config(args, "orthros", max(max(lens) for _, lens in todo) + args.new)
+    _progress(f"building {args.model} (random {args.dtype} weights)")
     model = build_model(cfg, device, dtype)
     chunk = args.chunk_size or auto_chunk_size(cfg, 1, dtype)
     step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
     rows = []
     with torch.inference_mode():
         for kv, lengths in todo:
+            _progress(f"{kv}: compiling the prefill kernels (two chunks, untimed)")
             warm = new_static_cache(model, 1, 2 * chunk, kv)  # compile the prefill kernels (untimed)
             run_prefill(model, torch.zeros(1, 2 * chunk, dtype=torch.long, device=device), None, cache=warm,
                         chunk_size=chunk)
