@@ -19,8 +19,18 @@ after the merge the output is o_bf16 + o_packed R (R is its own inverse).
 A windowed query's keys lie at or above `bound` (the cache keeps at least W
 slots in bf16), so with every row windowed the packed loop is empty.
 
-The packed loop never dequantizes a key, and by default dequantizes the
-values in registers:
+By default (`fp16_dequant`, the bit-plane loop's default) keys and values are
+dequantized in fp16 registers: every bit plane's levels come from four bytes at
+a time by inline PTX (`_levels` in the kernel module: prmt + lop3 into fp16
+lanes, one packed fp16 op per two levels), keys take their group's per-channel
+scale / zero, values their token's, and both dots run in fp16 (queries past
+2^14 scaled by a power of two). On an H200 at 1M slots (Llama-3.1-8B shape) it
+took 1.69 / 1.61 ms a layer (int4 / int2) against 1.76 / 1.85 ms for the forms
+below: 30% fewer instructions in the sm_90 loop bought 4-13%, the loop being
+bound by latency at two programs an SM, not by issue (docs/long_context.md).
+
+The forms before it (fp16_dequant=False, for comparisons) never dequantize a
+key, and dequantize the values in fp32 registers:
 
 * keys (per channel d a scale s_d and zero z_d per key group): a tile lies
   inside one key group (BLOCK_Q divides `key_group`; the first tile of a
