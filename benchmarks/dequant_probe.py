@@ -13,8 +13,8 @@ int4 levels (two a byte, bit planes) read in a loop and dotted with 16 query row
 
     python benchmarks/dequant_probe.py [--block 64] [--warps 4]
 
-Nothing here runs a kernel: the lop3-asm bit logic was checked by emulating prmt / lop3 / fp16
-in Python on random bytes, not on a GPU.
+Nothing here runs a kernel. lop3-asm is the low-bit kernel's own conversion (`_levels`), whose PTX
+tests/ops/test_lowbit_ptx.py checks by emulation and the GPU cases of the kernel end to end.
 
 What it says (docs/long_context.md): the per-level cost of the conversion is what bounds the
 low-bit kernel, and only packed (two-level) fp16 operations bring it near one instruction a level;
@@ -36,31 +36,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from orthros.ops.cross_compile import signature
+from orthros.ops.splitkv_lowbit_kernel import _levels
 
 MODES = ("fp32-trick", "fp16-magic", "fp16-offset", "lop3-asm")
 
 
 @triton.jit
 def _nibbles_lop3(kb):
-    """uint8 [..] -> (low, high nibbles) as fp16 levels, four bytes an asm call."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t0, t1, mg, sc, of;
-        mov.b32 mg, 0x64006400;
-        mov.b32 sc, 0x2c002c00;
-        mov.b32 of, 0xd400d400;
-        prmt.b32 t0, $4, 0, 0x4140;
-        prmt.b32 t1, $4, 0, 0x4342;
-        lop3.b32 $0, t0, 0x000f000f, mg, 0xea;
-        lop3.b32 $1, t1, 0x000f000f, mg, 0xea;
-        lop3.b32 $2, t0, 0x00f000f0, mg, 0xea;
-        lop3.b32 $3, t1, 0x00f000f0, mg, 0xea;
-        sub.f16x2 $0, $0, mg;
-        sub.f16x2 $1, $1, mg;
-        fma.rn.f16x2 $2, $2, sc, of;
-        fma.rn.f16x2 $3, $3, sc, of;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[kb], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    """uint8 [..] -> (low, high nibbles) as fp16 levels, four bytes an asm call: the kernel's own PTX."""
+    return _levels(kb, 4, True)
 
 
 @triton.jit
