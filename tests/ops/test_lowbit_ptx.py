@@ -1,5 +1,5 @@
 """The inline PTX of the low-bit kernel's level conversion (`ops/splitkv_lowbit_kernel.py`,
-LEVELS4_PTX / LEVELS2_PTX) against the map it stands for, by emulating each of its instructions
+LEVELS4_PTX / LEVELS2_PTX, made by `_levels_ptx`) against the map it stands for, by emulating each of its instructions
 on every byte value. The interpreter runs the kernel with the plain-op twin of that map, so
 this is the CPU check of the PTX itself (the GPU run of the kernel cases checks it end to end)."""
 

@@ -2,6 +2,8 @@
 own because the kernel calls Triton helpers, which must be module globals; it imports triton
 and is itself imported on first use."""
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -47,50 +49,28 @@ def _unpack(x, BITS: tl.constexpr, DT: tl.constexpr):
 # (benchmarks/dequant_probe.py counts both). The interpreter cannot run PTX: `_levels` there is
 # the same map in plain ops (what the tests check the kernel's logic with; the PTX itself against
 # an emulation of its instructions, tests/ops/test_lowbit_ptx.py).
-LEVELS4_PTX = tl.constexpr("""{
-    .reg .b32 t0, t1, mg, sc, of;
-    mov.b32 mg, 0x64006400;
-    mov.b32 sc, 0x2c002c00;
-    mov.b32 of, 0xd400d400;
-    prmt.b32 t0, $4, 0, 0x4140;
-    prmt.b32 t1, $4, 0, 0x4342;
-    lop3.b32 $0, t0, 0x000f000f, mg, 0xea;
-    lop3.b32 $1, t1, 0x000f000f, mg, 0xea;
-    lop3.b32 $2, t0, 0x00f000f0, mg, 0xea;
-    lop3.b32 $3, t1, 0x00f000f0, mg, 0xea;
-    sub.f16x2 $0, $0, mg;
-    sub.f16x2 $1, $1, mg;
-    fma.rn.f16x2 $2, $2, sc, of;
-    fma.rn.f16x2 $3, $3, sc, of;
-}""")
-LEVELS2_PTX = tl.constexpr("""{
-    .reg .b32 t0, t1, mg, s1, o1, s2, o2, s3, o3;
-    mov.b32 mg, 0x64006400;
-    mov.b32 s1, 0x34003400;
-    mov.b32 o1, 0xdc00dc00;
-    mov.b32 s2, 0x2c002c00;
-    mov.b32 o2, 0xd400d400;
-    mov.b32 s3, 0x24002400;
-    mov.b32 o3, 0xcc00cc00;
-    prmt.b32 t0, $8, 0, 0x4140;
-    prmt.b32 t1, $8, 0, 0x4342;
-    lop3.b32 $0, t0, 0x00030003, mg, 0xea;
-    lop3.b32 $1, t1, 0x00030003, mg, 0xea;
-    lop3.b32 $2, t0, 0x000c000c, mg, 0xea;
-    lop3.b32 $3, t1, 0x000c000c, mg, 0xea;
-    lop3.b32 $4, t0, 0x00300030, mg, 0xea;
-    lop3.b32 $5, t1, 0x00300030, mg, 0xea;
-    lop3.b32 $6, t0, 0x00c000c0, mg, 0xea;
-    lop3.b32 $7, t1, 0x00c000c0, mg, 0xea;
-    sub.f16x2 $0, $0, mg;
-    sub.f16x2 $1, $1, mg;
-    fma.rn.f16x2 $2, $2, s1, o1;
-    fma.rn.f16x2 $3, $3, s1, o1;
-    fma.rn.f16x2 $4, $4, s2, o2;
-    fma.rn.f16x2 $5, $5, s2, o2;
-    fma.rn.f16x2 $6, $6, s3, o3;
-    fma.rn.f16x2 $7, $7, s3, o3;
-}""")
+def _levels_ptx(bits: int) -> str:
+    """The PTX block for `bits`-bit levels: outputs $0 .. $(2P - 1) (two registers a plane, P = 8 / bits),
+    input $2P (four packed bytes)."""
+    P = 8 // bits
+    pair = lambda x: f"0x{int.from_bytes(struct.pack('<e', x), 'little') * 0x10001:08x}"  # fp16 bits, both lanes
+    regs = ["mg"] + [f"s{i}, o{i}" for i in range(1, P)]
+    lines = [f".reg .b32 t0, t1, {', '.join(regs)};", f"mov.b32 mg, {pair(1024.0)};"]
+    for i in range(1, P):  # plane i lanes hold 1024 + n * w, w = 2^(bits * i): (x / w) - 1024 / w is n
+        w = 2.0 ** (bits * i)
+        lines += [f"mov.b32 s{i}, {pair(1 / w)};", f"mov.b32 o{i}, {pair(-1024.0 / w)};"]
+    lines += [f"prmt.b32 t0, ${2 * P}, 0, 0x4140;", f"prmt.b32 t1, ${2 * P}, 0, 0x4342;"]
+    for i in range(P):
+        mask = ((1 << bits) - 1) << (bits * i)
+        lines += [f"lop3.b32 ${2 * i + h}, t{h}, 0x{mask * 0x10001:08x}, mg, 0xea;" for h in (0, 1)]
+    lines += ["sub.f16x2 $0, $0, mg;", "sub.f16x2 $1, $1, mg;"]
+    for i in range(1, P):
+        lines += [f"fma.rn.f16x2 ${2 * i + h}, ${2 * i + h}, s{i}, o{i};" for h in (0, 1)]
+    return "{\n    " + "\n    ".join(lines) + "\n}"
+
+
+LEVELS4_PTX = tl.constexpr(_levels_ptx(4))
+LEVELS2_PTX = tl.constexpr(_levels_ptx(2))
 
 
 @triton.jit
