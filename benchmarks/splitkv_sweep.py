@@ -42,14 +42,15 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[131072, 1048576])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", nargs="+", choices=("bf16", "fp8", "int4", "int2", "k4v2"), default=["bf16", "fp8"])
-    p.add_argument("--split-factors", type=int, nargs="+", default=[1, 2, 4],
+    p.add_argument("--split-factors", type=float, nargs="+", default=[1, 2, 4],
                    help="split counts tried, as multiples of 2 x SMs / (batch x KV heads)")
     p.add_argument("--blocks", type=int, nargs="+", default=[64, 128], help="keys per loop iteration")
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--maxnreg", type=int, nargs="+", default=[0],
-                   help="bf16 / fp8: registers a thread to cap the build at (0: no cap); a lower cap lets more "
-                        "programs share an SM (sm_90 builds, Triton 3.6: fp8 at 32- and 64-key tiles spill nothing at 168)")
+                   help="registers a thread to cap the build at (0: no cap); a lower cap lets more programs share an SM "
+                        "(sm_90 builds, Triton 3.6: fp8 at 32- and 64-key tiles spill nothing at 168; the int4 fp16 "
+                        "loop spills 84 B at 168)")
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
     p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar-f16", "planar-dq"],
                    help="low-bit: the packed loop over bit planes with keys and values dequantized in fp16 "
@@ -89,8 +90,8 @@ def main():
         low = dtype in ("int4", "int2", "k4v2")
         # the default launch (every option the kernel's own), then the sweep
         configs = [(None, None, None, None, 0)] + list(itertools.product(
-            [f * base_splits for f in args.split_factors], args.blocks, args.warps, args.stages,
-            [0] if low else args.maxnreg))
+            [max(1, round(f * base_splits)) for f in args.split_factors], args.blocks, args.warps, args.stages,
+            args.maxnreg))
         variants = args.loops if low else [f"{x} dots" for x in args.dots] if dtype == "fp8" else [None]
         for (splits, block_n, warps, stages, nreg), loop in itertools.product(configs, variants):
             tile = {} if block_n is None else {"block_n": block_n}
@@ -98,7 +99,8 @@ def main():
                 fn = lambda: lowbit_splitkv_attention(q, *layer, slot, qdoc, kdoc, b, S, cache.key_bits,
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
                                                       window=W, window_rows=1, num_splits=splits, **tile,
-                                                      num_warps=warps, num_stages=stages, **loop_options(loop))
+                                                      num_warps=warps, num_stages=stages, maxnreg=nreg or None,
+                                                      **loop_options(loop))
             else:
                 f16 = None if loop is None else loop == "fp16 dots"
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,

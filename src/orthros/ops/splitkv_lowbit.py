@@ -24,10 +24,17 @@ dequantized in fp16 registers: every bit plane's levels come from four bytes at
 a time by inline PTX (`_levels` in the kernel module: prmt + lop3 into fp16
 lanes, one packed fp16 op per two levels), keys take their group's per-channel
 scale / zero, values their token's, and both dots run in fp16 (queries past
-2^14 scaled by a power of two). On an H200 at 1M slots (Llama-3.1-8B shape) it
-took 1.69 / 1.61 ms a layer (int4 / int2) against 1.76 / 1.85 ms for the forms
-below: 30% fewer instructions in the sm_90 loop bought 4-13%, the loop being
-bound by latency at two programs an SM, not by issue (docs/long_context.md).
+2^14 scaled by a power of two). The packed part keeps a softmax state of its
+own, merged with the bf16 part's at the end (a packed tile never rescales the
+bf16 accumulator), and each tile's scales are loaded a tile ahead into
+registers (2-byte loads are not copied asynchronously, so the loads were
+waited on in every tile). On an H200 at 1M slots (Llama-3.1-8B shape), one
+layer (int4 / int2): 1.71 / 1.63 ms before those two changes, 1.24 / 1.16 ms
+after, and 1.10 / 1.04 ms with 168 registers a thread and three times the
+splits (three programs an SM instead of two, two full waves): the default
+there (`MAXNREG`). ncu of the 2-program build: 0.46 instructions issued a
+cycle per scheduler, 1.96 warps each, limited by registers; the loop is
+bound by latency, not by issue (docs/long_context.md).
 
 The forms before it (fp16_dequant=False, for comparisons) never dequantize a
 key, and dequantize the values in fp32 registers:
@@ -94,6 +101,7 @@ from . import _interpreting
 from .splitkv import MAX_ROWS, _num_sms, launch_options, merge_splits_kernel
 
 LOG2E = 1.4426950408889634
+MAXNREG = 168  # the fp16 loop's register cap at head size 128 on a GPU (3 programs an SM)
 
 
 def _kernel():
@@ -116,7 +124,8 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              window_rows: int | None = None, rotation: torch.Tensor | None = None,
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
                              num_stages: int | None = None, planar: bool | None = None,
-                             dequant_values: bool | None = None, fp16_dequant: bool | None = None):
+                             dequant_values: bool | None = None, fp16_dequant: bool | None = None,
+                             maxnreg: int | None = None):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -124,7 +133,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     as `naive_attention` over `ops.lowbit.dense_kv(..., rotated=rotation is not None)`:
     -> [B, M, H, D] in q's dtype. num_splits / block_n (keys per tile, a power of two >= 16;
     packed tiles are also at most the key group's power-of-two factor) / num_warps /
-    num_stages: launch tuning; planar: the bit-plane packed loop (None: wherever it applies;
+    num_stages / maxnreg (registers a thread, NVIDIA): launch tuning; planar: the bit-plane packed loop (None: wherever it applies;
     False: the interleaving one, for comparisons); dequant_values: in the bit-plane loop,
     values dequantized in registers and read with plain 2-D dots (None: wherever the loop
     runs; the faster on an H200), or False: their scales folded into p with dots batched
@@ -134,7 +143,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     (the loop before, for comparisons)."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
-                       block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant)
+                       block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     B, P, M, H, parts, D = plan.o.shape
     if parts == 1:
@@ -159,7 +168,7 @@ class LaunchPlan:
 def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                 length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
                 num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None,
-                dequant_values=None, fp16_dequant=None) -> LaunchPlan:
+                dequant_values=None, fp16_dequant=None, maxnreg=None) -> LaunchPlan:
     """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds)."""
     import triton
 
@@ -181,11 +190,6 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
     scale = D ** -0.5 if scale is None else scale
     slot = q_slot.expand(B, M)
     S = length
-    if num_splits is None:
-        want = max(1, 2 * _num_sms(q.device) // max(1, B * Hkv))
-        num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))
-    per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
-    P = max(1, triton.cdiv(S, per))
     # packed tiles inside one key group: the largest power of two dividing key_group, if >= 16
     block_q = min(block_n, key_group & -key_group)
     key_fold = block_q >= 16
@@ -202,6 +206,15 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
     if fp16_dequant and not dequant_values:
         raise ValueError("fp16_dequant is a variant of the dequantizing bit-plane loop (dequant_values)")
     fp16_dequant = bool(dequant_values) if fp16_dequant is None else fp16_dequant
+    # the fp16 loop at head size 128 on a GPU (measured there, see the module docstring): 168 registers
+    # a thread, so that three programs share an SM, and two full waves of them
+    if maxnreg is None and fp16_dequant and D == 128 and q.is_cuda:
+        maxnreg = MAXNREG
+    if num_splits is None:
+        want = max(1, (6 if maxnreg == MAXNREG else 2) * _num_sms(q.device) // max(1, B * Hkv))
+        num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))
+    per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
+    P = max(1, triton.cdiv(S, per))
     parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
     o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
@@ -230,6 +243,6 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
         F16=bool(fp16_dequant), PTX=not _interpreting(),
-        **launch_options(num_warps=num_warps, num_stages=num_stages),
+        **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)

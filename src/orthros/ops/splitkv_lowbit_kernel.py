@@ -150,6 +150,19 @@ def _dequant_plane(vb, PLANE: tl.constexpr, VBITS: tl.constexpr, vs, vz, DT: tl.
     return (level * vs + vz).to(DT)
 
 @triton.jit
+def _tile_scales(KS_b, KZ_b, VS_b, VZ_b, j0, lo, hi, KG, ksg, svss, d, nq, gv):
+    """The fp16 loop's scales of the packed tile at j0, as stored (nothing at or past hi is read):
+    the key group's per-channel scale / zero [D] and the tokens' value scale / zero [BLOCK_Q, NG]."""
+    kmask = (d >= 0) & (j0 < hi)
+    grp = tl.cast(j0 // KG, tl.int64) * ksg
+    ksv = tl.load(KS_b + grp + d, mask=kmask, other=0.0)
+    kzv = tl.load(KZ_b + grp + d, mask=kmask, other=0.0)
+    j = j0 + nq
+    jv = ((j >= lo) & (j < hi))[:, None]
+    vso = tl.cast(j0, tl.int64) * svss + nq[:, None] * svss + gv[None, :]
+    return ksv, kzv, tl.load(VS_b + vso, mask=jv, other=0.0), tl.load(VZ_b + vso, mask=jv, other=0.0)
+
+@triton.jit
 def _q_plane(qbase, ci, rmask, PK: tl.constexpr, PLANE: tl.constexpr, qscale):
     return tl.load(qbase + ci[None, :] * PK + PLANE, mask=rmask, other=0.0).to(tl.float32) * qscale
 
@@ -323,15 +336,23 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         prow = rvalid  # the rows that read packed slots: no windowed row does
         if HAS_WINDOW:
             prow = prow & (m >= window_rows)
-        for j0 in range(lo // BLOCK_Q * BLOCK_Q, hi, BLOCK_Q):
+        # the packed part keeps a softmax state of its own (merged with the bf16 part's at the end),
+        # so a packed tile never rescales the bf16 accumulator, nor a ring tile the planes
+        m_p = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_p = tl.zeros([BLOCK_R], tl.float32)
+        first = lo // BLOCK_Q * BLOCK_Q
+        if F16:  # scales loaded a tile ahead, in registers: their latency hides behind a tile's work
+            ksn, kzn, vsn, vzn = _tile_scales(KS_b, KZ_b, VS_b, VZ_b, first, lo, hi, KG, ksg, svss, d, nq, gv)
+        for j0 in range(first, hi, BLOCK_Q):
             j = j0 + nq
             jv = (j >= lo) & (j < hi)
             kb = tl.load(KQ_b + tl.cast(j0, tl.int64) * skqs + nq[:, None] * skqs + ci[None, :], mask=jv[:, None],
                          other=0)
             grp = tl.cast(j0 // KG, tl.int64) * ksg
             if F16:  # keys dequantized in fp16 (levels by `_levels`, the group's per-channel scale / zero)
-                ksv = tl.load(KS_b + grp + d)
-                kzv = tl.load(KZ_b + grp + d)
+                ksv, kzv, vst, vzt = ksn, kzn, vsn, vzn
+                ksn, kzn, vsn, vzn = _tile_scales(KS_b, KZ_b, VS_b, VZ_b, j0 + BLOCK_Q, lo, hi, KG, ksg, svss, d, nq,
+                                                  gv)
                 if PK == 2:
                     ks0, ks1 = _split_planes(ksv, DK, 2)
                     kz0, kz1 = _split_planes(kzv, DK, 2)
@@ -354,19 +375,15 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                     s, bias = s + s2 + s3, bias + b2 + b3
                 s = s + bias[:, None]
             vis = _packed_visible(j, jv, KDOC_b, qdoc, prow)
-            p, alpha, m_i, l_i = _softmax_step(s, vis, m_i, l_i)
+            p, alpha, m_p, l_p = _softmax_step(s, vis, m_p, l_p)
             VM: tl.constexpr = (1 << VBITS) - 1
-            acc = acc * alpha[None, :, None]
             if VDQ:  # values dequantized in registers (n * s + z), plain 2-D dots with p
                 t = tl.cast(j0, tl.int64)
                 vb = tl.load(VQ_b + t * svqs + nq[:, None] * svqs + cb[None, :], mask=jv[:, None], other=0)
-                vso = t * svss + nq[:, None] * svss + gv[None, :]  # [BLOCK_Q, NG]
-                vs = tl.load(VS_b + vso, mask=jv[:, None], other=0.0)
-                vz = tl.load(VZ_b + vso, mask=jv[:, None], other=0.0)
                 al2 = alpha[:, None]
                 if F16:  # values dequantized in fp16: levels by `_levels`, the token's group scale / zero
-                    vs = _along_channels(vs, BLOCK_Q, BLOCK_NG, VPL)
-                    vz = _along_channels(vz, BLOCK_Q, BLOCK_NG, VPL)
+                    vs = _along_channels(vst, BLOCK_Q, BLOCK_NG, VPL)
+                    vz = _along_channels(vzt, BLOCK_Q, BLOCK_NG, VPL)
                     pd = p.to(tl.float16)
                     if PV == 2:
                         w0, w1 = _levels(vb, VBITS, PTX)
@@ -379,6 +396,9 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                         a2 = a2 * al2 + tl.dot(pd, w2 * vs + vz)
                         a3 = a3 * al2 + tl.dot(pd, w3 * vs + vz)
                 else:
+                    vso = t * svss + nq[:, None] * svss + gv[None, :]  # [BLOCK_Q, NG]
+                    vs = tl.load(VS_b + vso, mask=jv[:, None], other=0.0)
+                    vz = tl.load(VZ_b + vso, mask=jv[:, None], other=0.0)
                     vs = _along_channels(vs.to(tl.float32), BLOCK_Q, BLOCK_NG, VPL)
                     vz = _along_channels(vz.to(tl.float32), BLOCK_Q, BLOCK_NG, VPL)
                     pd = p.to(DT)
@@ -448,19 +468,26 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         v = tl.load(RV_b + ((j0 + n3) % R) * srs + ch3, mask=(j0 + n3 < end) & cmask3, other=0.0)
         vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
         m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
-        if PLANAR:
-            if VDQ:  # the planes' layout: [rows, bytes] or [groups, rows, bytes]
-                al = alpha[:, None]
-            else:
-                al = alpha[None, :, None]
-            a0 = a0 * al
-            a1 = a1 * al
-            if PV == 4:
-                a2 = a2 * al
-                a3 = a3 * al
-        elif ROTATED:
+        if ROTATED and not PLANAR:
             acc_p = acc_p * alpha[None, :, None]
 
+    if PLANAR:  # the two softmax states merged: each part rescaled to the common max
+        m_all = tl.maximum(m_i, m_p)
+        m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+        cd = tl.exp2(m_i - m_safe)
+        cp = tl.exp2(m_p - m_safe)
+        l_i = l_i * cd + l_p * cp
+        m_i = m_all
+        acc = acc * cd[None, :, None]
+        if VDQ:  # the planes' layout: [rows, bytes] or [groups, rows, bytes]
+            cpl = cp[:, None]
+        else:
+            cpl = cp[None, :, None]
+        a0 = a0 * cpl
+        a1 = a1 * cpl
+        if PV == 4:
+            a2 = a2 * cpl
+            a3 = a3 * cpl
     seen = l_i > 0
     linv = 1.0 / tl.where(seen, l_i, 1.0)
     inv = linv[None, :, None]
