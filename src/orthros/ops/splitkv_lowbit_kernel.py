@@ -153,7 +153,7 @@ def _dequant_plane(vb, PLANE: tl.constexpr, VBITS: tl.constexpr, vs, vz, DT: tl.
 def _tile_scales(KS_b, KZ_b, VS_b, VZ_b, j0, lo, hi, KG, ksg, svss, d, nq, gv):
     """The fp16 loop's scales of the packed tile at j0, as stored (nothing at or past hi is read):
     the key group's per-channel scale / zero [D] and the tokens' value scale / zero [BLOCK_Q, NG]."""
-    kmask = (d >= 0) & (j0 < hi)
+    kmask = (d * 0 + j0) < hi  # [D], all lanes alike (a scalar & tensor mask is not portable)
     grp = tl.cast(j0 // KG, tl.int64) * ksg
     ksv = tl.load(KS_b + grp + d, mask=kmask, other=0.0)
     kzv = tl.load(KZ_b + grp + d, mask=kmask, other=0.0)
