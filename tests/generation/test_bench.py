@@ -29,6 +29,32 @@ def test_bench_decode(tmp_path):
     assert o["bytes"] > f["bytes"]
     assert "| 100 | 2 |" in doc and "(pending)" in doc.split("decode-table:end")[1]
     assert (tmp_path / "decode.png").stat().st_size > 0
+    assert all(r["fill_s"] >= 0 and r["warmup_s"] > 0 for r in res["rows"])  # where a row's time went
+    assert not (tmp_path / "decode.partial.json").exists()  # removed once the whole run is saved
+
+
+def test_bench_decode_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch, capsys):
+    """Each row is saved as it ends: a run stopped at its second context keeps the first,
+    and stderr said which phase each row was in."""
+    from orthros.bench import decode
+
+    real = decode.fill_random
+
+    def stop_at_100(cache, context, *a, **kw):
+        if context == 100:
+            raise KeyboardInterrupt
+        return real(cache, context, *a, **kw)
+
+    monkeypatch.setattr(decode, "fill_random", stop_at_100)
+    assert main(["bench", "decode", "--variants", "orthros", "--contexts", "40", "100", "--batches", "1", "--steps",
+                 "2", "--warmup", "1", "--window", "8", "--model", "tiny", "--no-compile", "--out-dir", str(tmp_path),
+                 "--docs", "none"]) == 130
+    part = json.loads((tmp_path / "decode.partial.json").read_text())
+    assert [(r["variant"], r["context"], r["status"]) for r in part["rows"]] == [("orthros", 40, "ok")]
+    err = capsys.readouterr().err
+    assert "ctx=40: auto cache filled in" in err and "ctx=40: warm-up took" in err
+    assert main(["bench", "decode", "--from-json", str(tmp_path / "decode.partial.json"), "--out-dir", str(tmp_path),
+                 "--docs", "none"]) == 0
 
 
 def test_bench_e2e_and_interpolated_long_output(tmp_path):

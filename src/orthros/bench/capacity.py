@@ -16,8 +16,6 @@ untimed prefill of two chunks compiles the prefill kernels.
 
 from __future__ import annotations
 
-import json
-import os
 import shlex
 import sys
 import time
@@ -28,8 +26,8 @@ from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_f
 from ..generate import prefill as run_prefill
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, log_panel, render, result_from,
-                     save_figure, subplots, sync, variant_config)
+from .common import (DTYPES, build_model, drop_partial, environment, free_memory, is_oom, log_panel, progress, render,
+                     result_from, save_figure, save_partial, subplots, sync, variant_config)
 from .decode import cache_bytes, step_bytes
 from .prefill import _fmt_len, parse_len
 
@@ -82,11 +80,6 @@ def _now(device):
     return time.perf_counter()
 
 
-def _progress(msg: str) -> None:
-    """A timestamped line on stderr: a run cut by a time limit says where it was."""
-    print(time.strftime("%H:%M:%S ") + msg, file=sys.stderr, flush=True)
-
-
 def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dict:
     """Prefill T random tokens into a `kv` cache, decode args.new - 1 more: one row."""
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
@@ -94,10 +87,10 @@ def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = _now(device)
-    _progress(f"{kv} {_fmt_len(T)}: prefilling {T} tokens in chunks of {chunk}")
+    progress(f"{kv} {_fmt_len(T)}: prefilling {T} tokens in chunks of {chunk}")
     logits, _ = run_prefill(model, ids, None, cache=cache, chunk_size=chunk)
     ttft = _now(device) - t0
-    _progress(f"{kv} {_fmt_len(T)}: prefilled in {ttft:.1f} s; decoding {args.new - 1} tokens")
+    progress(f"{kv} {_fmt_len(T)}: prefilled in {ttft:.1f} s; decoding {args.new - 1} tokens")
     if not torch.isfinite(logits.float()).all():
         raise RuntimeError(f"non-finite logits after prefill (T={T}, {kv})")
     tok = logits.argmax(-1)
@@ -130,14 +123,14 @@ def measure(args) -> dict:
 
     todo = plan(args)
     cfg = variant_config(args, "orthros", max(max(lens) for _, lens in todo) + args.new)
-    _progress(f"building {args.model} (random {args.dtype} weights)")
+    progress(f"building {args.model} (random {args.dtype} weights)")
     model = build_model(cfg, device, dtype)
     chunk = args.chunk_size or auto_chunk_size(cfg, 1, dtype)
     step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
     rows = []
     with torch.inference_mode():
         for kv, lengths in todo:
-            _progress(f"{kv}: compiling the prefill kernels (two chunks, untimed)")
+            progress(f"{kv}: compiling the prefill kernels (two chunks, untimed)")
             warm = new_static_cache(model, 1, 2 * chunk, kv)  # compile the prefill kernels (untimed)
             run_prefill(model, torch.zeros(1, 2 * chunk, dtype=torch.long, device=device), None, cache=warm,
                         chunk_size=chunk)
@@ -153,7 +146,7 @@ def measure(args) -> dict:
                     row.update(status="oom", note=str(e).splitlines()[0][:120])
                 free_memory()
                 rows.append(row)
-                save_partial(args, result(rows))
+                save_partial(args.out_dir, args.tag, result(rows))
                 print(f"{kv:>5} {_fmt_len(T):>5}: " + (
                     f"prefill {row['prefill_s']:.1f} s, peak {row['peak_gib']:.1f} GiB, decode "
                     f"{row['tokens_per_s']:.1f} tok/s ({100 * row['roofline']:.0f}% of {row['roofline_tok_s']:.1f})"
@@ -161,21 +154,6 @@ def measure(args) -> dict:
                 if row["status"] != "ok":
                     break
     return result(rows)
-
-
-def partial_path(args) -> str:
-    return os.path.join(args.out_dir, f"{args.tag}.partial.json")
-
-
-def save_partial(args, result: dict) -> None:
-    """The rows so far, as `partial_path` (a row can take minutes: a run stopped part-way keeps
-    what it measured; `--from-json` renders it). Replaced atomically; removed once the whole
-    run is saved."""
-    os.makedirs(args.out_dir, exist_ok=True)
-    path = partial_path(args)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def table(result) -> str:
@@ -223,6 +201,6 @@ def run(args):
         return measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
-    if not args.from_json and os.path.exists(partial_path(args)):
-        os.remove(partial_path(args))  # the whole run is saved
+    if not args.from_json:
+        drop_partial(args.out_dir, args.tag)  # the whole run is saved
     return 0

@@ -8,6 +8,7 @@ import gc
 import json
 import os
 import platform
+import sys
 import time
 
 import torch
@@ -202,6 +203,31 @@ def save_figure(fig, path):
 
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def progress(msg: str) -> None:
+    """A timestamped line on stderr: a run cut by a time limit says where it was."""
+    print(time.strftime("%H:%M:%S ") + msg, file=sys.stderr, flush=True)
+
+
+def partial_path(out_dir: str, name: str) -> str:
+    return os.path.join(out_dir, f"{name}.partial.json")
+
+
+def save_partial(out_dir: str, name: str, result: dict) -> None:
+    """The rows so far, as `partial_path` (a row can take minutes: a run stopped part-way keeps
+    what it measured; `--from-json` renders it). Replaced atomically; removed once the whole
+    run is saved (`drop_partial`)."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = partial_path(out_dir, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def drop_partial(out_dir: str, name: str) -> None:
+    if os.path.exists(partial_path(out_dir, name)):
+        os.remove(partial_path(out_dir, name))
 
 
 def result_from(args, name: str, measure, key=None) -> dict:

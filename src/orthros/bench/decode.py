@@ -6,7 +6,10 @@ CUDA graph per step). Weights are random. To save GPU time the KV cache is
 filled with random values up to the context length instead of a real
 prefill (decode cost does not depend on what the cache holds); the table
 says so. Each row: warm-up steps (compilation, graph capture), then
---steps steps timed with device events.
+--steps steps timed with device events; the row also records how long the
+cache fill and the warm-up took (stderr says so as each phase ends), and
+the rows so far are saved as they finish (<tag>.partial.json: a run cut by
+a time limit keeps them; `--from-json` renders it).
 
 Achieved bandwidth counts the bytes a step must read: every weight once
 (the embedding table excepted: one row is gathered) plus the K/V each
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+import time
 
 import torch
 
@@ -29,8 +33,8 @@ from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
 from ..models.static_cache import FP8, KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, log_panel, render,
-                     result_from, save_figure, subplots, sync, variant_config)
+from .common import (DTYPES, build_model, drop_partial, environment, free_memory, is_oom, kernel_profile, log_panel,
+                     progress, render, result_from, save_figure, save_partial, subplots, sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -151,27 +155,29 @@ def cache_bytes(cache) -> int:
     return 2 * cache.num_layers * cache.k[0].numel() * cache.k[0].element_size()
 
 
-def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> float:
-    """Seconds per decode step (mean over `steps`, after `warmup`); tokens fed back greedily."""
+def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> tuple[float, float]:
+    """(seconds per decode step, mean over `steps` after `warmup`; seconds the warm-up took:
+    compilation and graph capture on a first call); tokens fed back greedily."""
     B = cache.batch_size
     tok = torch.randint(0, model.config.vocab_size, (B,), device=device)
+    sync(device)
+    t0 = time.perf_counter()
     for _ in range(warmup):
         tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
     sync(device)
+    warm_s = time.perf_counter() - t0
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     else:
-        import time
-
         t0 = time.perf_counter()
     for _ in range(steps):
         tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
     if device.type == "cuda":
         end.record()
         sync(device)
-        return start.elapsed_time(end) / 1e3 / steps
-    return (time.perf_counter() - t0) / steps
+        return start.elapsed_time(end) / 1e3 / steps, warm_s
+    return (time.perf_counter() - t0) / steps, warm_s
 
 
 def measure(args) -> dict:
@@ -180,18 +186,32 @@ def measure(args) -> dict:
     step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
     rows, profiles = [], {}
     tok = torch.zeros(max(args.batches), dtype=torch.long, device=device)
+
+    def result():
+        return dict(env=environment(device), command="orthros bench decode " + " ".join(map(shlex.quote, sys.argv[3:])),
+                    model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, window=args.window, steps=args.steps,
+                    compiled=not args.no_compile, bandwidth_tb_s=args.bandwidth, rows=rows, profiles=profiles)
+
     for variant in args.variants:
         cfg = variant_config(args, variant, max(args.contexts) + args.steps + args.warmup + 1)
+        progress(f"{variant}: building {args.model} (random {args.dtype} weights)")
         model = build_model(cfg, device, dtype)
         for B in args.batches:
             for C in sorted(args.contexts):
                 row = dict(variant=variant, batch=B, context=C, layers=cfg.num_hidden_layers)
+                what = f"{variant} B={B} ctx={_fmt_len(C)}"
                 cache = None
                 try:
+                    t0 = time.perf_counter()
                     cache = new_static_cache(model, B, C + args.warmup + args.steps + 11, args.kv_dtype)
                     fill_random(cache, C)
+                    sync(device)
+                    fill_s = time.perf_counter() - t0
+                    progress(f"{what}: {args.kv_dtype} cache filled in {fill_s:.1f} s; {args.warmup} warm-up steps "
+                             "(compilation, graph capture)")
                     with torch.inference_mode():
-                        dt = time_decode(model, cache, args.steps, args.warmup, step_fn, device)
+                        dt, warm_s = time_decode(model, cache, args.steps, args.warmup, step_fn, device)
+                        progress(f"{what}: warm-up took {warm_s:.1f} s; {args.steps} steps timed")
                         if args.profile and variant not in profiles:
                             prof = {"batch": B, "context": C, "steps": 10, **kernel_profile(
                                 lambda: [decode_one_token_fast(model, tok[:B], cache, step_fn) for _ in range(10)], device)}
@@ -201,22 +221,21 @@ def measure(args) -> dict:
                     rows.append({**row, "status": "ok", "step_s": dt, "tokens_per_s": B / dt, "bytes": nbytes,
                                  "gb_per_s": nbytes / dt / 1e9, "roofline": nbytes / dt / (args.bandwidth * 1e12),
                                  "roofline_tok_s": B * args.bandwidth * 1e12 / nbytes,
-                                 "cache_gib": cache_bytes(cache) / 2**30})
+                                 "cache_gib": cache_bytes(cache) / 2**30, "fill_s": fill_s, "warmup_s": warm_s})
                 except Exception as e:  # noqa: BLE001 - OOM is a result, anything else is re-raised
                     if not is_oom(e):
                         raise
                     rows.append({**row, "status": "oom", "note": str(e).splitlines()[0][:120]})
                 del cache
                 free_memory()
+                save_partial(args.out_dir, args.tag, result())
                 r = rows[-1]
                 print(f"{variant:>8} B={B} ctx={_fmt_len(C):>6}  " + (
                     f"{r['step_s'] * 1e3:7.2f} ms/step {r['tokens_per_s']:8.1f} tok/s {r['gb_per_s']:7.0f} GB/s "
                     f"({100 * r['roofline']:.0f}% of roofline)" if r["status"] == "ok" else r["status"]), flush=True)
         del model
         free_memory()
-    return dict(env=environment(device), command="orthros bench decode " + " ".join(map(shlex.quote, sys.argv[3:])),
-                model=args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, window=args.window, steps=args.steps,
-                compiled=not args.no_compile, bandwidth_tb_s=args.bandwidth, rows=rows, profiles=profiles)
+    return result()
 
 
 # ------------------------------------------------------------------- render
@@ -295,4 +314,6 @@ def run(args):
         return measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
+    if not args.from_json:
+        drop_partial(args.out_dir, args.tag)  # the whole run is saved
     return 0
