@@ -16,6 +16,18 @@ def run(tmp_path, *argv):
     return doc.read_text()
 
 
+def interrupt_at(monkeypatch, module, name: str, length: int):
+    """module.name raises KeyboardInterrupt (a time limit, Ctrl-C) when its second argument is `length`."""
+    real = getattr(module, name)
+
+    def stopping(first, n, *a, **kw):
+        if n == length:
+            raise KeyboardInterrupt
+        return real(first, n, *a, **kw)
+
+    monkeypatch.setattr(module, name, stopping)
+
+
 def test_bench_decode(tmp_path):
     doc = run(tmp_path, "decode", "--contexts", "40", "100", "--batches", "1", "2", "--steps", "2", "--warmup", "1",
               "--window", "8")
@@ -38,14 +50,7 @@ def test_bench_decode_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch, cap
     and stderr said which phase each row was in."""
     from orthros.bench import decode
 
-    real = decode.fill_random
-
-    def stop_at_100(cache, context, *a, **kw):
-        if context == 100:
-            raise KeyboardInterrupt
-        return real(cache, context, *a, **kw)
-
-    monkeypatch.setattr(decode, "fill_random", stop_at_100)
+    interrupt_at(monkeypatch, decode, "fill_random", 100)  # fill_random(cache, context)
     assert main(["bench", "decode", "--variants", "orthros", "--contexts", "40", "100", "--batches", "1", "--steps",
                  "2", "--warmup", "1", "--window", "8", "--model", "tiny", "--no-compile", "--out-dir", str(tmp_path),
                  "--docs", "none"]) == 130
@@ -122,14 +127,7 @@ def test_bench_capacity_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch):
     <tag>.partial.json, which --from-json renders."""
     from orthros.bench import capacity
 
-    real = capacity.try_length
-
-    def stop_at_200(model, T, *a, **kw):
-        if T == 200:
-            raise KeyboardInterrupt
-        return real(model, T, *a, **kw)
-
-    monkeypatch.setattr(capacity, "try_length", stop_at_200)
+    interrupt_at(monkeypatch, capacity, "try_length", 200)  # try_length(model, T, ...)
     assert main(["bench", "capacity", "--kv-dtypes", "int4:100,200", "--new", "4", "--warmup", "1", "--window", "8",
                  "--chunk-size", "128", "--model", "tiny", "--out-dir", str(tmp_path), "--docs", "none"]) == 130
     part = json.loads((tmp_path / "capacity.partial.json").read_text())
