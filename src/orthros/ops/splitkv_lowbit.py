@@ -33,8 +33,10 @@ layer (int4 / int2): 1.71 / 1.63 ms before those two changes, 1.24 / 1.16 ms
 after, and 1.10 / 1.04 ms with 168 registers a thread and three times the
 splits (three programs an SM instead of two, two full waves): the default
 there (`MAXNREG`). ncu of the 2-program build: 0.46 instructions issued a
-cycle per scheduler, 1.96 warps each, limited by registers; the loop is
-bound by latency, not by issue (docs/long_context.md).
+cycle per scheduler, 1.96 warps each (0.59 eligible), limited by registers;
+at three programs an SM the loop's 984 instructions a tile would alone take
+~0.49 ms a layer at one issue a cycle, so it is bound by its per-tile work
+and its latency, not by bytes (docs/long_context.md).
 
 The forms before it (fp16_dequant=False, for comparisons) never dequantize a
 key, and dequantize the values in fp32 registers:
@@ -133,11 +135,11 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     as `naive_attention` over `ops.lowbit.dense_kv(..., rotated=rotation is not None)`:
     -> [B, M, H, D] in q's dtype. num_splits / block_n (keys per tile, a power of two >= 16;
     packed tiles are also at most the key group's power-of-two factor) / num_warps /
-    num_stages / maxnreg (registers a thread, NVIDIA): launch tuning; planar: the bit-plane packed loop (None: wherever it applies;
-    False: the interleaving one, for comparisons); dequant_values: in the bit-plane loop,
-    values dequantized in registers and read with plain 2-D dots (None: wherever the loop
-    runs; the faster on an H200), or False: their scales folded into p with dots batched
-    over the channel groups (for comparisons); fp16_dequant: in the dequantizing loop, keys
+    num_stages / maxnreg (registers a thread, NVIDIA): launch tuning; planar: the bit-plane
+    packed loop (None: wherever it applies; False: the interleaving one, for comparisons);
+    dequant_values: in the bit-plane loop, values dequantized in registers and read with plain
+    2-D dots (None: wherever the loop runs; the faster on an H200), or False: their scales
+    folded into p with dots batched over the channel groups (for comparisons); fp16_dequant: in the dequantizing loop, keys
     and values dequantized in fp16 from levels made by packed-bit operations, the dots in fp16
     (None: wherever that loop runs), or False: keys folded into q and values dequantized in fp32
     (the loop before, for comparisons)."""
