@@ -17,6 +17,16 @@ int4 levels (two a byte, bit planes) read in a loop and dotted with 16 query row
                  cost), dequantizes them there, and keeps the query planes in registers; no
                  shared memory, no barrier in the loop
 
+The value half (a second table): p [16 rows, 64 keys] (exp2 of a loaded block, as the softmax
+makes it) times the int4 levels of 64 keys x 64 value bytes (two planes, 128 channels):
+
+    triton-values  as the low-bit kernel stores values (a key's bytes together) and Triton lays out
+    gluon-values   each warp owns 16 of the 64 keys ([4 warps, 16 rows, 16 keys] batched mma_v2, the
+                   softmax's p reused as the A operand in its registers), and the bytes of 16 keys
+                   are stored byte-major and key-permuted (storage 4t + 2h + e holds key 2t + e + 8h),
+                   so one 32-bit load gives a thread the four keys its B fragment holds for a byte;
+                   the permutation is a reshape / permute of the loaded tensor, free in registers
+
     python benchmarks/dequant_probe.py [--block 64] [--warps 4] [--k-width 16]
 
 Nothing here runs a kernel. lop3-asm is the low-bit kernel's own conversion (`_levels`), whose PTX
@@ -114,20 +124,76 @@ def gluon_probe():
     return probe_gluon
 
 
-def loop_counts(mode: int, block: int, warps: int, k_width: int = 16) -> tuple[int, Counter]:
-    """(instructions in the build's main loop, by opcode) for one probe mode."""
-    args = [torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(4096, 64, dtype=torch.uint8),
-            torch.zeros(16, block), 64]
-    if MODES[mode] == "gluon-lop3":
-        from triton.experimental.gluon._runtime import GluonASTSource
+@triton.jit
+def probe_values(P, VB, O, sv):
+    r = tl.arange(0, 16)
+    n = tl.arange(0, 64)
+    c = tl.arange(0, 64)
+    s = tl.load(P + r[:, None] * 64 + n[None, :])
+    a0 = tl.zeros([16, 64], tl.float32)
+    a1 = tl.zeros([16, 64], tl.float32)
+    for j0 in range(0, 4096, 64):
+        p = tl.exp2(s - j0).to(tl.float16)
+        w0, w1 = _nibbles_lop3(tl.load(VB + (j0 + n)[:, None] * sv + c[None, :]))
+        a0 += tl.dot(p, w0)
+        a1 += tl.dot(p, w1)
+    tl.store(O + r[:, None] * 128 + 2 * c[None, :], a0)
+    tl.store(O + r[:, None] * 128 + 2 * c[None, :] + 1, a1)
 
-        kernel, meta = gluon_probe(), dict(BQ=block, KW=k_width, WARPS=warps)
-        sig, const, attrs = signature(kernel, args, meta)
-        src = GluonASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
+
+def gluon_values_probe():
+    """The value half as a Gluon kernel, warp-private keys (see the module docstring)."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    PTX = gl.constexpr(LEVELS4_PTX.value)
+
+    @gluon.jit
+    def probe_values_gluon(P, VB, O, sv, WARPS: gl.constexpr):
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
+                                                      instr_shape=[1, 16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        # [warp, 16 keys in storage order, 64 bytes]: four keys of one byte a thread, one 32-bit word
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1], threads_per_warp=[1, 4, 8],
+                                            warps_per_cta=[WARPS, 1, 1], order=[1, 2, 0])
+        w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+        r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+        n = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+        s = gl.load(P + r[None, :, None] * 64 + w[:, None, None] * 16 + n[None, None, :])
+        lw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld)))
+        lk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
+        lc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))
+        a0 = gl.zeros([WARPS, 16, 64], gl.float32, layout=mma)
+        a1 = gl.zeros([WARPS, 16, 64], gl.float32, layout=mma)
+        for j0 in range(0, 4096, 16 * WARPS):
+            p = gl.convert_layout(gl.exp2(s - j0).to(gl.float16), a_l)
+            vb = gl.load(VB + (j0 + 16 * lw)[:, None, None] * sv + lc[None, None, :] * 16 + lk[None, :, None])
+            w0, w1 = gl.inline_asm_elementwise(asm=PTX, constraints="=r,=r,=r,=r,r", args=[vb],
+                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+            # storage 4t + 2h + e -> key 2t + e + 8h: the B fragment's keys
+            w0 = gl.reshape(gl.permute(gl.reshape(w0, [WARPS, 4, 2, 2, 64]), [0, 2, 1, 3, 4]), [WARPS, 16, 64])
+            w1 = gl.reshape(gl.permute(gl.reshape(w1, [WARPS, 4, 2, 2, 64]), [0, 2, 1, 3, 4]), [WARPS, 16, 64])
+            a0 = mma_v2(p, gl.convert_layout(w0, b_l), a0)
+            a1 = mma_v2(p, gl.convert_layout(w1, b_l), a1)
+        oc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+        base = O + w[:, None, None] * 2048 + r[None, :, None] * 128 + 2 * oc[None, None, :]
+        gl.store(base, a0)  # per warp: a partial sum (its keys), merged after the loop in a kernel
+        gl.store(base + 1, a1)
+
+    return probe_values_gluon
+
+
+def sass_loop(kernel, args: list, meta: dict, warps: int, gluon: bool = False) -> tuple[int, Counter]:
+    """(instructions in the sm_90 build's main loop, by opcode)."""
+    sig, const, attrs = signature(kernel, args, meta)
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
     else:
-        sig, const, attrs = signature(probe, args, dict(MODE=mode, BQ=block))
-        src = ASTSource(fn=probe, signature=sig, constexprs=const, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
+        Source = ASTSource
+    c = triton.compile(Source(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with open("/tmp/orthros-dequant-probe.cubin", "wb") as f:
         f.write(c.asm["cubin"])
@@ -138,7 +204,24 @@ def loop_counts(mode: int, block: int, warps: int, k_width: int = 16) -> tuple[i
             and int(m.group(1), 16) < a]
     lo, hi = max(back, key=lambda x: x[1] - x[0])  # the longest backward branch: the key loop
     body = [t for a, t in ins if lo <= a <= hi]
-    return len(body), Counter(re.sub(r"^@!?P\d+\s+", "", t).split()[0].split(".")[0] for t in body)
+    return len(body), Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+
+
+def loop_counts(mode: int, block: int, warps: int, k_width: int = 16) -> tuple[int, Counter]:
+    """The key half's loop for one conversion mode."""
+    args = [torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(4096, 64, dtype=torch.uint8),
+            torch.zeros(16, block), 64]
+    if MODES[mode] == "gluon-lop3":
+        return sass_loop(gluon_probe(), args, dict(BQ=block, KW=k_width, WARPS=warps), warps, gluon=True)
+    return sass_loop(probe, args, dict(MODE=mode, BQ=block), warps)
+
+
+def value_counts(mode: str, warps: int) -> tuple[int, Counter]:
+    """The value half's loop (64 keys a tile)."""
+    args = [torch.zeros(16, 64), torch.zeros(4096, 64, dtype=torch.uint8), torch.zeros(warps, 16, 128), 64]
+    if mode == "gluon-values":
+        return sass_loop(gluon_values_probe(), args, dict(WARPS=warps), warps, gluon=True)
+    return sass_loop(probe_values, args, {}, warps)
 
 
 def main():
@@ -153,6 +236,12 @@ def main():
     for i, name in enumerate(MODES):
         n, cnt = loop_counts(i, args.block, args.warps, args.k_width)
         print(f"| {name} | {n} | {n / levels:.2f} | " + ", ".join(f"{k} {v}" for k, v in cnt.most_common(6)) + " |")
+    levels = 64 * 128 / (32 * 4)  # the value half: 64 keys x 128 channels, 4 warps
+    print(f"\n| value half (64 keys, 4 warps) | loop instructions a thread | a level | top opcodes |\n"
+          "| --- | ---: | ---: | --- |")
+    for name in ("triton-values", "gluon-values"):
+        n, cnt = value_counts(name, 4)
+        print(f"| {name} | {n} | {n / levels:.2f} | " + ", ".join(f"{k} {v}" for k, v in cnt.most_common(8)) + " |")
 
 
 if __name__ == "__main__":
