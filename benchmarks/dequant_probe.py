@@ -27,10 +27,18 @@ makes it) times the int4 levels of 64 keys x 64 value bytes (two planes, 128 cha
                    so one 32-bit load gives a thread the four keys its B fragment holds for a byte;
                    the permutation is a reshape / permute of the loaded tensor, free in registers
 
+The whole packed tile (a third table): the low-bit kernel's own loop (int4, 64-key tiles, as it
+builds) against `probe_tile`, the same work in Gluon: keys with the group's per-channel scale /
+zero (stored plane-major here), the document mask, a per-warp online softmax (no cross-warp
+reduction), values with the per-token scale folded into p and the zero as a per-row bias. It omits
+the next tile's prefetch and the split bounds.
+
     python benchmarks/dequant_probe.py [--block 64] [--warps 4] [--k-width 16]
 
-Nothing here runs a kernel. lop3-asm is the low-bit kernel's own conversion (`_levels`), whose PTX
-tests/ops/test_lowbit_ptx.py checks by emulation and the GPU cases of the kernel end to end.
+Nothing here runs a kernel, and a Gluon kernel has no interpreter path: the Gluon probes are
+checked by their builds only (tests/bench/test_scripts.py: no barrier, no shared memory).
+lop3-asm is the low-bit kernel's own conversion (`_levels`), whose PTX tests/ops/test_lowbit_ptx.py
+checks by emulation and the GPU cases of the kernel end to end.
 
 What it says (docs/long_context.md): the per-level cost of the conversion is what bounds the
 low-bit kernel, and only packed (two-level) fp16 operations bring it near one instruction a level;
@@ -40,18 +48,15 @@ Triton's elementwise ops do not pack them by themselves.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-from collections import Counter
 
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from orthros.ops.cross_compile import signature
+from orthros.ops.cross_compile import build, main_loop_sass
 from orthros.ops.splitkv_lowbit_kernel import LEVELS4_PTX, _levels
 
 MODES = ("fp32-trick", "fp16-magic", "fp16-offset", "lop3-asm", "gluon-lop3")
@@ -88,40 +93,34 @@ def probe(Q, KB, O, sk, MODE: tl.constexpr, BQ: tl.constexpr):
     tl.store(O + r[:, None] * BQ + n[None, :], acc)
 
 
-def gluon_probe():
-    """The probe as a Gluon kernel (built on first use: Gluon is experimental in Triton 3.6)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+# ---- Gluon (triton.experimental.gluon): the same work with the layouts chosen, not inferred
+GPTX = gl.constexpr(LEVELS4_PTX.value)
 
-    PTX = gl.constexpr(LEVELS4_PTX.value)
 
-    @gluon.jit
-    def probe_gluon(Q, KB, O, sk, BQ: gl.constexpr, KW: gl.constexpr, WARPS: gl.constexpr):
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-        # the key bytes as loaded: KW contiguous bytes (one key, channels c..c+KW) a thread
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[KW, 1], threads_per_warp=[64 // KW, 32 * KW // 64],
-                                            warps_per_cta=[1, WARPS], order=[0, 1])
-        r = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
-        c = gl.arange(0, 64, layout=gl.SliceLayout(0, a_l))
-        q0 = gl.load(Q + r[:, None] * 128 + 2 * c[None, :]).to(gl.float16)
-        q1 = gl.load(Q + r[:, None] * 128 + 2 * c[None, :] + 1).to(gl.float16)
-        kc = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
-        kn = gl.arange(0, BQ, layout=gl.SliceLayout(0, ld))
-        acc = gl.zeros([16, BQ], gl.float32, layout=mma)
-        for j0 in range(0, 4096, BQ):
-            kb = gl.load(KB + (j0 + kn)[None, :] * sk + kc[:, None])  # [64 bytes, BQ keys]
-            k0, k1 = gl.inline_asm_elementwise(asm=PTX, constraints="=r,=r,=r,=r,r", args=[kb],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-            acc = mma_v2(q0, gl.convert_layout(k0, b_l), acc)
-            acc = mma_v2(q1, gl.convert_layout(k1, b_l), acc)
-        orow = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
-        ocol = gl.arange(0, BQ, layout=gl.SliceLayout(0, mma))
-        gl.store(O + orow[:, None] * BQ + ocol[None, :], acc)
-
-    return probe_gluon
+@gluon.jit
+def probe_gluon(Q, KB, O, sk, BQ: gl.constexpr, KW: gl.constexpr, WARPS: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    # the key bytes as loaded: KW contiguous bytes (one key, channels c..c+KW) a thread
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[KW, 1], threads_per_warp=[64 // KW, 32 * KW // 64],
+                                        warps_per_cta=[1, WARPS], order=[0, 1])
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, a_l))
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, a_l))
+    q0 = gl.load(Q + r[:, None] * 128 + 2 * c[None, :]).to(gl.float16)
+    q1 = gl.load(Q + r[:, None] * 128 + 2 * c[None, :] + 1).to(gl.float16)
+    kc = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
+    kn = gl.arange(0, BQ, layout=gl.SliceLayout(0, ld))
+    acc = gl.zeros([16, BQ], gl.float32, layout=mma)
+    for j0 in range(0, 4096, BQ):
+        kb = gl.load(KB + (j0 + kn)[None, :] * sk + kc[:, None])  # [64 bytes, BQ keys]
+        k0, k1 = gl.inline_asm_elementwise(asm=GPTX, constraints="=r,=r,=r,=r,r", args=[kb],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        acc = mma_v2(q0, gl.convert_layout(k0, b_l), acc)
+        acc = mma_v2(q1, gl.convert_layout(k1, b_l), acc)
+    orow = gl.arange(0, 16, layout=gl.SliceLayout(1, mma))
+    ocol = gl.arange(0, BQ, layout=gl.SliceLayout(0, mma))
+    gl.store(O + orow[:, None] * BQ + ocol[None, :], acc)
 
 
 @triton.jit
@@ -141,87 +140,186 @@ def probe_values(P, VB, O, sv):
     tl.store(O + r[:, None] * 128 + 2 * c[None, :] + 1, a1)
 
 
-def gluon_values_probe():
-    """The value half as a Gluon kernel, warp-private keys (see the module docstring)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-    PTX = gl.constexpr(LEVELS4_PTX.value)
-
-    @gluon.jit
-    def probe_values_gluon(P, VB, O, sv, WARPS: gl.constexpr):
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
-                                                      instr_shape=[1, 16, 8])
-        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-        # [warp, 16 keys in storage order, 64 bytes]: four keys of one byte a thread, one 32-bit word
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1], threads_per_warp=[1, 4, 8],
-                                            warps_per_cta=[WARPS, 1, 1], order=[1, 2, 0])
-        w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-        r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-        n = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-        s = gl.load(P + r[None, :, None] * 64 + w[:, None, None] * 16 + n[None, None, :])
-        lw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld)))
-        lk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
-        lc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))
-        a0 = gl.zeros([WARPS, 16, 64], gl.float32, layout=mma)
-        a1 = gl.zeros([WARPS, 16, 64], gl.float32, layout=mma)
-        for j0 in range(0, 4096, 16 * WARPS):
-            p = gl.convert_layout(gl.exp2(s - j0).to(gl.float16), a_l)
-            vb = gl.load(VB + (j0 + 16 * lw)[:, None, None] * sv + lc[None, None, :] * 16 + lk[None, :, None])
-            w0, w1 = gl.inline_asm_elementwise(asm=PTX, constraints="=r,=r,=r,=r,r", args=[vb],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-            # storage 4t + 2h + e -> key 2t + e + 8h: the B fragment's keys
-            w0 = gl.reshape(gl.permute(gl.reshape(w0, [WARPS, 4, 2, 2, 64]), [0, 2, 1, 3, 4]), [WARPS, 16, 64])
-            w1 = gl.reshape(gl.permute(gl.reshape(w1, [WARPS, 4, 2, 2, 64]), [0, 2, 1, 3, 4]), [WARPS, 16, 64])
-            a0 = mma_v2(p, gl.convert_layout(w0, b_l), a0)
-            a1 = mma_v2(p, gl.convert_layout(w1, b_l), a1)
-        oc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-        base = O + w[:, None, None] * 2048 + r[None, :, None] * 128 + 2 * oc[None, None, :]
-        gl.store(base, a0)  # per warp: a partial sum (its keys), merged after the loop in a kernel
-        gl.store(base + 1, a1)
-
-    return probe_values_gluon
+@gluon.jit
+def probe_values_gluon(P, VB, O, sv, WARPS: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # [warp, 16 keys in storage order, 64 bytes]: four keys of one byte a thread, one 32-bit word
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1], threads_per_warp=[1, 4, 8],
+                                        warps_per_cta=[WARPS, 1, 1], order=[1, 2, 0])
+    w = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+    n = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    s = gl.load(P + r[None, :, None] * 64 + w[:, None, None] * 16 + n[None, None, :])
+    lw = gl.arange(0, WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld)))
+    lk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
+    lc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))
+    a0 = gl.zeros([WARPS, 16, 64], gl.float32, layout=mma)
+    a1 = gl.zeros([WARPS, 16, 64], gl.float32, layout=mma)
+    for j0 in range(0, 4096, 16 * WARPS):
+        p = gl.convert_layout(gl.exp2(s - j0).to(gl.float16), a_l)
+        vb = gl.load(VB + (j0 + 16 * lw)[:, None, None] * sv + lc[None, None, :] * 16 + lk[None, :, None])
+        w0, w1 = gl.inline_asm_elementwise(asm=GPTX, constraints="=r,=r,=r,=r,r", args=[vb],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        # storage 4t + 2h + e -> key 2t + e + 8h: the B fragment's keys
+        w0 = gl.reshape(gl.permute(gl.reshape(w0, [WARPS, 4, 2, 2, 64]), [0, 2, 1, 3, 4]), [WARPS, 16, 64])
+        w1 = gl.reshape(gl.permute(gl.reshape(w1, [WARPS, 4, 2, 2, 64]), [0, 2, 1, 3, 4]), [WARPS, 16, 64])
+        a0 = mma_v2(p, gl.convert_layout(w0, b_l), a0)
+        a1 = mma_v2(p, gl.convert_layout(w1, b_l), a1)
+    oc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    base = O + w[:, None, None] * 2048 + r[None, :, None] * 128 + 2 * oc[None, None, :]
+    gl.store(base, a0)  # per warp: a partial sum (its keys), merged after the loop in a kernel
+    gl.store(base + 1, a1)
 
 
-def sass_loop(kernel, args: list, meta: dict, warps: int, gluon: bool = False) -> tuple[int, Counter]:
-    """(instructions in the sm_90 build's main loop, by opcode)."""
-    sig, const, attrs = signature(kernel, args, meta)
-    if gluon:
-        from triton.experimental.gluon._runtime import GluonASTSource as Source
-    else:
-        Source = ASTSource
-    c = triton.compile(Source(fn=kernel, signature=sig, constexprs=const, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=3))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with open("/tmp/orthros-dequant-probe.cubin", "wb") as f:
-        f.write(c.asm["cubin"])
-    sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
-           if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
-    back = [(int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA (0x[0-9a-f]+)", t))
-            and int(m.group(1), 16) < a]
-    lo, hi = max(back, key=lambda x: x[1] - x[0])  # the longest backward branch: the key loop
-    body = [t for a, t in ins if lo <= a <= hi]
-    return len(body), Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+@gluon.jit
+def _lv(x):
+    """Packed bytes -> the two planes' fp16 levels, four bytes an asm call (the kernel's PTX)."""
+    return gl.inline_asm_elementwise(asm=GPTX, constraints="=r,=r,=r,=r,r", args=[x],
+                                     dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
 
 
-def loop_counts(mode: int, block: int, warps: int, k_width: int = 16) -> tuple[int, Counter]:
+@gluon.jit
+def _perm16(x, W: gl.constexpr, C: gl.constexpr):
+    """storage 4t + 2h + e -> key 2t + e + 8h along axis 1 of [W, 16, C]"""
+    return gl.reshape(gl.permute(gl.reshape(x, [W, 4, 2, 2, C]), [0, 2, 1, 3, 4]), [W, 16, C])
+
+
+@gluon.jit
+def probe_tile(Q, KB, KS, KZ, VB, VS, VZ, KDOC, QDOC, O, n_tiles, W: gl.constexpr):
+    """A whole int4 packed tile (see the module docstring), W warps of 16 keys each."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    ka: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
+    kbl: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=16)
+    va: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    vbl: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    kld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16, 1], threads_per_warp=[1, 4, 8], warps_per_cta=[W, 1, 1],
+                                         order=[1, 2, 0])
+    vld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4, 1], threads_per_warp=[1, 4, 8], warps_per_cta=[W, 1, 1],
+                                         order=[1, 2, 0])
+    row_l: gl.constexpr = gl.SliceLayout(2, mma)      # [W, rows]
+    key_l: gl.constexpr = gl.SliceLayout(1, mma)      # [W, keys]
+    # query planes (plane i: channels 2c + i), once, in the A operand's registers
+    qa_w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, ka)))
+    qa_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ka)))
+    qa_c = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, ka)))
+    qp = Q + qa_w[:, None, None] * 0 + qa_r[None, :, None] * 128 + 2 * qa_c[None, None, :]  # every warp: all rows
+    q0 = gl.load(qp)
+    q1 = gl.load(qp + 1)
+    # key bytes [W, 64 bytes, 16 keys]: 16 contiguous bytes of one key a thread
+    kw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, kld)))
+    kc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, kld)))
+    kn = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, kld)))
+    # key scales of the group, plane-major [2, 64], in the loaded bytes' order
+    ksc = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, kld)))
+    # value bytes [W, 16 keys (storage order), 32 bytes] a channel group
+    vw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, vld)))
+    vk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, vld)))
+    vc = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, vld)))
+    # per-key vectors in the scores' layout
+    sw = gl.arange(0, W, layout=gl.SliceLayout(1, key_l))
+    sn = gl.arange(0, 16, layout=gl.SliceLayout(0, key_l))
+    rr = gl.arange(0, 16, layout=gl.SliceLayout(0, row_l))
+    qdoc = gl.load(QDOC + rr)
+    m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([W, 16], gl.float32, layout=row_l)
+    z0 = gl.zeros([W, 16], gl.float32, layout=row_l)
+    z1 = gl.zeros([W, 16], gl.float32, layout=row_l)
+    a00 = gl.zeros([W, 16, 32], gl.float32, layout=mma)  # plane, group
+    a01 = gl.zeros([W, 16, 32], gl.float32, layout=mma)
+    a10 = gl.zeros([W, 16, 32], gl.float32, layout=mma)
+    a11 = gl.zeros([W, 16, 32], gl.float32, layout=mma)
+    for t in range(n_tiles):
+        j0 = t * 16 * W
+        # keys
+        kb = gl.load(KB + (j0 + 16 * kw[:, None, None] + kn[None, None, :]) * 64 + kc[None, :, None])
+        ks0 = gl.load(KS + t * 128 + ksc)
+        ks1 = gl.load(KS + t * 128 + 64 + ksc)
+        kz0 = gl.load(KZ + t * 128 + ksc)
+        kz1 = gl.load(KZ + t * 128 + 64 + ksc)
+        l0, l1 = _lv(kb)
+        k0 = l0 * ks0[None, :, None] + kz0[None, :, None]
+        k1 = l1 * ks1[None, :, None] + kz1[None, :, None]
+        s = gl.zeros([W, 16, 16], gl.float32, layout=mma)
+        s = mma_v2(q0, gl.convert_layout(k0, kbl), s)
+        s = mma_v2(q1, gl.convert_layout(k1, kbl), s)
+        # visibility (document of each key) and the per-warp online softmax
+        kdoc = gl.load(KDOC + j0 + 16 * sw[:, None] + sn[None, :])
+        vis = kdoc[:, None, :] == qdoc[None, :, None]
+        s = gl.where(vis, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=2))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_safe[:, :, None])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(p, axis=2)
+        m_i = m_new
+        # values: per-token scales folded into p, zeros as a per-row bias
+        vso = (j0 + 16 * sw[:, None] + sn[None, :]) * 2
+        vs0 = gl.load(VS + vso)
+        vs1 = gl.load(VS + vso + 1)
+        vz0 = gl.load(VZ + vso)
+        vz1 = gl.load(VZ + vso + 1)
+        z0 = z0 * alpha + gl.sum(p * vz0[:, None, :], axis=2)
+        z1 = z1 * alpha + gl.sum(p * vz1[:, None, :], axis=2)
+        p0 = gl.convert_layout((p * vs0[:, None, :]).to(gl.float16), va)
+        p1 = gl.convert_layout((p * vs1[:, None, :]).to(gl.float16), va)
+        vp = VB + (j0 + 16 * vw[:, None, None]) * 64 + vc[None, None, :] * 16 + vk[None, :, None]
+        w00, w10 = _lv(gl.load(vp))          # group 0: bytes 0..31
+        w01, w11 = _lv(gl.load(vp + 512))    # group 1: bytes 32..63
+        al = alpha[:, :, None]
+        a00 = mma_v2(p0, gl.convert_layout(_perm16(w00, W, 32), vbl), a00 * al)
+        a10 = mma_v2(p0, gl.convert_layout(_perm16(w10, W, 32), vbl), a10 * al)
+        a01 = mma_v2(p1, gl.convert_layout(_perm16(w01, W, 32), vbl), a01 * al)
+        a11 = mma_v2(p1, gl.convert_layout(_perm16(w11, W, 32), vbl), a11 * al)
+    ow = gl.arange(0, W, layout=gl.SliceLayout(1, row_l))
+    oc = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    base = O + ow[:, None, None] * 4096 + rr[None, :, None] * 256 + oc[None, None, :]
+    gl.store(base, a00 + z0[:, :, None])
+    gl.store(base + 32, a10)
+    gl.store(base + 64, a01 + z1[:, :, None])
+    gl.store(base + 96, a11)
+    gl.store(O + 65536 + ow[:, None] * 16 + rr[None, :], m_i)
+    gl.store(O + 65536 + 1024 + ow[:, None] * 16 + rr[None, :], l_i)
+
+
+def loop_counts(mode: int, block: int, warps: int, k_width: int = 16) -> tuple[int, dict]:
     """The key half's loop for one conversion mode."""
     args = [torch.zeros(16, 128, dtype=torch.bfloat16), torch.zeros(4096, 64, dtype=torch.uint8),
             torch.zeros(16, block), 64]
     if MODES[mode] == "gluon-lop3":
-        return sass_loop(gluon_probe(), args, dict(BQ=block, KW=k_width, WARPS=warps), warps, gluon=True)
-    return sass_loop(probe, args, dict(MODE=mode, BQ=block), warps)
+        return main_loop_sass(build(probe_gluon, args, dict(BQ=block, KW=k_width, WARPS=warps, num_warps=warps)))
+    return main_loop_sass(build(probe, args, dict(MODE=mode, BQ=block, num_warps=warps, num_stages=3)))
 
 
-def value_counts(mode: str, warps: int) -> tuple[int, Counter]:
+def value_counts(mode: str, warps: int) -> tuple[int, dict]:
     """The value half's loop (64 keys a tile)."""
     args = [torch.zeros(16, 64), torch.zeros(4096, 64, dtype=torch.uint8), torch.zeros(warps, 16, 128), 64]
     if mode == "gluon-values":
-        return sass_loop(gluon_values_probe(), args, dict(WARPS=warps), warps, gluon=True)
-    return sass_loop(probe_values, args, {}, warps)
+        return main_loop_sass(build(probe_values_gluon, args, dict(WARPS=warps, num_warps=warps)))
+    return main_loop_sass(build(probe_values, args, dict(num_warps=warps, num_stages=3)))
+
+
+def tile_counts(warps: int = 4) -> dict[str, tuple[int, dict]]:
+    """The whole packed tile: the low-bit kernel's own loop (Triton, int4, 64-key tiles) and the
+    Gluon probe of the same work."""
+    from orthros.ops.lowbit_launches import lowbit_launch, loop_options
+    from orthros.ops.splitkv_lowbit import _kernel
+
+    plan = lowbit_launch("int4", block_n=64, num_warps=warps, num_stages=3, **loop_options("planar-f16"))
+    u8, f16, i32 = torch.uint8, torch.float16, torch.int32
+    args = [torch.zeros(16, 128, dtype=f16), torch.zeros(4096, 64, dtype=u8), torch.zeros(8192, dtype=f16),
+            torch.zeros(8192, dtype=f16), torch.zeros(4096, 64, dtype=u8), torch.zeros(8192, dtype=f16),
+            torch.zeros(8192, dtype=f16), torch.zeros(4096, dtype=i32), torch.zeros(16, dtype=i32),
+            torch.zeros(70000), 64]
+    return {"low-bit kernel (Triton)": main_loop_sass(build(_kernel(), plan.args, plan.meta)),
+            "gluon-tile": main_loop_sass(build(probe_tile, args, dict(W=warps, num_warps=warps)))}
+
+
+def top(ops: dict, n: int) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:n])
 
 
 def main():
@@ -235,13 +333,17 @@ def main():
     print(f"| conversion | loop instructions a thread | a level | top opcodes |\n| --- | ---: | ---: | --- |")
     for i, name in enumerate(MODES):
         n, cnt = loop_counts(i, args.block, args.warps, args.k_width)
-        print(f"| {name} | {n} | {n / levels:.2f} | " + ", ".join(f"{k} {v}" for k, v in cnt.most_common(6)) + " |")
+        print(f"| {name} | {n} | {n / levels:.2f} | {top(cnt, 6)} |")
     levels = 64 * 128 / (32 * 4)  # the value half: 64 keys x 128 channels, 4 warps
     print(f"\n| value half (64 keys, 4 warps) | loop instructions a thread | a level | top opcodes |\n"
           "| --- | ---: | ---: | --- |")
     for name in ("triton-values", "gluon-values"):
         n, cnt = value_counts(name, 4)
-        print(f"| {name} | {n} | {n / levels:.2f} | " + ", ".join(f"{k} {v}" for k, v in cnt.most_common(8)) + " |")
+        print(f"| {name} | {n} | {n / levels:.2f} | {top(cnt, 8)} |")
+    print("\n| whole packed tile (int4, 64 keys, 4 warps) | loop instructions a thread | top opcodes |\n"
+          "| --- | ---: | --- |")
+    for name, (n, cnt) in tile_counts(4).items():
+        print(f"| {name} | {n} | {top(cnt, 12)} |")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ ptxas); nothing runs.
         splitkv_attention(q, k, v, ...)           # (nothing runs: its outputs stay uninitialized)
     for kernel, args, meta in launches:
         compile_for(kernel, args, meta)
+
+    main_loop_sass(build(kernel, plan.args, plan.meta))   # (984, {'PRMT': 192, ...}): the main loop's SASS
+
+Gluon kernels (`triton.experimental.gluon`) build the same way.
 """
 
 from __future__ import annotations
@@ -83,9 +87,10 @@ def signature(kernel, args: list, meta: dict) -> tuple[dict, dict, dict]:
     return sig, const, attrs
 
 
-def compile_for(kernel, args: list, meta: dict, arch: int = 90) -> dict:
-    """Compile for sm_`arch`; -> {'registers', 'spill_bytes', 'shared_bytes'} (ptxas -v).
-    Raises what the compiler raises for a kernel that does not build."""
+def build(kernel, args: list, meta: dict, arch: int = 90):
+    """The launch kernel[grid](*args, **meta) compiled for sm_`arch` (a Triton or a Gluon kernel):
+    Triton's compiled kernel (`.asm['ptx' | 'cubin']`, `.metadata`). Raises what the compiler
+    raises for a kernel that does not build."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -95,9 +100,41 @@ def compile_for(kernel, args: list, meta: dict, arch: int = 90) -> dict:
     fn = kernel
     while not isinstance(fn, triton.runtime.JITFunction):  # an autotuner / heuristics wrapper holds it
         fn = fn.fn
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_for(kernel, args: list, meta: dict, arch: int = 90) -> dict:
+    """Compile for sm_`arch`; -> {'registers', 'spill_bytes', 'shared_bytes'} (ptxas -v).
+    Raises what the compiler raises for a kernel that does not build."""
+    compiled = build(kernel, args, meta, arch)
     return dict(ptxas_report(compiled.asm["ptx"], arch), shared_bytes=int(compiled.metadata.shared))
+
+
+def main_loop_sass(compiled) -> tuple[int, dict]:
+    """(instructions a thread in the build's main loop, {opcode: count}): the loop is the longest
+    backward branch of the SASS (the Triton wheel's cuobjdump). Static counts, not timings."""
+    import triton
+    from collections import Counter
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
+           if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line))]
+    back = [(int(m.group(1), 16), a) for a, t in ins if (m := re.search(r"BRA (0x[0-9a-f]+)", t))
+            and int(m.group(1), 16) < a]
+    if not back:
+        raise ValueError("the build has no loop")
+    lo, hi = max(back, key=lambda x: x[1] - x[0])
+    body = [t for a, t in ins if lo <= a <= hi]
+    return len(body), dict(Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body))
 
 
 def ptxas_report(ptx: str, arch: int = 90) -> dict:
