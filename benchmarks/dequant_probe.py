@@ -56,7 +56,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from orthros.ops.cross_compile import build, main_loop_sass
+from orthros.ops.cross_compile import build, compile_for, main_loop_sass
 from orthros.ops.splitkv_lowbit_kernel import LEVELS4_PTX, _levels
 
 MODES = ("fp32-trick", "fp16-magic", "fp16-offset", "lop3-asm", "gluon-lop3")
@@ -188,8 +188,9 @@ def _perm16(x, W: gl.constexpr, C: gl.constexpr):
 
 
 @gluon.jit
-def probe_tile(Q, KB, KS, KZ, VB, VS, VZ, KDOC, QDOC, O, n_tiles, W: gl.constexpr):
-    """A whole int4 packed tile (see the module docstring), W warps of 16 keys each."""
+def probe_tile(Q, KB, KS, KZ, VB, VS, VZ, KDOC, QDOC, O, n_tiles, W: gl.constexpr, PREFETCH: gl.constexpr):
+    """A whole int4 packed tile (see the module docstring), W warps of 16 keys each; PREFETCH: the
+    next tile's key and value bytes loaded before this tile's work (carried by the loop)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1],
                                                   instr_shape=[1, 16, 8])
     ka: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
@@ -232,10 +233,25 @@ def probe_tile(Q, KB, KS, KZ, VB, VS, VZ, KDOC, QDOC, O, n_tiles, W: gl.constexp
     a01 = gl.zeros([W, 16, 32], gl.float32, layout=mma)
     a10 = gl.zeros([W, 16, 32], gl.float32, layout=mma)
     a11 = gl.zeros([W, 16, 32], gl.float32, layout=mma)
+    kbn = gl.load(KB + (16 * kw[:, None, None] + kn[None, None, :]) * 64 + kc[None, :, None])
+    vpn = VB + (16 * vw[:, None, None]) * 64 + vc[None, None, :] * 16 + vk[None, :, None]
+    vb0n = gl.load(vpn)
+    vb1n = gl.load(vpn + 512)
     for t in range(n_tiles):
         j0 = t * 16 * W
         # keys
-        kb = gl.load(KB + (j0 + 16 * kw[:, None, None] + kn[None, None, :]) * 64 + kc[None, :, None])
+        if PREFETCH:
+            kb, vb0, vb1 = kbn, vb0n, vb1n
+            j1 = j0 + 16 * W
+            kbn = gl.load(KB + (j1 + 16 * kw[:, None, None] + kn[None, None, :]) * 64 + kc[None, :, None])
+            vpn = VB + (j1 + 16 * vw[:, None, None]) * 64 + vc[None, None, :] * 16 + vk[None, :, None]
+            vb0n = gl.load(vpn)
+            vb1n = gl.load(vpn + 512)
+        else:
+            kb = gl.load(KB + (j0 + 16 * kw[:, None, None] + kn[None, None, :]) * 64 + kc[None, :, None])
+            vp = VB + (j0 + 16 * vw[:, None, None]) * 64 + vc[None, None, :] * 16 + vk[None, :, None]
+            vb0 = gl.load(vp)  # group 0: bytes 0..31
+            vb1 = gl.load(vp + 512)  # group 1: bytes 32..63
         ks0 = gl.load(KS + t * 128 + ksc)
         ks1 = gl.load(KS + t * 128 + 64 + ksc)
         kz0 = gl.load(KZ + t * 128 + ksc)
@@ -266,9 +282,8 @@ def probe_tile(Q, KB, KS, KZ, VB, VS, VZ, KDOC, QDOC, O, n_tiles, W: gl.constexp
         z1 = z1 * alpha + gl.sum(p * vz1[:, None, :], axis=2)
         p0 = gl.convert_layout((p * vs0[:, None, :]).to(gl.float16), va)
         p1 = gl.convert_layout((p * vs1[:, None, :]).to(gl.float16), va)
-        vp = VB + (j0 + 16 * vw[:, None, None]) * 64 + vc[None, None, :] * 16 + vk[None, :, None]
-        w00, w10 = _lv(gl.load(vp))          # group 0: bytes 0..31
-        w01, w11 = _lv(gl.load(vp + 512))    # group 1: bytes 32..63
+        w00, w10 = _lv(vb0)
+        w01, w11 = _lv(vb1)
         al = alpha[:, :, None]
         a00 = mma_v2(p0, gl.convert_layout(_perm16(w00, W, 32), vbl), a00 * al)
         a10 = mma_v2(p0, gl.convert_layout(_perm16(w10, W, 32), vbl), a10 * al)
@@ -302,11 +317,11 @@ def value_counts(mode: str, warps: int) -> tuple[int, dict]:
     return main_loop_sass(build(probe_values, args, dict(num_warps=warps, num_stages=3)))
 
 
-def tile_counts(warps: int = 4) -> dict[str, tuple[int, dict]]:
+def tile_counts(warps: int = 4) -> dict[str, tuple[tuple[int, dict], dict]]:
     """The whole packed tile: the low-bit kernel's own loop (Triton, int4, 64-key tiles) and the
-    Gluon probe of the same work."""
+    Gluon probe of the same work -> {name: ((loop instructions, opcodes), ptxas report)}."""
     from orthros.ops.lowbit_launches import lowbit_launch, loop_options
-    from orthros.ops.splitkv_lowbit import _kernel
+    from orthros.ops.splitkv_lowbit import MAXNREG, _kernel
 
     plan = lowbit_launch("int4", block_n=64, num_warps=warps, num_stages=3, **loop_options("planar-f16"))
     u8, f16, i32 = torch.uint8, torch.float16, torch.int32
@@ -314,8 +329,13 @@ def tile_counts(warps: int = 4) -> dict[str, tuple[int, dict]]:
             torch.zeros(8192, dtype=f16), torch.zeros(4096, 64, dtype=u8), torch.zeros(8192, dtype=f16),
             torch.zeros(8192, dtype=f16), torch.zeros(4096, dtype=i32), torch.zeros(16, dtype=i32),
             torch.zeros(70000), 64]
-    return {"low-bit kernel (Triton)": main_loop_sass(build(_kernel(), plan.args, plan.meta)),
-            "gluon-tile": main_loop_sass(build(probe_tile, args, dict(W=warps, num_warps=warps)))}
+    meta = dict(plan.meta, maxnreg=MAXNREG)  # as the GPU default builds it
+    out = {"low-bit kernel (Triton)": (main_loop_sass(build(_kernel(), plan.args, meta)),
+                                       compile_for(_kernel(), plan.args, meta))}
+    for name, pf in (("gluon-tile", False), ("gluon-tile, next tile's bytes prefetched", True)):
+        meta = dict(W=warps, PREFETCH=pf, num_warps=warps)
+        out[name] = (main_loop_sass(build(probe_tile, args, meta)), compile_for(probe_tile, args, meta))
+    return out
 
 
 def top(ops: dict, n: int) -> str:
@@ -340,10 +360,10 @@ def main():
     for name in ("triton-values", "gluon-values"):
         n, cnt = value_counts(name, 4)
         print(f"| {name} | {n} | {n / levels:.2f} | {top(cnt, 8)} |")
-    print("\n| whole packed tile (int4, 64 keys, 4 warps) | loop instructions a thread | top opcodes |\n"
-          "| --- | ---: | --- |")
-    for name, (n, cnt) in tile_counts(4).items():
-        print(f"| {name} | {n} | {top(cnt, 12)} |")
+    print("\n| whole packed tile (int4, 64 keys, 4 warps) | loop instructions a thread | registers (spilled bytes) "
+          "| top opcodes |\n| --- | ---: | ---: | --- |")
+    for name, ((n, cnt), regs) in tile_counts(4).items():
+        print(f"| {name} | {n} | {regs['registers']} ({regs['spill_bytes']}) | {top(cnt, 12)} |")
 
 
 if __name__ == "__main__":

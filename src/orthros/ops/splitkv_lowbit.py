@@ -34,8 +34,8 @@ after, and 1.10 / 1.04 ms with 168 registers a thread and three times the
 splits (three programs an SM instead of two, two full waves): the default
 there (`MAXNREG`). ncu of the 2-program build: 0.46 instructions issued a
 cycle per scheduler, 1.96 warps each (0.59 eligible), limited by registers;
-at three programs an SM the loop's 984 instructions a tile would alone take
-~0.49 ms a layer at one issue a cycle, so it is bound by its per-tile work
+at three programs an SM the loop's 1,036 instructions a tile (168 registers)
+would alone take ~0.52 ms a layer at one issue a cycle, so it is bound by its per-tile work
 and its latency, not by bytes (docs/long_context.md).
 
 The forms before it (fp16_dequant=False, for comparisons) never dequantize a
