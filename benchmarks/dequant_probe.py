@@ -56,7 +56,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from orthros.ops.cross_compile import build, compile_for, main_loop_sass
+from orthros.ops.cross_compile import build, main_loop_sass, ptxas_report
 from orthros.ops.splitkv_lowbit_kernel import LEVELS4_PTX, _levels
 
 MODES = ("fp32-trick", "fp16-magic", "fp16-offset", "lop3-asm", "gluon-lop3")
@@ -329,13 +329,11 @@ def tile_counts(warps: int = 4) -> dict[str, tuple[tuple[int, dict], dict]]:
             torch.zeros(8192, dtype=f16), torch.zeros(4096, 64, dtype=u8), torch.zeros(8192, dtype=f16),
             torch.zeros(8192, dtype=f16), torch.zeros(4096, dtype=i32), torch.zeros(16, dtype=i32),
             torch.zeros(70000), 64]
-    meta = dict(plan.meta, maxnreg=MAXNREG)  # as the GPU default builds it
-    out = {"low-bit kernel (Triton)": (main_loop_sass(build(_kernel(), plan.args, meta)),
-                                       compile_for(_kernel(), plan.args, meta))}
-    for name, pf in (("gluon-tile", False), ("gluon-tile, next tile's bytes prefetched", True)):
-        meta = dict(W=warps, PREFETCH=pf, num_warps=warps)
-        out[name] = (main_loop_sass(build(probe_tile, args, meta)), compile_for(probe_tile, args, meta))
-    return out
+    builds = {"low-bit kernel (Triton)": build(_kernel(), plan.args, dict(plan.meta, maxnreg=MAXNREG)),  # as on a GPU
+              "gluon-tile": build(probe_tile, args, dict(W=warps, PREFETCH=False, num_warps=warps)),
+              "gluon-tile, next tile's bytes prefetched": build(probe_tile, args, dict(W=warps, PREFETCH=True,
+                                                                                       num_warps=warps))}
+    return {name: (main_loop_sass(c), ptxas_report(c.asm["ptx"])) for name, c in builds.items()}
 
 
 def top(ops: dict, n: int) -> str:
@@ -350,12 +348,12 @@ def main():
                    help="gluon-lop3: contiguous key bytes a thread loads (the operands' k_width)")
     args = p.parse_args()
     levels = args.block * 128 / (32 * args.warps)  # int4 levels a thread a tile
-    print(f"| conversion | loop instructions a thread | a level | top opcodes |\n| --- | ---: | ---: | --- |")
+    print("| conversion | loop instructions a thread | a level | top opcodes |\n| --- | ---: | ---: | --- |")
     for i, name in enumerate(MODES):
         n, cnt = loop_counts(i, args.block, args.warps, args.k_width)
         print(f"| {name} | {n} | {n / levels:.2f} | {top(cnt, 6)} |")
     levels = 64 * 128 / (32 * 4)  # the value half: 64 keys x 128 channels, 4 warps
-    print(f"\n| value half (64 keys, 4 warps) | loop instructions a thread | a level | top opcodes |\n"
+    print("\n| value half (64 keys, 4 warps) | loop instructions a thread | a level | top opcodes |\n"
           "| --- | ---: | ---: | --- |")
     for name in ("triton-values", "gluon-values"):
         n, cnt = value_counts(name, 4)

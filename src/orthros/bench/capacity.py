@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-import time
 
 import torch
 
@@ -26,8 +25,8 @@ from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_f
 from ..generate import prefill as run_prefill
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES
-from .common import (DTYPES, build_model, drop_partial, environment, free_memory, is_oom, log_panel, progress, render,
-                     result_from, save_figure, save_partial, subplots, sync, variant_config)
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, log_panel, now, progress, render,
+                     result_from, save_figure, save_partial, subplots, variant_config)
 from .decode import cache_bytes, step_bytes
 from .prefill import _fmt_len, parse_len
 
@@ -75,21 +74,16 @@ def plan(args) -> list[tuple[str, list[int]]]:
     return out
 
 
-def _now(device):
-    sync(device)
-    return time.perf_counter()
-
-
 def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dict:
     """Prefill T random tokens into a `kv` cache, decode args.new - 1 more: one row."""
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
     cache = new_static_cache(model, 1, T + args.new, kv)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = _now(device)
+    t0 = now(device)
     progress(f"{kv} {_fmt_len(T)}: prefilling {T} tokens in chunks of {chunk}")
     logits, _ = run_prefill(model, ids, None, cache=cache, chunk_size=chunk)
-    ttft = _now(device) - t0
+    ttft = now(device) - t0
     progress(f"{kv} {_fmt_len(T)}: prefilled in {ttft:.1f} s; decoding {args.new - 1} tokens")
     if not torch.isfinite(logits.float()).all():
         raise RuntimeError(f"non-finite logits after prefill (T={T}, {kv})")
@@ -98,10 +92,10 @@ def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dic
     w = min(args.warmup, n)
     for _ in range(w):
         tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
-    t0 = _now(device)
+    t0 = now(device)
     for _ in range(n - w):
         tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
-    dt = (_now(device) - t0) / max(n - w, 1)
+    dt = (now(device) - t0) / max(n - w, 1)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     nbytes = step_bytes(model, cache, 1, T + w + (n - w) // 2)
     row = dict(status="ok", prefill_s=ttft, peak_gib=peak, cache_gib=cache_bytes(cache) / 2**30,
@@ -201,6 +195,4 @@ def run(args):
         return measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
-    if not args.from_json:
-        drop_partial(args.out_dir, args.tag)  # the whole run is saved
     return 0

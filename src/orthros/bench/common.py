@@ -121,6 +121,12 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def now(device) -> float:
+    """time.perf_counter() once the device's queued work is done."""
+    sync(device)
+    return time.perf_counter()
+
+
 def timed(fn, device):
     """(seconds, peak GiB allocated during the call (weights included), result) of one call."""
     free_memory()
@@ -216,18 +222,13 @@ def partial_path(out_dir: str, name: str) -> str:
 
 def save_partial(out_dir: str, name: str, result: dict) -> None:
     """The rows so far, as `partial_path` (a row can take minutes: a run stopped part-way keeps
-    what it measured; `--from-json` renders it). Replaced atomically; removed once the whole
-    run is saved (`drop_partial`)."""
+    what it measured; `--from-json` renders it). Replaced atomically; `result_from` removes it
+    once the whole run is saved."""
     os.makedirs(out_dir, exist_ok=True)
     path = partial_path(out_dir, name)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=1)
     os.replace(path + ".tmp", path)
-
-
-def drop_partial(out_dir: str, name: str) -> None:
-    if os.path.exists(partial_path(out_dir, name)):
-        os.remove(partial_path(out_dir, name))
 
 
 def result_from(args, name: str, measure, key=None) -> dict:
@@ -248,6 +249,9 @@ def result_from(args, name: str, measure, key=None) -> dict:
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
+    if not args.from_json:  # the whole run is saved: the rows a cut run would have kept go
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial_path(args.out_dir, name))
     return result
 
 

@@ -33,8 +33,8 @@ from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
 from ..models.static_cache import FP8, KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, build_model, drop_partial, environment, free_memory, is_oom, kernel_profile, log_panel,
-                     progress, render, result_from, save_figure, save_partial, subplots, sync, variant_config)
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, log_panel, now, progress,
+                     render, result_from, save_figure, save_partial, subplots, sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full")
@@ -160,12 +160,10 @@ def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> tuple
     compilation and graph capture on a first call); tokens fed back greedily."""
     B = cache.batch_size
     tok = torch.randint(0, model.config.vocab_size, (B,), device=device)
-    sync(device)
-    t0 = time.perf_counter()
+    t0 = now(device)
     for _ in range(warmup):
         tok = decode_one_token_fast(model, tok, cache, step_fn).argmax(-1)
-    sync(device)
-    warm_s = time.perf_counter() - t0
+    warm_s = now(device) - t0
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -202,11 +200,10 @@ def measure(args) -> dict:
                 what = f"{variant} B={B} ctx={_fmt_len(C)}"
                 cache = None
                 try:
-                    t0 = time.perf_counter()
+                    t0 = now(device)
                     cache = new_static_cache(model, B, C + args.warmup + args.steps + 11, args.kv_dtype)
                     fill_random(cache, C)
-                    sync(device)
-                    fill_s = time.perf_counter() - t0
+                    fill_s = now(device) - t0
                     progress(f"{what}: {args.kv_dtype} cache filled in {fill_s:.1f} s; {args.warmup} warm-up steps "
                              "(compilation, graph capture)")
                     with torch.inference_mode():
@@ -314,6 +311,4 @@ def run(args):
         return measure(args)
 
     render(result_from(args, args.tag, measure_checked), args.out_dir, args.docs, args.tag, table, plot)
-    if not args.from_json:
-        drop_partial(args.out_dir, args.tag)  # the whole run is saved
     return 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-import time
 
 import torch
 
@@ -35,8 +34,8 @@ from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_
                         new_static_cache, prefill)
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, render, result_from, save_figure, subplots,
-                     sync, variant_config)
+from .common import (DTYPES, build_model, environment, free_memory, is_oom, now, render, result_from, save_figure,
+                     subplots, sync, variant_config)
 from .decode import cache_bytes, random_slots
 from .prefill import _fmt_len, parse_len
 
@@ -78,11 +77,6 @@ def add_arguments(p):
 
 
 # ------------------------------------------------------------------ measure
-def _now(device):
-    sync(device)
-    return time.perf_counter()
-
-
 def advance_random(cache, new_length: int, seed: int = 1) -> None:
     """Move a cache forward to `new_length` slots with random K/V (untimed filler)."""
     a = cache.length
@@ -117,10 +111,10 @@ def run_setting(model, B, T_in, n_out, args, step_fn, device) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    t0 = _now(device)
+    t0 = now(device)
     logits, _ = prefill(model, ids, None, cache=cache, chunk_size=chunk)
     tok = logits.argmax(-1)
-    ttft = _now(device) - t0
+    ttft = now(device) - t0
     if not torch.isfinite(logits.float()).all():
         raise RuntimeError(f"non-finite logits after prefill (T={T_in})")
     n_dec = n_out - 1
@@ -129,19 +123,19 @@ def run_setting(model, B, T_in, n_out, args, step_fn, device) -> dict:
     rest = n_dec - w
     extrapolated = rest > args.max_timed_steps
     if not extrapolated:
-        t0 = _now(device)
+        t0 = now(device)
         tok = _steps(model, tok, cache, rest, step_fn)
-        step = (_now(device) - t0) / max(rest, 1)
+        step = (now(device) - t0) / max(rest, 1)
         steps_timed = rest
     else:
         m = args.max_timed_steps // 2
-        t0 = _now(device)
+        t0 = now(device)
         tok = _steps(model, tok, cache, m, step_fn)
-        t_a = (_now(device) - t0) / m
+        t_a = (now(device) - t0) / m
         advance_random(cache, T_in + n_out - 1 - m)
-        t0 = _now(device)
+        t0 = now(device)
         tok = _steps(model, tok, cache, m, step_fn)
-        t_b = (_now(device) - t0) / m
+        t_b = (now(device) - t0) / m
         step = (t_a + t_b) / 2
         steps_timed = 2 * m
     decode = step * n_dec

@@ -35,8 +35,8 @@ splits (three programs an SM instead of two, two full waves): the default
 there (`MAXNREG`). ncu of the 2-program build: 0.46 instructions issued a
 cycle per scheduler, 1.96 warps each (0.59 eligible), limited by registers;
 at three programs an SM the loop's 1,036 instructions a tile (168 registers)
-would alone take ~0.52 ms a layer at one issue a cycle, so it is bound by its per-tile work
-and its latency, not by bytes (docs/long_context.md).
+would alone take ~0.52 ms a layer at one issue a cycle, so it is bound by
+its per-tile work and its latency, not by bytes (docs/long_context.md).
 
 The forms before it (fp16_dequant=False, for comparisons) never dequantize a
 key, and dequantize the values in fp32 registers:
@@ -139,10 +139,10 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     packed loop (None: wherever it applies; False: the interleaving one, for comparisons);
     dequant_values: in the bit-plane loop, values dequantized in registers and read with plain
     2-D dots (None: wherever the loop runs; the faster on an H200), or False: their scales
-    folded into p with dots batched over the channel groups (for comparisons); fp16_dequant: in the dequantizing loop, keys
-    and values dequantized in fp16 from levels made by packed-bit operations, the dots in fp16
-    (None: wherever that loop runs), or False: keys folded into q and values dequantized in fp32
-    (the loop before, for comparisons)."""
+    folded into p with dots batched over the channel groups (for comparisons); fp16_dequant: in
+    the dequantizing loop, keys and values dequantized in fp16 from levels made by packed-bit
+    operations, the dots in fp16 (None: wherever that loop runs), or False: keys folded into q
+    and values dequantized in fp32 (the loop before, for comparisons)."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
                        block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg)
