@@ -52,10 +52,12 @@ def main():
                         "(sm_90 builds, Triton 3.6: fp8 at 32- and 64-key tiles spill nothing at 168; the int4 fp16 "
                         "loop spills 84 B at 168)")
     p.add_argument("--no-rotate", action="store_true", help="low-bit caches without the Hadamard rotation")
-    p.add_argument("--loops", nargs="+", choices=LOOPS, default=["planar-f16", "planar-dq"],
-                   help="low-bit: the packed loop over bit planes with keys and values dequantized in fp16 "
-                        "(planar-f16, the default), with keys folded into q and values dequantized in fp32 "
-                        "(planar-dq), with the value scales folded into p (planar), and/or the interleaving one")
+    p.add_argument("--loops", nargs="+", choices=LOOPS + ("gluon",), default=["gluon", "planar-f16"],
+                   help="low-bit: the packed slots read by the Gluon kernel (gluon, the default on a GPU; "
+                        "--split-factors then count its one-warp programs), or by the Triton kernel's loop over "
+                        "bit planes with keys and values dequantized in fp16 (planar-f16), with keys folded into "
+                        "q and values dequantized in fp32 (planar-dq), with the value scales folded into p "
+                        "(planar), and/or the interleaving one")
     p.add_argument("--dots", nargs="+", choices=("fp16", "bf16"), default=["fp16", "bf16"],
                    help="fp8: the dots' operand type (fp16, the default: one conversion per two values; bf16: "
                         "through fp16, one more per value)")
@@ -100,7 +102,7 @@ def main():
                                                       cache.value_bits, cache.key_group, rotation=cache.rotation,
                                                       window=W, window_rows=1, num_splits=splits, **tile,
                                                       num_warps=warps, num_stages=stages, maxnreg=nreg or None,
-                                                      **loop_options(loop))
+                                                      **packed_options(loop))
             else:
                 f16 = None if loop is None else loop == "fp16 dots"
                 fn = lambda: splitkv_attention(q, k, v, slot, qdoc, kdoc, window=W, num_splits=splits,
@@ -128,6 +130,11 @@ def main():
                        "rotate": not args.no_rotate, "command": command(), "rows": rows}, f, indent=1)
     if args.docs and splice_marks(args.docs, text, (f"<!-- {args.tag}-table:begin -->", f"<!-- {args.tag}-table:end -->")):
         print(f"table written into {args.docs}")
+
+
+def packed_options(loop: str) -> dict:
+    """--loops name -> `lowbit_splitkv_attention` keyword arguments."""
+    return dict(packed_kernel="gluon") if loop == "gluon" else dict(loop_options(loop), packed_kernel="triton")
 
 
 def command() -> str:

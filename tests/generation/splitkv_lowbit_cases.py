@@ -55,7 +55,8 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
           dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64,
-          planar=None, dequant_values=None, fp16_dequant=None, q_mult=1.0, k_mult=1.0):
+          planar=None, dequant_values=None, fp16_dequant=None, q_mult=1.0, k_mult=1.0, packed_kernel=None,
+          pad_docs=False):
     cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
                          value_group, k_mult)
     B = cache.batch_size
@@ -63,6 +64,9 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     slot = torch.full((B, M), length - 1, device=device)
     slot[:, : M - 1] -= torch.arange(M - 1, 0, -1, device=device)  # earlier rows at earlier slots
     qd = torch.zeros(B, M, dtype=torch.long, device=device)
+    if pad_docs:  # row 1's query in a second document starting mid-cache: its packed slots before that are hidden
+        cache.doc[1, length // 3:length] = 5
+        qd[1] = 5
     kd = cache.doc[:, :length]
     bound = cache.bound_at(length)
     kr, vr = cache.dense(0, length, bound)
@@ -74,11 +78,13 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
                                    cache.key_bits,
                                    cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
                                    rotation=cache.rotation, num_splits=splits, block_n=block_n,
-                                   planar=planar, dequant_values=dequant_values, fp16_dequant=fp16_dequant)
+                                   planar=planar, dequant_values=dequant_values, fp16_dequant=fp16_dequant,
+                                   packed_kernel=packed_kernel)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # 16-bit: the kernel's dots in that dtype
     assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate,
-                       key_group, value_group, block_n, planar, dequant_values, fp16_dequant, q_mult, err)
+                       key_group, value_group, block_n, planar, dequant_values, fp16_dequant, q_mult, packed_kernel,
+                       err)
     return bound
 
 
@@ -202,11 +208,54 @@ def quick_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
     mixed_key_bits(device, torch.bfloat16)
 
 
+def gluon_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
+    """The Gluon packed kernel (`ops/splitkv_lowbit_gluon.py`, asked for explicitly): head sizes 128 and
+    64 with 4 and 3 query heads a KV head (one output row, a decode pair, two output rows), bf16 and fp16
+    queries, lengths across tiles and key groups (past the bound, a bound of 0), one split, several
+    (with empty ones) and the default count, a second document hiding part of the packed slots,
+    unrotated caches, queries past 2^14, and more slots than the default split count has programs.
+    Every case runs; the failures are listed, then raised."""
+    failed = []
+
+    def check(*args, **kw):
+        try:
+            globals()["check"](*args, **kw)
+        except AssertionError as e:
+            failed.append(e)
+            print("FAILED", e, flush=True)
+
+    for kv in kvs:
+        for D, H, Hkv in ((128, 32, 8), (64, 9, 3), (128, 8, 2)):
+            for dt in (torch.bfloat16, torch.float16):
+                for length, chunks, splits in ((1000, [1000], None), (300, [300], 1), (4100, [4100], 7),
+                                               (150, [150], None), (700, [300], 3)):
+                    check(kv, H, Hkv, D, length, 4, chunks, M=1, dtype=dt, device=device, key_group=64,
+                          value_group=64, splits=splits, packed_kernel="gluon")
+                check(kv, H, Hkv, D, 700, 4, [300], window=W, window_rows=1, M=2, dtype=dt, device=device,
+                      key_group=64, value_group=64, packed_kernel="gluon")  # the decode pair
+                if H // Hkv <= 4:
+                    check(kv, H, Hkv, D, 900, 4, [900], M=2, dtype=dt, device=device, key_group=64,
+                          value_group=64, packed_kernel="gluon")  # two output rows
+            check(kv, H, Hkv, D, 2000, 4, [2000], M=1, dtype=torch.bfloat16, device=device, key_group=64,
+                  value_group=64, pad_docs=True, packed_kernel="gluon")
+            check(kv, H, Hkv, D, 2000, 0, [2000], M=1, dtype=torch.bfloat16, device=device, key_group=128,
+                  value_group=64, rotate=False, packed_kernel="gluon")  # no sinks, groups of 128, unrotated
+            check(kv, H, Hkv, D, 1000, 4, [1000], M=1, dtype=torch.bfloat16, device=device, key_group=64,
+                  value_group=64, q_mult=6e4, k_mult=5e-5, packed_kernel="gluon")
+        check(kv, 32, 8, 128, 70000, 4, [70000], M=1, dtype=torch.bfloat16, device=device, key_group=64,
+              value_group=64, packed_kernel="gluon")  # more tiles than programs: several tiles a split
+        print(kv, "gluon done", flush=True)
+    assert not failed, f"{len(failed)} Gluon cases failed: {failed}"
+
+
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     if which == "quick":
         quick_cases(dev)
+        print("ok")
+    elif which == "gluon":
+        gluon_cases(dev)
         print("ok")
     elif which == "wide":  # the 16-bit dots alone (on a GPU: bf16 and fp16 queries) and the mixed key bits
         wide_cases(dev)

@@ -95,6 +95,7 @@ slot indices are 32-bit (caches below 2^31 slots).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -127,7 +128,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
                              num_stages: int | None = None, planar: bool | None = None,
                              dequant_values: bool | None = None, fp16_dequant: bool | None = None,
-                             maxnreg: int | None = None):
+                             maxnreg: int | None = None, packed_kernel: str | None = None):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -143,19 +144,127 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     the dequantizing loop, keys and values dequantized in fp16 from levels made by packed-bit
     operations, the dots in fp16 (None: wherever that loop runs), or False: keys folded into q
     and values dequantized in fp32 (the loop before, for comparisons)."""
+    row0 = packed_rows(q.shape[1], window, window_rows)
+    if packed_kernel is None:
+        packed_kernel = "gluon" if gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0,
+                                                 planar) else "triton"
+    if packed_kernel == "gluon":
+        why = gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar)
+        if why:
+            raise ValueError(f"the Gluon packed kernel does not apply: {why}")
+        return _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
+                                bound, length, key_bits, value_bits, key_group, window, scale, window_rows, rotation,
+                                row0, num_splits, block_n, num_warps, num_stages, maxnreg)
+    if packed_kernel != "triton":
+        raise ValueError(f"packed_kernel must be 'gluon', 'triton' or None, got {packed_kernel!r}")
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
                        block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg)
     _kernel()[plan.grid](*plan.args, **plan.meta)
-    B, P, M, H, parts, D = plan.o.shape
+    return _combine(plan.o, plan.lse, q.dtype, rotation)
+
+
+def _combine(o, lse, dtype, rotation):
+    """Split results o [B, P, M, H, parts, D], lse [B, P, M, H] -> [B, M, H, D] in dtype."""
+    B, P, M, H, parts, D = o.shape
     if parts == 1:
-        return merge_splits_kernel(plan.o.view(B, P, M, H, D), plan.lse, q.dtype)
+        return merge_splits_kernel(o.reshape(B, P, M, H, D), lse, dtype)
     # both parts share each split's softmax: merge them as 2H heads, then add the packed part
     # (out of V R space for a rotated cache)
-    out = merge_splits_kernel(plan.o.view(B, P, M, 2 * H, D), plan.lse.repeat_interleave(2, dim=-1), torch.float32)
+    out = merge_splits_kernel(o.reshape(B, P, M, 2 * H, D), lse.repeat_interleave(2, dim=-1), torch.float32)
     out = out.view(B, M, H, 2, D)
     packed = out[..., 1, :] if rotation is None else out[..., 1, :] @ rotation
-    return (out[..., 0, :] + packed).to(q.dtype)
+    return (out[..., 0, :] + packed).to(dtype)
+
+
+# ------------------------------------------------------------------ the Gluon packed kernel
+GLUON_ROWS = 8  # output rows a KV head the Gluon kernel takes (G * packed rows)
+GLUON_WARPS_PER_SM = 16  # programs (one warp each) an SM, for the default split count
+
+
+def packed_rows(M: int, window, window_rows) -> int:
+    """The first query row that reads packed slots (rows before it are windowed)."""
+    if window is None:
+        return 0
+    return M if window_rows is None else min(M, window_rows)
+
+
+def gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar=None) -> str | None:
+    """Why the Gluon packed kernel cannot read this launch's packed slots (None: it can)."""
+    B, M, H, D = q.shape
+    G = H // k_scale.shape[2]
+    if not q.is_cuda or _interpreting():
+        return "it needs a CUDA GPU (no interpreter)"
+    if torch.cuda.get_device_capability(q.device) < (8, 0):
+        return "it needs mma.sync (sm_80 or newer)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return "it needs 16-bit queries"
+    if D not in (64, 128) or v_scale.shape[-1] != D // 64:
+        return "it needs head size 64 or 128 with value groups of 64"
+    if key_group % 64:
+        return "it needs key groups of a multiple of 64 slots"
+    if key_bits not in (2, 4) or value_bits not in (2, 4):
+        return "it needs 2- or 4-bit keys and values"
+    if row0 >= M or G * (M - row0) > GLUON_ROWS:
+        return f"it takes 1 to {GLUON_ROWS} output rows a KV head, got {G} x {M - row0}"
+    if planar is False:
+        return "the interleaving loop was asked for"
+    if k_scale.shape[1] * key_group * k_scale.shape[2] * (D // 8) >= 2**31:
+        return "caches of 2^31 packed units a row or more"
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return "this Triton has no Gluon"
+    return None
+
+
+def gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar=None) -> bool:
+    """Whether the packed slots are read by the Gluon kernel by default (`packed_kernel=None`)."""
+    if os.environ.get("ORTHROS_LOWBIT_KERNEL", "").lower() != "gluon":  # not yet the default: unverified
+        return False
+    return gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar) is None
+
+
+def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
+                     length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, row0,
+                     num_splits, block_n, num_warps, num_stages, maxnreg):
+    """The bf16 slots (sinks, ring) by the Triton kernel in one split, the packed slots by the Gluon
+    kernel in `num_splits` (default GLUON_WARPS_PER_SM programs an SM), merged."""
+    import triton
+
+    from . import splitkv_lowbit_gluon as gk
+
+    B, M, H, D = q.shape
+    Hkv = rk.shape[2]
+    G = H // Hkv
+    tiles = triton.cdiv(length, gk.BLOCK.value)
+    if num_splits is None:
+        num_splits = max(1, GLUON_WARPS_PER_SM * _num_sms(q.device) // max(1, B * Hkv))
+    per = triton.cdiv(tiles, num_splits)
+    P2 = triton.cdiv(tiles, per)
+    o = torch.empty(B, 1 + P2, M, H, 2, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, 1 + P2, M, H, device=q.device, dtype=torch.float32)
+    plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
+                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, 1,
+                       block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
+    _kernel()[plan.grid](*plan.args, **plan.meta)  # split 0: sinks and ring
+    ostr = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1),
+            lse.stride(2))
+    qr = plan.args[1]  # q R (or q, unrotated)
+    NU = D // 8
+    KW = 4 if NU == 16 else 2
+    scale = D ** -0.5 if scale is None else scale
+    gk.lowbit_packed_fwd[(B * Hkv, P2)](
+        qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse,
+        qr.stride(0), qr.stride(1), qr.stride(2), kq.stride(0), kq.stride(1) // key_bits, kq.stride(2),
+        vq.stride(0), vq.stride(1) // value_bits, vq.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
+        v_scale.stride(2), q_doc.stride(0), k_doc.stride(0), *ostr,
+        M, Hkv, sk.shape[1], key_group, scale * LOG2E, row0, 1, per,
+        G=G, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW, D // 64), num_warps=1)
+    lo = _combine(o[:, :1, :row0], lse[:, :1, :row0], q.dtype, rotation) if row0 else None
+    hi = _combine(o[:, :, row0:], lse[:, :, row0:], q.dtype, rotation)
+    return hi if lo is None else torch.cat([lo, hi], dim=1)
 
 
 @dataclass
@@ -170,8 +279,10 @@ class LaunchPlan:
 def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                 length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
                 num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None,
-                dequant_values=None, fp16_dequant=None, maxnreg=None) -> LaunchPlan:
-    """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds)."""
+                dequant_values=None, fp16_dequant=None, maxnreg=None, out=None, no_packed=False) -> LaunchPlan:
+    """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds).
+    out: (o, lse) buffers to write split p at (default: new ones of the launch's P splits);
+    no_packed: leave the packed slots to another kernel (`splitkv_lowbit_gluon`)."""
     import triton
 
     B, M, H, D = q.shape
@@ -218,8 +329,13 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
     per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
     P = max(1, triton.cdiv(S, per))
     parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
-    o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
+    if out is None:
+        o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)
+        lse = torch.empty(B, P, M, H, device=q.device, dtype=torch.float32)
+    else:
+        o, lse = out
+        if o.shape[2:] != (M, H, parts, D) or o.shape[1] < P or lse.shape[1] < P:
+            raise ValueError(f"out buffers [B, >= {P}, {M}, {H}, {parts}, {D}] expected, got {tuple(o.shape)}")
     if sk.shape[1] == 0:  # no sinks: any valid pointer (never read)
         sk, sv = rk, rv
     qr = q if rotation is None else (q.float() @ rotation).to(q.dtype)  # [B, M, H, D], contiguous
@@ -244,7 +360,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
-        F16=bool(fp16_dequant), PTX=not _interpreting(),
+        F16=bool(fp16_dequant), PTX=not _interpreting(), NO_PACKED=bool(no_packed),
         **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)

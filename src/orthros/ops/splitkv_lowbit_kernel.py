@@ -221,7 +221,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        KEY_FOLD: tl.constexpr, VALUE_BYTES: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
                        PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
-                       PTX: tl.constexpr):
+                       PTX: tl.constexpr, NO_PACKED: tl.constexpr = False):
     # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
@@ -284,6 +284,8 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     # packed [NS, bound): tiles aligned to BLOCK_Q, so (KEY_FOLD) each lies in one key group
     lo = tl.maximum(start, NS)
     hi = tl.minimum(end, bound)
+    if NO_PACKED:  # another kernel reads the packed slots (`splitkv_lowbit_gluon`): an empty loop
+        hi = lo // BLOCK_Q * BLOCK_Q
     nq = tl.arange(0, BLOCK_Q)
     nq3 = nq[None, :, None]
     ck = tl.arange(0, BLOCK_D // PK)

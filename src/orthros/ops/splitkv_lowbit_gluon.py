@@ -1,0 +1,389 @@
+"""The packed part of a low-bit split-KV read, in Gluon (`triton.experimental.gluon`): the
+slots [sinks, bound) of a `LowBitStaticCache` layer, for the output rows of a decode step, with
+every register layout chosen. What the Triton kernel (`splitkv_lowbit_kernel.py`) spends its
+instructions on there is layout traffic: levels moved between threads and through shared
+memory to reach the tensor cores' operand layouts. Here each thread loads exactly the packed
+words its operand registers hold, turns them into fp16 levels in place (inline PTX, about
+0.6-0.75 instructions a level) and feeds them to `mma_v2` as they are.
+
+One warp a program, one (row, KV head, split) each; a split is a run of 64-slot tiles (a tile
+lies inside one key group). For a tile, with the G query heads of the KV head (and the M rows)
+as the N = 8 columns of every product ("swapped": keys and channels are the M side, so the few
+query rows cost 8 columns, not 16):
+
+    keys      S [keys, rows] = sum over bit planes of L_p [keys, units] @ q'_p [units, rows]
+              + bias. L = 1024 + w n, the level n as an exact fp16 with the magic exponent of
+              1024 (w = 16^h for int4's high nibbles, 4^i for int2's fields); the key group's
+              per-channel scale s is folded into the query, q' = q s / w (fp16), so a level is
+              never dequantized; bias = q.z - 1024 sum(q'), both by the tensor cores (a -1024
+              operand and the zeros broadcast over rows, fp32 accumulation: nothing cancels
+              inexactly).
+    softmax   online, per program (no cross-warp state), in log2 units.
+    values    O^T [channels, rows] += L^T [channels, keys] @ p'' [keys, rows] per value group:
+              p'' = p * s_v / max(s_v of the tile) (the token's scale folded into p, normalized so
+              that small scales do not push p into fp16's subnormals; the factor is carried in the
+              accumulator's rescale, like the softmax max), the -1024 offsets by a (-1024) @ p''
+              product, the zeros as sum(p z_v) (fp32, per thread, reduced once at the end), and
+              1 / w of each channel applied once at the end.
+
+Packed words: a "unit" is the 8 channels c = 8u .. 8u + 7 of a slot (an int32 word of int4 levels,
+an int16 of int2 levels; `ops/lowbit.py` packs the lowest bits first, so plane p of a unit is
+channel 8u + p). Keys: a thread holds 4 consecutive units of a slot (one 16-byte load for int4,
+8 bytes for int2), two units a register pair; values: a thread holds one unit of 4 slots of a
+value group, two slots a register pair.
+
+Outputs: the program's part of o [B, P, M, H, 2, D] (fp32; part 0, the bf16 slots', written as
+zeros, part 1 the packed slots' in V R space) and lse [B, P, M, H] (natural log) at split
+`split0 + program_id(1)`, merged with the other splits (`ops/splitkv_lowbit.py`). Rows the
+program does not compute (windowed rows) get lse = -inf.
+
+Requirements (the launcher checks them): CUDA sm_80+, head size 64 or 128, value groups of 64,
+key groups a multiple of 64, 16-bit queries, at most 8 output rows a KV head.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+BLOCK = gl.constexpr(64)  # slots a tile
+ROWS = gl.constexpr(8)  # query rows a program (the N of every product)
+
+
+def _f16x2(x: float) -> str:
+    return f"0x{int.from_bytes(struct.pack('<e', x), 'little') * 0x10001:08x}"
+
+
+def _pair4_ptx() -> str:
+    """Two int32 units ($8, $9: the same channels of two slots, or two units of one slot) -> the 8
+    planes' levels, plane p in $p: lane 0 from $8, lane 1 from $9, 1024 + n (even p) or
+    1024 + 16 n (odd p). prmt brings byte b of each word to the low byte of a lane; lop3 masks
+    one nibble and ors in the exponent of 1024."""
+    lines = [".reg .b32 t;", ".reg .b32 mg;", f"mov.b32 mg, {_f16x2(1024.0)};"]
+    for b in range(4):
+        lines.append(f"prmt.b32 t, $8, $9, 0x{0x4400 + 0x1111 * b:04x};")
+        lines.append(f"lop3.b32 ${2 * b}, t, 0x000f000f, mg, 0xea;")
+        lines.append(f"lop3.b32 ${2 * b + 1}, t, 0x00f000f0, mg, 0xea;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+def _pair2_ptx() -> str:
+    """Two int16 units in one register ($8: lane 0, lane 1) -> the 8 planes' levels, plane p in $p:
+    1024 + 4^(p % 4) n. Fields 0-3 of each lane by masks, then the register shifted by 8 (the
+    high lane's low byte lands in the low lane's high byte, which no mask reads)."""
+    lines = [".reg .b32 t;", ".reg .b32 mg;", f"mov.b32 mg, {_f16x2(1024.0)};"]
+    for i in range(4):
+        lines.append(f"lop3.b32 ${i}, $8, 0x{(3 << 2 * i) * 0x10001:08x}, mg, 0xea;")
+    lines.append("shr.b32 t, $8, 8;")
+    for i in range(4):
+        lines.append(f"lop3.b32 ${4 + i}, t, 0x{(3 << 2 * i) * 0x10001:08x}, mg, 0xea;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+PAIR4 = gl.constexpr(_pair4_ptx())
+PAIR2 = gl.constexpr(_pair2_ptx())
+C4 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
+C2 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
+
+
+@gluon.jit
+def _planes(x, BITS: gl.constexpr):
+    """Units x (int32 for 4 bits, int16 for 2) -> their 8 planes' levels (fp16, 1024 + w n)."""
+    if BITS == 4:
+        return gl.inline_asm_elementwise(PAIR4, C4, [x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16,
+                                                               gl.float16, gl.float16, gl.float16, gl.float16),
+                                         is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise(PAIR2, C2, [x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16,
+                                                               gl.float16, gl.float16, gl.float16, gl.float16),
+                                         is_pure=True, pack=2)
+
+
+@gluon.jit
+def _opaque(x):
+    """x, hidden from the compiler's loop analysis: addresses computed from it are recomputed from the
+    tile's base each iteration instead of being carried across iterations as one 64-bit pointer per
+    loaded vector (which spent two moves a pointer a tile on an sm_90 build)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _stack8(x0, x1, x2, x3, x4, x5, x6, x7):
+    """8 tensors [A, B] -> [A, B, 8] (the 8 planes as a last, in-register axis)."""
+    x = gl.join(gl.join(gl.join(x0, x4), gl.join(x2, x6)), gl.join(gl.join(x1, x5), gl.join(x3, x7)))
+    return gl.reshape(x, [x.shape[0], x.shape[1], 8])  # index 4e + 2f + g of [.., e, f, g] is plane p
+
+
+@gluon.jit
+def _unit_weight(p, BITS: gl.constexpr):
+    """1 / w of plane p (the weight its level carries: 16^(p % 2) for 4 bits, 4^(p % 4) for 2)."""
+    if BITS == 4:
+        return gl.where(p % 2 == 1, 0.0625, 1.0)
+    else:
+        e = p % 4
+        return gl.where(e == 0, 1.0, gl.where(e == 1, 0.25, gl.where(e == 2, 0.0625, 0.015625)))
+
+
+def layouts(NU: int, KW: int, NG: int) -> dict:
+    """The loads' register layouts (constexprs of `lowbit_packed_fwd`), as linear layouts:
+    key scales [NU units, 8 planes, ROWS] (a thread: KW consecutive units, all 8 planes of each (one
+    16-byte load a unit), the row of its lane group); value scales / zeros [16 slots, NG] (a thread:
+    the two slots of its accumulator rows, both groups in one load)."""
+    from triton.experimental.gluon.language import DistributedLinearLayout
+
+    unit_regs = [[1 << i, 0, 0] for i in range(KW.bit_length() - 1)]
+    unit_lanes = [[KW, 0, 0], [2 * KW, 0, 0]]
+    kscale = DistributedLinearLayout(reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0]] + unit_regs,
+                                     lane_bases=unit_lanes + [[0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=[],
+                                     block_bases=[], shape=[NU, 8, 8])
+    vscale = DistributedLinearLayout(reg_bases=([[0, 1]] if NG == 2 else []) + [[8, 0]],
+                                     lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], warp_bases=[],
+                                     block_bases=[], shape=[16, NG])
+    return dict(KSL=kscale, VSL=vscale)
+
+
+@gluon.jit
+def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
+                      sqb, sqm, sqh, skqb, kstride, skqh, svqb, vstride, svqh,
+                      sksb, ksg, sksh, svsb, svss, svsh, s_qdoc_b, s_kdoc_b,
+                      sob, sop, som, soh, sox, slb, slp, slm,
+                      M, Hkv, NS, KG, qscale, row0, split0, tiles_per_split,
+                      G: gl.constexpr, NU: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
+                      KW: gl.constexpr, KSL: gl.constexpr, VSL: gl.constexpr):
+    NG: gl.constexpr = NU // 8  # value groups (64 channels, 8 units)
+    KTY: gl.constexpr = gl.int32 if KBITS == 4 else gl.int16
+    VTY: gl.constexpr = gl.int32 if VBITS == 4 else gl.int16
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
+    ka: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    kb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
+    za: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    zb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    va: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    vb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # key units [16 slots, NU] (KW consecutive units a thread); value units [8 units, 16 slots] (2 slots a register)
+    kld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, KW], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                         order=[1, 0])
+    vld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                         order=[1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(0, mma)  # [ROWS]: a column of the accumulators
+    keys_l: gl.constexpr = gl.SliceLayout(1, mma)  # [16]: a sub-tile's slots (rows of the scores)
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    b = (pid // Hkv).to(gl.int64)
+    kvh = pid % Hkv
+    nrows = G * (M - row0)
+
+    # ---- the query rows (r -> m = row0 + r // G, head kvh * G + r % G), in three forms:
+    # qw [NU, 8, ROWS] (channel 8u + p, times 1 / w_p; q' = qw * the key group's scales, then B operand
+    # of the key product with K = p * NU + u), qz [D, ROWS] (channel order; B of the zeros' product)
+    u3 = gl.arange(0, NU, layout=gl.SliceLayout(1, gl.SliceLayout(2, KSL)))
+    p3 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, KSL)))
+    r3 = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, KSL)))
+    ch3 = 8 * u3[:, None, None] + p3[None, :, None]
+    row_off3 = (row0 + r3 // G) * sqm + (kvh * G + r3 % G) * sqh
+    qf3 = gl.load(QR + b * sqb + row_off3[None, None, :] + ch3, mask=(r3 < nrows)[None, None, :],
+                  other=0.0).to(gl.float32) * qscale
+    big = gl.max(gl.max(gl.max(gl.abs(qf3), axis=2), axis=1), axis=0)
+    pre = gl.where(big > 16384.0, gl.exp2(14.0 - gl.ceil(gl.log2(big))), 1.0)  # a power of two: exact
+    unscale = 1.0 / pre
+    qw = (qf3 * (pre * _unit_weight(p3, KBITS))[None, :, None]).to(gl.float16)
+    zk = gl.arange(0, 8 * NU, layout=gl.SliceLayout(1, zb))
+    zr = gl.arange(0, ROWS, layout=gl.SliceLayout(0, zb))
+    qz = gl.load(QR + b * sqb + ((row0 + zr // G) * sqm + (kvh * G + zr % G) * sqh)[None, :] + zk[:, None],
+                 mask=(zr < nrows)[None, :], other=0.0).to(gl.float32) * (qscale * pre)
+    qz = qz.to(gl.float16)
+    minus = gl.full([16, 8 * NU], -1024.0, gl.float16, layout=ka)
+    minus_v = gl.full([16, 16], -1024.0, gl.float16, layout=va)
+    zc = gl.arange(0, 8 * NU, layout=gl.SliceLayout(0, za))
+    zfill = gl.zeros([16, 8 * NU], gl.float16, layout=za)
+
+    r = gl.arange(0, ROWS, layout=rows_l)
+    rvalid = r < nrows
+    qdoc = gl.load(QDOC + b * s_qdoc_b + row0 + r // G, mask=rvalid, other=-3).to(gl.int32)
+
+    # ---- loop-invariant offsets (32-bit) within a tile; each tile's bases are 64-bit scalars
+    ks_i = gl.arange(0, 16, layout=gl.SliceLayout(1, kld))
+    ku_i = gl.arange(0, NU, layout=gl.SliceLayout(0, kld))
+    koff = ks_i[:, None] * kstride + ku_i[None, :]  # [16, NU]: slot s of a sub-tile, unit u
+    vu_i = gl.arange(0, 8, layout=gl.SliceLayout(1, vld))
+    vs_i = gl.arange(0, 16, layout=gl.SliceLayout(0, vld))
+    voff = vs_i[None, :] * vstride + vu_i[:, None]  # [8, 16]: unit i of group 0, slot s
+    sk_i = gl.arange(0, 16, layout=keys_l)
+    sl2 = gl.arange(0, 16, layout=gl.SliceLayout(1, VSL))
+    g2 = gl.arange(0, NG, layout=gl.SliceLayout(0, VSL))
+    vsoff = sl2[:, None] * svss + g2[None, :]  # [16, NG]
+    KQ_b = (KQ + b * skqb + kvh * skqh).to(gl.pointer_type(KTY))
+    VQ_b = (VQ + b * svqb + kvh * svqh).to(gl.pointer_type(VTY))
+    KS_b = KS + b * sksb + kvh * sksh
+    KZ_b = KZ + b * sksb + kvh * sksh
+    VS_b = VS + b * svsb + kvh * svsh
+    VZ_b = VZ + b * svsb + kvh * svsh
+    KDOC_b = (KDOC + b * s_kdoc_b).to(gl.pointer_type(gl.int32))  # the low words of int64 documents
+
+    # ---- this split's tiles of [NS, bound)
+    bound = gl.load(BOUND).to(gl.int32)
+    t_lo = gl.maximum(split * tiles_per_split, NS // BLOCK)
+    t_hi = gl.minimum((split + 1) * tiles_per_split, (bound + BLOCK - 1) // BLOCK)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_l)  # the running max (raw score units)
+    c_i = 0.0  # the accumulators' unit: a power of two near 1 / the largest value scale (0: none yet)
+    l_acc = gl.zeros([16, ROWS], gl.float32, layout=mma)  # per-thread partial sums (reduced at the end)
+    z_acc0 = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    z_acc1 = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    p1_acc0 = gl.zeros([16, ROWS], gl.float32, layout=mma)  # -1024 sum(p'') per group (rows alike)
+    p1_acc1 = gl.zeros([16, ROWS], gl.float32, layout=mma)
+    o_acc0 = gl.zeros([64, ROWS], gl.float32, layout=mma)  # group 0: row 8 p + i -> channel 8 i + p
+    o_acc1 = gl.zeros([64, ROWS], gl.float32, layout=mma)  # group 1 (head size 128)
+
+    for t in range(t_lo, t_hi):
+        j0 = _opaque(t * BLOCK)
+        grp = (j0 // KG).to(gl.int64) * ksg
+        # q' of this key group (fp16: q * s / w) and the bias q.z - 1024 sum(q'), by the tensor cores
+        ks3 = gl.load(KS_b + grp + ch3)  # [NU, 8, ROWS]: one 16-byte load a unit (rows alike)
+        qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
+        kz = gl.load(KZ_b + grp + zc)
+        zbr = gl.broadcast(kz[None, :], zfill)[0]
+        bias = mma_v2(minus, qs, gl.zeros([16, ROWS], gl.float32, layout=mma))
+        bias = mma_v2(zbr, qz, bias)
+        KQ_t = KQ_b + j0.to(gl.int64) * kstride
+        s0 = _scores(KQ_t, koff, qs, bias, KBITS, NU, ka)
+        s1 = _scores(KQ_t + 16 * kstride, koff, qs, bias, KBITS, NU, ka)
+        s2 = _scores(KQ_t + 32 * kstride, koff, qs, bias, KBITS, NU, ka)
+        s3 = _scores(KQ_t + 48 * kstride, koff, qs, bias, KBITS, NU, ka)
+        # documents: a packed slot is visible to a row of the same document (slots below NS are sinks)
+        KD_t = KDOC_b + 2 * j0
+        s0 = _mask(s0, KD_t, j0, sk_i, NS, qdoc)
+        s1 = _mask(s1, KD_t + 32, j0 + 16, sk_i, NS, qdoc)
+        s2 = _mask(s2, KD_t + 64, j0 + 32, sk_i, NS, qdoc)
+        s3 = _mask(s3, KD_t + 96, j0 + 48, sk_i, NS, qdoc)
+        smax = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+        # value scales [16, NG] of the 4 sub-tiles, and the tile's largest
+        VS_t = VS_b + j0.to(gl.int64) * svss
+        v0 = gl.load(VS_t + vsoff).to(gl.float32)
+        v1 = gl.load(VS_t + 16 * svss + vsoff).to(gl.float32)
+        v2 = gl.load(VS_t + 32 * svss + vsoff).to(gl.float32)
+        v3 = gl.load(VS_t + 48 * svss + vsoff).to(gl.float32)
+        vmax = gl.max(gl.max(gl.maximum(gl.maximum(v0, v1), gl.maximum(v2, v3)), axis=1), axis=0)
+        # lazy rescale (the accumulators change units only when the max grows by more than 2^8 or
+        # the value scales leave [2^-6, 2] of the unit): exact powers of two for c
+        grow = gl.max(gl.where(smax > m_i, smax - m_i, 0.0), axis=0) * unscale
+        vc = vmax * c_i
+        if (grow > 8.0) | (vc > 2.0) | (vc < 0.015625):
+            m_new = gl.maximum(m_i, smax)
+            c_new = gl.exp2(-gl.ceil(gl.log2(gl.maximum(vmax, 1e-30))))
+            m_ok = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2((gl.where(m_i == float("-inf"), m_ok, m_i) - m_ok) * unscale)
+            resc = alpha * gl.where(c_i > 0, c_new / gl.maximum(c_i, 1e-30), 1.0)
+            o_acc0 = o_acc0 * resc[None, :]
+            p1_acc0 = p1_acc0 * resc[None, :]
+            o_acc1 = o_acc1 * resc[None, :]
+            p1_acc1 = p1_acc1 * resc[None, :]
+            l_acc = l_acc * alpha[None, :]
+            z_acc0 = z_acc0 * alpha[None, :]
+            z_acc1 = z_acc1 * alpha[None, :]
+            m_i = m_new
+            c_i = c_new
+        mu = gl.where(m_i == float("-inf"), 0.0, m_i) * unscale
+        VQ_t = VQ_b + j0.to(gl.int64) * vstride
+        VZ_t = VZ_b + j0.to(gl.int64) * svss
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
+            s0, v0, VZ_t, VQ_t, vsoff, voff, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
+            s1, v1, VZ_t + 16 * svss, VQ_t + 16 * vstride, vsoff, voff, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
+            s2, v2, VZ_t + 32 * svss, VQ_t + 32 * vstride, vsoff, voff, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
+            s3, v3, VZ_t + 48 * svss, VQ_t + 48 * vstride, vsoff, voff, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+
+    # ---- the program's partial result: o = ((acc - 1024 sum p'') / w / c + sum(p z)) / l
+    l_i = gl.sum(l_acc, axis=0)
+    seen = l_i > 0
+    linv = 1.0 / gl.where(seen, l_i, 1.0)
+    m_fin = gl.where(m_i == float("-inf"), 0.0, m_i) * unscale
+    lse = gl.where(seen, (m_fin + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    cinv = 1.0 / gl.maximum(c_i, 1e-30)
+    out_m = row0 + r // G
+    out_h = kvh * G + r % G
+    obase = O + b * sob + (split0 + split) * sop + out_m * som + out_h * soh  # [ROWS] in rows_l
+    ci = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+    ch = 8 * (ci % 8) + ci // 8  # accumulator row 8 p + i -> channel 8 i + p of the group
+    wv = _unit_weight(ci // 8, VBITS) * cinv
+    _store_group(obase, o_acc0, p1_acc0, z_acc0, wv, ch, linv, rvalid, sox)
+    if NG == 2:
+        _store_group(obase + 64, o_acc1, p1_acc1, z_acc1, wv, ch, linv, rvalid, sox)
+    zero = gl.zeros([64, ROWS], gl.float32, layout=mma)
+    for g in gl.static_range(NG):
+        gl.store(obase[None, :] + 64 * g + ch[:, None], zero, mask=rvalid[None, :])
+    gl.store(LSE + b * slb + (split0 + split) * slp + out_m * slm + out_h, lse, mask=rvalid)
+
+
+@gluon.jit
+def _store_group(obase, acc, p1, z, wv, ch, linv, rvalid, sox):
+    p1r = gl.max(p1, axis=0)  # the rows of p1 are alike
+    zr = gl.sum(z, axis=0)
+    o = ((acc + p1r[None, :]) * wv[:, None] + zr[None, :]) * linv[None, :]
+    gl.store(obase[None, :] + sox + ch[:, None], o, mask=rvalid[None, :])
+
+
+@gluon.jit
+def _scores(KQ_t, koff, qs, bias, KBITS: gl.constexpr, NU: gl.constexpr, ka: gl.constexpr):
+    """Raw scores of 16 slots [16, ROWS] (log2 units times the query pre-scale)."""
+    w = gl.load(KQ_t + koff)  # [16, NU] units
+    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, KBITS)
+    x = gl.reshape(gl.permute(_stack8(x0, x1, x2, x3, x4, x5, x6, x7), [0, 2, 1]), [16, 8 * NU])
+    return mma_v2(gl.convert_layout(x, ka), qs, bias)
+
+
+@gluon.jit
+def _mask(s, KD_t, j0, sk_i, NS, qdoc):
+    jv = (j0 + sk_i) >= NS
+    kdoc = gl.load(KD_t + 2 * sk_i, mask=jv, other=-4)
+    return gl.where(kdoc[:, None] == qdoc[None, :], s, float("-inf"))
+
+
+@gluon.jit
+def _values(s, vsc, VZ_t, VQ_t, vsoff, voff, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1,
+            VBITS: gl.constexpr, NG: gl.constexpr, va: gl.constexpr, vb: gl.constexpr, keys_l: gl.constexpr):
+    """16 slots' values: p, its sums, and the products into the group accumulators."""
+    p = gl.exp2(s * unscale - mu[None, :])  # [16 slots, ROWS]
+    l_acc = l_acc + p
+    vz = gl.load(VZ_t + vsoff).to(gl.float32)  # [16, NG]
+    vscc = vsc * c_i
+    if NG == 2:
+        s0, s1 = gl.split(vscc)
+        z0, z1 = gl.split(vz)
+        s0 = gl.convert_layout(s0, keys_l)
+        s1 = gl.convert_layout(s1, keys_l)
+        z0 = gl.convert_layout(z0, keys_l)
+        z1 = gl.convert_layout(z1, keys_l)
+    else:
+        s0 = gl.convert_layout(gl.reshape(vscc, [16]), keys_l)
+        z0 = gl.convert_layout(gl.reshape(vz, [16]), keys_l)
+    z_acc0 = z_acc0 + p * z0[:, None]
+    pa = gl.convert_layout((p * s0[:, None]).to(gl.float16), vb)
+    o_acc0, p1_acc0 = _group_product(VQ_t, voff, pa, minus_v, o_acc0, p1_acc0, VBITS, va)
+    if NG == 2:
+        z_acc1 = z_acc1 + p * z1[:, None]
+        pb = gl.convert_layout((p * s1[:, None]).to(gl.float16), vb)
+        o_acc1, p1_acc1 = _group_product(VQ_t + 8, voff, pb, minus_v, o_acc1, p1_acc1, VBITS, va)
+    return l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1
+
+
+@gluon.jit
+def _group_product(VQ_t, voff, pg, minus_v, acc, p1, VBITS: gl.constexpr, va: gl.constexpr):
+    """acc [64 (8 p + i), ROWS] += levels of the group's units i, plane p, of 16 slots @ pg [16, ROWS]."""
+    w = gl.load(VQ_t + voff)  # [8 units, 16 slots]
+    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, VBITS)
+    x = gl.reshape(gl.permute(_stack8(x0, x1, x2, x3, x4, x5, x6, x7), [2, 0, 1]), [64, 16])
+    acc = mma_v2(gl.convert_layout(x, va), pg, acc)
+    p1 = mma_v2(minus_v, pg, p1)
+    return acc, p1
