@@ -230,41 +230,59 @@ def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv
                      num_splits, block_n, num_warps, num_stages, maxnreg):
     """The bf16 slots (sinks, ring) by the Triton kernel in one split, the packed slots by the Gluon
     kernel in `num_splits` (default GLUON_WARPS_PER_SM programs an SM), merged."""
-    import triton
-
-    from . import splitkv_lowbit_gluon as gk
-
     B, M, H, D = q.shape
-    Hkv = rk.shape[2]
-    G = H // Hkv
-    tiles = triton.cdiv(length, gk.BLOCK.value)
-    if num_splits is None:
-        num_splits = max(1, GLUON_WARPS_PER_SM * _num_sms(q.device) // max(1, B * Hkv))
-    per = triton.cdiv(tiles, num_splits)
-    P2 = triton.cdiv(tiles, per)
+    P2 = gluon_splits(q, rk.shape[2], length, num_splits)
     o = torch.empty(B, 1 + P2, M, H, 2, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, 1 + P2, M, H, device=q.device, dtype=torch.float32)
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, 1,
                        block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
     _kernel()[plan.grid](*plan.args, **plan.meta)  # split 0: sinks and ring
-    ostr = (o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1),
-            lse.stride(2))
-    qr = plan.args[1]  # q R (or q, unrotated)
-    NU = D // 8
-    KW = 4 if NU == 16 else 2
-    scale = D ** -0.5 if scale is None else scale
-    gk.lowbit_packed_fwd[(B * Hkv, P2)](
-        qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse,
-        qr.stride(0), qr.stride(1), qr.stride(2), kq.stride(0), kq.stride(1) // key_bits, kq.stride(2),
-        vq.stride(0), vq.stride(1) // value_bits, vq.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
-        v_scale.stride(2), q_doc.stride(0), k_doc.stride(0), *ostr,
-        M, Hkv, sk.shape[1], key_group, scale * LOG2E, row0, 1, per,
-        G=G, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW, D // 64), num_warps=1)
+    kernel, grid, args, meta = gluon_launch(plan.args[1], kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc,
+                                            bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
+                                            scale, row0, P2)
+    kernel[grid](*args, **meta)
     lo = _combine(o[:, :1, :row0], lse[:, :1, :row0], q.dtype, rotation) if row0 else None
     hi = _combine(o[:, :, row0:], lse[:, :, row0:], q.dtype, rotation)
     return hi if lo is None else torch.cat([lo, hi], dim=1)
+
+
+def gluon_splits(q, Hkv: int, length: int, num_splits=None) -> int:
+    """The Gluon kernel's programs a (row, KV head): whole tiles each, none empty by construction."""
+    import triton
+
+    from .splitkv_lowbit_gluon import BLOCK
+
+    tiles = triton.cdiv(length, BLOCK.value)
+    if num_splits is None:
+        num_splits = max(1, GLUON_WARPS_PER_SM * _num_sms(q.device) // max(1, q.shape[0] * Hkv))
+    return triton.cdiv(tiles, triton.cdiv(tiles, num_splits))
+
+
+def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse, sinks, length,
+                 key_bits, value_bits, key_group, scale, row0, splits, maxnreg=None):
+    """The Gluon kernel's launch (kernel, grid, args, meta) over o / lse splits 1 .. splits, for q R
+    (or q, unrotated) qr [B, M, H, D]: what `_gluon_attention` runs, and what a benchmark times alone."""
+    import triton
+
+    from . import splitkv_lowbit_gluon as gk
+
+    B, M, H, D = qr.shape
+    Hkv = k_scale.shape[2]
+    per = triton.cdiv(triton.cdiv(length, gk.BLOCK.value), splits)
+    NU = D // 8
+    KW = 4 if NU == 16 else 2
+    scale = D ** -0.5 if scale is None else scale
+    args = [qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse,
+            qr.stride(0), qr.stride(1), qr.stride(2), kq.stride(0), kq.stride(1) // key_bits, kq.stride(2),
+            vq.stride(0), vq.stride(1) // value_bits, vq.stride(2),
+            k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
+            v_scale.stride(2), q_doc.stride(0), k_doc.stride(0),
+            o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1),
+            lse.stride(2), M, Hkv, sinks, key_group, scale * LOG2E, row0, 1, per]
+    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW, D // 64),
+                **launch_options(num_warps=1, maxnreg=maxnreg))
+    return gk.lowbit_packed_fwd, (B * Hkv, splits), args, meta
 
 
 @dataclass
