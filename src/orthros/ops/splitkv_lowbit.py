@@ -280,7 +280,7 @@ def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bou
             v_scale.stride(2), q_doc.stride(0), k_doc.stride(0),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1),
             lse.stride(2), M, Hkv, sinks, key_group, scale * LOG2E, row0, 1, per]
-    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW, D // 64),
+    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW),
                 **launch_options(num_warps=1, maxnreg=maxnreg))
     return gk.lowbit_packed_fwd, (B * Hkv, splits), args, meta
 

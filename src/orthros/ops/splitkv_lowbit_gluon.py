@@ -127,22 +127,24 @@ def _unit_weight(p, BITS: gl.constexpr):
         return gl.where(e == 0, 1.0, gl.where(e == 1, 0.25, gl.where(e == 2, 0.0625, 0.015625)))
 
 
-def layouts(NU: int, KW: int, NG: int) -> dict:
-    """The loads' register layouts (constexprs of `lowbit_packed_fwd`), as linear layouts:
-    key scales [NU units, 8 planes, ROWS] (a thread: KW consecutive units, all 8 planes of each (one
-    16-byte load a unit), the row of its lane group); value scales / zeros [16 slots, NG] (a thread:
-    the two slots of its accumulator rows, both groups in one load)."""
+def layouts(NU: int, KW: int) -> dict:
+    """The key scales' register layout (a constexpr of `lowbit_packed_fwd`), as a linear layout over
+    [NU units, 8 planes, ROWS]: a thread holds KW consecutive units with all 8 planes of each (one
+    16-byte load a unit) for the row of its lane group, as the key product's B operand wants them."""
     from triton.experimental.gluon.language import DistributedLinearLayout
 
     unit_regs = [[1 << i, 0, 0] for i in range(KW.bit_length() - 1)]
-    unit_lanes = [[KW, 0, 0], [2 * KW, 0, 0]]
     kscale = DistributedLinearLayout(reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0]] + unit_regs,
-                                     lane_bases=unit_lanes + [[0, 0, 1], [0, 0, 2], [0, 0, 4]], warp_bases=[],
-                                     block_bases=[], shape=[NU, 8, 8])
-    vscale = DistributedLinearLayout(reg_bases=([[0, 1]] if NG == 2 else []) + [[8, 0]],
-                                     lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], warp_bases=[],
-                                     block_bases=[], shape=[16, NG])
-    return dict(KSL=kscale, VSL=vscale)
+                                     lane_bases=[[KW, 0, 0], [2 * KW, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+                                     warp_bases=[], block_bases=[], shape=[NU, 8, 8])
+    return dict(KSL=kscale)
+
+
+@gluon.jit
+def _halves(x):
+    """int32 -> its low and high fp16 halves (two value groups' scales, loaded as one word)."""
+    return gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [x], dtype=(gl.float16, gl.float16),
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -152,7 +154,7 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
                       sob, sop, som, soh, sox, slb, slp, slm,
                       M, Hkv, NS, KG, qscale, row0, split0, tiles_per_split,
                       G: gl.constexpr, NU: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
-                      KW: gl.constexpr, KSL: gl.constexpr, VSL: gl.constexpr):
+                      KW: gl.constexpr, KSL: gl.constexpr):
     NG: gl.constexpr = NU // 8  # value groups (64 channels, 8 units)
     KTY: gl.constexpr = gl.int32 if KBITS == 4 else gl.int16
     VTY: gl.constexpr = gl.int32 if VBITS == 4 else gl.int16
@@ -177,7 +179,7 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     kvh = pid % Hkv
     nrows = G * (M - row0)
 
-    # ---- the query rows (r -> m = row0 + r // G, head kvh * G + r % G), in three forms:
+    # ---- the query rows (r -> m = row0 + r // G, head kvh * G + r % G), in two forms:
     # qw [NU, 8, ROWS] (channel 8u + p, times 1 / w_p; q' = qw * the key group's scales, then B operand
     # of the key product with K = p * NU + u), qz [D, ROWS] (channel order; B of the zeros' product)
     u3 = gl.arange(0, NU, layout=gl.SliceLayout(1, gl.SliceLayout(2, KSL)))
@@ -213,15 +215,18 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     vs_i = gl.arange(0, 16, layout=gl.SliceLayout(0, vld))
     voff = vs_i[None, :] * vstride + vu_i[:, None]  # [8, 16]: unit i of group 0, slot s
     sk_i = gl.arange(0, 16, layout=keys_l)
-    sl2 = gl.arange(0, 16, layout=gl.SliceLayout(1, VSL))
-    g2 = gl.arange(0, NG, layout=gl.SliceLayout(0, VSL))
-    vsoff = sl2[:, None] * svss + g2[None, :]  # [16, NG]
     KQ_b = (KQ + b * skqb + kvh * skqh).to(gl.pointer_type(KTY))
     VQ_b = (VQ + b * svqb + kvh * svqh).to(gl.pointer_type(VTY))
     KS_b = KS + b * sksb + kvh * sksh
     KZ_b = KZ + b * sksb + kvh * sksh
     VS_b = VS + b * svsb + kvh * svsh
     VZ_b = VZ + b * svsb + kvh * svsh
+    if NG == 2:  # a slot's two groups' scales (zeros) as one word
+        VS_b = VS_b.to(gl.pointer_type(gl.int32), bitcast=True)
+        VZ_b = VZ_b.to(gl.pointer_type(gl.int32), bitcast=True)
+        vsl = sk_i * (svss // 2)
+    else:
+        vsl = sk_i * svss
     KDOC_b = (KDOC + b * s_kdoc_b).to(gl.pointer_type(gl.int32))  # the low words of int64 documents
 
     # ---- this split's tiles of [NS, bound)
@@ -230,7 +235,7 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     t_hi = gl.minimum((split + 1) * tiles_per_split, (bound + BLOCK - 1) // BLOCK)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_l)  # the running max (raw score units)
-    c_i = 0.0  # the accumulators' unit: a power of two near 1 / the largest value scale (0: none yet)
+    c_i = gl.sum(gl.zeros([ROWS], gl.float32, layout=rows_l), axis=0)  # the accumulators' unit (0: none yet)
     l_acc = gl.zeros([16, ROWS], gl.float32, layout=mma)  # per-thread partial sums (reduced at the end)
     z_acc0 = gl.zeros([16, ROWS], gl.float32, layout=mma)
     z_acc1 = gl.zeros([16, ROWS], gl.float32, layout=mma)
@@ -241,67 +246,92 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
 
     for t in range(t_lo, t_hi):
         j0 = _opaque(t * BLOCK)
+        # every load of the tile first (one exposure of the memory latency a tile)
         grp = (j0 // KG).to(gl.int64) * ksg
-        # q' of this key group (fp16: q * s / w) and the bias q.z - 1024 sum(q'), by the tensor cores
         ks3 = gl.load(KS_b + grp + ch3)  # [NU, 8, ROWS]: one 16-byte load a unit (rows alike)
-        qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
         kz = gl.load(KZ_b + grp + zc)
+        KQ_t = KQ_b + j0.to(gl.int64) * kstride
+        kw0 = gl.load(KQ_t + koff)
+        kw1 = gl.load(KQ_t + 16 * kstride + koff)
+        kw2 = gl.load(KQ_t + 32 * kstride + koff)
+        kw3 = gl.load(KQ_t + 48 * kstride + koff)
+        KD_t = KDOC_b + 2 * j0
+        kd0 = gl.load(KD_t + 2 * sk_i)
+        kd1 = gl.load(KD_t + 32 + 2 * sk_i)
+        kd2 = gl.load(KD_t + 64 + 2 * sk_i)
+        kd3 = gl.load(KD_t + 96 + 2 * sk_i)
+        VS_t = VS_b + j0.to(gl.int64) * (svss // NG)
+        VZ_t = VZ_b + j0.to(gl.int64) * (svss // NG)
+        vs0 = gl.load(VS_t + vsl)
+        vs1 = gl.load(VS_t + 16 * (svss // NG) + vsl)
+        vs2 = gl.load(VS_t + 32 * (svss // NG) + vsl)
+        vs3 = gl.load(VS_t + 48 * (svss // NG) + vsl)
+        vz0 = gl.load(VZ_t + vsl)
+        vz1 = gl.load(VZ_t + 16 * (svss // NG) + vsl)
+        vz2 = gl.load(VZ_t + 32 * (svss // NG) + vsl)
+        vz3 = gl.load(VZ_t + 48 * (svss // NG) + vsl)
+        VQ_t = VQ_b + j0.to(gl.int64) * vstride
+        va0 = gl.load(VQ_t + voff)
+        va1 = gl.load(VQ_t + 16 * vstride + voff)
+        va2 = gl.load(VQ_t + 32 * vstride + voff)
+        va3 = gl.load(VQ_t + 48 * vstride + voff)
+        if NG == 2:
+            vb0 = gl.load(VQ_t + 8 + voff)
+            vb1 = gl.load(VQ_t + 16 * vstride + 8 + voff)
+            vb2 = gl.load(VQ_t + 32 * vstride + 8 + voff)
+            vb3 = gl.load(VQ_t + 48 * vstride + 8 + voff)
+        else:
+            vb0, vb1, vb2, vb3 = va0, va1, va2, va3
+        # q' of this key group (fp16: q * s / w) and the bias q.z - 1024 sum(q'), by the tensor cores
+        qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
         zbr = gl.broadcast(kz[None, :], zfill)[0]
         bias = mma_v2(minus, qs, gl.zeros([16, ROWS], gl.float32, layout=mma))
         bias = mma_v2(zbr, qz, bias)
-        KQ_t = KQ_b + j0.to(gl.int64) * kstride
-        s0 = _scores(KQ_t, koff, qs, bias, KBITS, NU, ka)
-        s1 = _scores(KQ_t + 16 * kstride, koff, qs, bias, KBITS, NU, ka)
-        s2 = _scores(KQ_t + 32 * kstride, koff, qs, bias, KBITS, NU, ka)
-        s3 = _scores(KQ_t + 48 * kstride, koff, qs, bias, KBITS, NU, ka)
-        # documents: a packed slot is visible to a row of the same document (slots below NS are sinks)
-        KD_t = KDOC_b + 2 * j0
-        s0 = _mask(s0, KD_t, j0, sk_i, NS, qdoc)
-        s1 = _mask(s1, KD_t + 32, j0 + 16, sk_i, NS, qdoc)
-        s2 = _mask(s2, KD_t + 64, j0 + 32, sk_i, NS, qdoc)
-        s3 = _mask(s3, KD_t + 96, j0 + 48, sk_i, NS, qdoc)
+        # raw scores; a packed slot is visible to a row of the same document (slots below NS are sinks)
+        s0 = _masked(_scores(kw0, qs, bias, KBITS, NU, ka), kd0, j0 + sk_i >= NS, qdoc)
+        s1 = _masked(_scores(kw1, qs, bias, KBITS, NU, ka), kd1, j0 + 16 + sk_i >= NS, qdoc)
+        s2 = _masked(_scores(kw2, qs, bias, KBITS, NU, ka), kd2, j0 + 32 + sk_i >= NS, qdoc)
+        s3 = _masked(_scores(kw3, qs, bias, KBITS, NU, ka), kd3, j0 + 48 + sk_i >= NS, qdoc)
         smax = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
-        # value scales [16, NG] of the 4 sub-tiles, and the tile's largest
-        VS_t = VS_b + j0.to(gl.int64) * svss
-        v0 = gl.load(VS_t + vsoff).to(gl.float32)
-        v1 = gl.load(VS_t + 16 * svss + vsoff).to(gl.float32)
-        v2 = gl.load(VS_t + 32 * svss + vsoff).to(gl.float32)
-        v3 = gl.load(VS_t + 48 * svss + vsoff).to(gl.float32)
-        vmax = gl.max(gl.max(gl.maximum(gl.maximum(v0, v1), gl.maximum(v2, v3)), axis=1), axis=0)
-        # lazy rescale (the accumulators change units only when the max grows by more than 2^8 or
-        # the value scales leave [2^-6, 2] of the unit): exact powers of two for c
+        # value scales [16] of the 4 sub-tiles and groups; the tile's largest
+        s00, s01 = _value_pair(vs0, NG)
+        s10, s11 = _value_pair(vs1, NG)
+        s20, s21 = _value_pair(vs2, NG)
+        s30, s31 = _value_pair(vs3, NG)
+        vmax = gl.max(gl.maximum(gl.maximum(gl.maximum(s00, s01), gl.maximum(s10, s11)),
+                                 gl.maximum(gl.maximum(s20, s21), gl.maximum(s30, s31))), axis=0)
+        # lazy rescale, without a branch: the units change only when the max grows by more than 2^8 or
+        # the value scales leave [2^-6, 2] of the unit (c: exact powers of two); else the factor is 1
         grow = gl.max(gl.where(smax > m_i, smax - m_i, 0.0), axis=0) * unscale
         vc = vmax * c_i
-        if (grow > 8.0) | (vc > 2.0) | (vc < 0.015625):
-            m_new = gl.maximum(m_i, smax)
-            c_new = gl.exp2(-gl.ceil(gl.log2(gl.maximum(vmax, 1e-30))))
-            m_ok = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2((gl.where(m_i == float("-inf"), m_ok, m_i) - m_ok) * unscale)
-            resc = alpha * gl.where(c_i > 0, c_new / gl.maximum(c_i, 1e-30), 1.0)
-            o_acc0 = o_acc0 * resc[None, :]
-            p1_acc0 = p1_acc0 * resc[None, :]
-            o_acc1 = o_acc1 * resc[None, :]
-            p1_acc1 = p1_acc1 * resc[None, :]
-            l_acc = l_acc * alpha[None, :]
-            z_acc0 = z_acc0 * alpha[None, :]
-            z_acc1 = z_acc1 * alpha[None, :]
-            m_i = m_new
-            c_i = c_new
-        mu = gl.where(m_i == float("-inf"), 0.0, m_i) * unscale
-        VQ_t = VQ_b + j0.to(gl.int64) * vstride
-        VZ_t = VZ_b + j0.to(gl.int64) * svss
+        need = (grow > 8.0) | (vc > 2.0) | (vc < 0.015625)
+        m_new = gl.where(need, gl.maximum(m_i, smax), m_i)
+        c_new = gl.where(need, gl.exp2(-gl.ceil(gl.log2(gl.maximum(vmax, 1e-30)))), c_i)
+        m_ok = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2((gl.where(m_i == float("-inf"), m_ok, m_i) - m_ok) * unscale)
+        resc = alpha * gl.where(c_i > 0, c_new / gl.maximum(c_i, 1e-30), 1.0)
+        m_i = m_new
+        c_i = c_new
+        o_acc0 = o_acc0 * resc[None, :]
+        p1_acc0 = p1_acc0 * resc[None, :]
+        o_acc1 = o_acc1 * resc[None, :]
+        p1_acc1 = p1_acc1 * resc[None, :]
+        l_acc = l_acc * alpha[None, :]
+        z_acc0 = z_acc0 * alpha[None, :]
+        z_acc1 = z_acc1 * alpha[None, :]
+        mu = m_ok * unscale
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s0, v0, VZ_t, VQ_t, vsoff, voff, mu, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+            s0, s00, s01, vz0, va0, vb0, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s1, v1, VZ_t + 16 * svss, VQ_t + 16 * vstride, vsoff, voff, mu, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+            s1, s10, s11, vz1, va1, vb1, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s2, v2, VZ_t + 32 * svss, VQ_t + 32 * vstride, vsoff, voff, mu, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+            s2, s20, s21, vz2, va2, vb2, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s3, v3, VZ_t + 48 * svss, VQ_t + 48 * vstride, vsoff, voff, mu, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb, keys_l)
+            s3, s30, s31, vz3, va3, vb3, mu, unscale, c_i, minus_v,
+            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
 
     # ---- the program's partial result: o = ((acc - 1024 sum p'') / w / c + sum(p z)) / l
     l_i = gl.sum(l_acc, axis=0)
@@ -334,54 +364,51 @@ def _store_group(obase, acc, p1, z, wv, ch, linv, rvalid, sox):
 
 
 @gluon.jit
-def _scores(KQ_t, koff, qs, bias, KBITS: gl.constexpr, NU: gl.constexpr, ka: gl.constexpr):
-    """Raw scores of 16 slots [16, ROWS] (log2 units times the query pre-scale)."""
-    w = gl.load(KQ_t + koff)  # [16, NU] units
+def _scores(w, qs, bias, KBITS: gl.constexpr, NU: gl.constexpr, ka: gl.constexpr):
+    """Raw scores [16 slots, ROWS] (log2 units times the query pre-scale) of key units w [16, NU]."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, KBITS)
     x = gl.reshape(gl.permute(_stack8(x0, x1, x2, x3, x4, x5, x6, x7), [0, 2, 1]), [16, 8 * NU])
     return mma_v2(gl.convert_layout(x, ka), qs, bias)
 
 
 @gluon.jit
-def _mask(s, KD_t, j0, sk_i, NS, qdoc):
-    jv = (j0 + sk_i) >= NS
-    kdoc = gl.load(KD_t + 2 * sk_i, mask=jv, other=-4)
-    return gl.where(kdoc[:, None] == qdoc[None, :], s, float("-inf"))
+def _masked(s, kdoc, jv, qdoc):
+    return gl.where((kdoc[:, None] == qdoc[None, :]) & jv[:, None], s, float("-inf"))
 
 
 @gluon.jit
-def _values(s, vsc, VZ_t, VQ_t, vsoff, voff, mu, unscale, c_i, minus_v,
+def _value_pair(x, NG: gl.constexpr):
+    """A sub-tile's value scales (zeros) as loaded -> groups 0 and 1, fp32 [16] each."""
+    if NG == 2:
+        a, b = _halves(x)
+        return a.to(gl.float32), b.to(gl.float32)
+    else:
+        a = x.to(gl.float32)
+        return a, a
+
+
+@gluon.jit
+def _values(s, vs0, vs1, vz, wa, wb, mu, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1,
-            VBITS: gl.constexpr, NG: gl.constexpr, va: gl.constexpr, vb: gl.constexpr, keys_l: gl.constexpr):
-    """16 slots' values: p, its sums, and the products into the group accumulators."""
+            VBITS: gl.constexpr, NG: gl.constexpr, va: gl.constexpr, vb: gl.constexpr):
+    """16 slots' values: p, its sums, and the products into the group accumulators (wa, wb: the
+    groups' value units [8, 16 slots])."""
     p = gl.exp2(s * unscale - mu[None, :])  # [16 slots, ROWS]
     l_acc = l_acc + p
-    vz = gl.load(VZ_t + vsoff).to(gl.float32)  # [16, NG]
-    vscc = vsc * c_i
-    if NG == 2:
-        s0, s1 = gl.split(vscc)
-        z0, z1 = gl.split(vz)
-        s0 = gl.convert_layout(s0, keys_l)
-        s1 = gl.convert_layout(s1, keys_l)
-        z0 = gl.convert_layout(z0, keys_l)
-        z1 = gl.convert_layout(z1, keys_l)
-    else:
-        s0 = gl.convert_layout(gl.reshape(vscc, [16]), keys_l)
-        z0 = gl.convert_layout(gl.reshape(vz, [16]), keys_l)
+    z0, z1 = _value_pair(vz, NG)
     z_acc0 = z_acc0 + p * z0[:, None]
-    pa = gl.convert_layout((p * s0[:, None]).to(gl.float16), vb)
-    o_acc0, p1_acc0 = _group_product(VQ_t, voff, pa, minus_v, o_acc0, p1_acc0, VBITS, va)
+    pa = gl.convert_layout((p * (vs0 * c_i)[:, None]).to(gl.float16), vb)
+    o_acc0, p1_acc0 = _group_product(wa, pa, minus_v, o_acc0, p1_acc0, VBITS, va)
     if NG == 2:
         z_acc1 = z_acc1 + p * z1[:, None]
-        pb = gl.convert_layout((p * s1[:, None]).to(gl.float16), vb)
-        o_acc1, p1_acc1 = _group_product(VQ_t + 8, voff, pb, minus_v, o_acc1, p1_acc1, VBITS, va)
+        pb = gl.convert_layout((p * (vs1 * c_i)[:, None]).to(gl.float16), vb)
+        o_acc1, p1_acc1 = _group_product(wb, pb, minus_v, o_acc1, p1_acc1, VBITS, va)
     return l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1
 
 
 @gluon.jit
-def _group_product(VQ_t, voff, pg, minus_v, acc, p1, VBITS: gl.constexpr, va: gl.constexpr):
-    """acc [64 (8 p + i), ROWS] += levels of the group's units i, plane p, of 16 slots @ pg [16, ROWS]."""
-    w = gl.load(VQ_t + voff)  # [8 units, 16 slots]
+def _group_product(w, pg, minus_v, acc, p1, VBITS: gl.constexpr, va: gl.constexpr):
+    """acc [64 (8 p + i), ROWS] += levels of units w [8 (i), 16 slots], plane p, @ pg [16 slots, ROWS]."""
     x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, VBITS)
     x = gl.reshape(gl.permute(_stack8(x0, x1, x2, x3, x4, x5, x6, x7), [2, 0, 1]), [64, 16])
     acc = mma_v2(gl.convert_layout(x, va), pg, acc)
