@@ -272,8 +272,8 @@ if __name__ == "__main__":
     if which == "quick":
         quick_cases(dev)
         print("ok")
-    elif which == "gluon":
-        gluon_cases(dev)
+    elif which == "gluon":  # optional third argument: the cache dtypes, comma-separated
+        gluon_cases(dev, *([tuple(sys.argv[3].split(","))] if len(sys.argv) > 3 else []))
         print("ok")
     elif which == "wide":  # the 16-bit dots alone (on a GPU: bf16 and fp16 queries) and the mixed key bits
         wide_cases(dev)

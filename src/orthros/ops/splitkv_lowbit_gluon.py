@@ -284,15 +284,18 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
             vb0, vb1, vb2, vb3 = va0, va1, va2, va3
         # q' of this key group (fp16: q * s / w) and the bias q.z - 1024 sum(q'), by the tensor cores
         qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
+        # (two independent chains, off the scores' path: the bias is a per-row constant of the tile,
+        # added to the max and inside the exponent, never to a score)
         zbr = gl.broadcast(kz[None, :], zfill)[0]
-        bias = mma_v2(minus, qs, gl.zeros([16, ROWS], gl.float32, layout=mma))
-        bias = mma_v2(zbr, qz, bias)
-        # raw scores; a packed slot is visible to a row of the same document (slots below NS are sinks)
-        s0 = _masked(_scores(kw0, qs, bias, KBITS, NU, ka), kd0, j0 + sk_i >= NS, qdoc)
-        s1 = _masked(_scores(kw1, qs, bias, KBITS, NU, ka), kd1, j0 + 16 + sk_i >= NS, qdoc)
-        s2 = _masked(_scores(kw2, qs, bias, KBITS, NU, ka), kd2, j0 + 32 + sk_i >= NS, qdoc)
-        s3 = _masked(_scores(kw3, qs, bias, KBITS, NU, ka), kd3, j0 + 48 + sk_i >= NS, qdoc)
-        smax = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)), axis=0)
+        zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
+        bias = mma_v2(minus, qs, zero) + mma_v2(zbr, qz, zero)  # [16, ROWS], its rows alike
+        # raw scores without the bias; a packed slot is visible to a row of the same document (slots
+        # below NS are sinks)
+        s0 = _masked(_scores(kw0, qs, zero, KBITS, NU, ka), kd0, j0 + sk_i >= NS, qdoc)
+        s1 = _masked(_scores(kw1, qs, zero, KBITS, NU, ka), kd1, j0 + 16 + sk_i >= NS, qdoc)
+        s2 = _masked(_scores(kw2, qs, zero, KBITS, NU, ka), kd2, j0 + 32 + sk_i >= NS, qdoc)
+        s3 = _masked(_scores(kw3, qs, zero, KBITS, NU, ka), kd3, j0 + 48 + sk_i >= NS, qdoc)
+        smax = gl.max(gl.maximum(gl.maximum(s0, s1), gl.maximum(s2, s3)) + bias, axis=0)
         # value scales [16] of the 4 sub-tiles and groups; the tile's largest
         s00, s01 = _value_pair(vs0, NG)
         s10, s11 = _value_pair(vs1, NG)
@@ -319,18 +322,18 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
         l_acc = l_acc * alpha[None, :]
         z_acc0 = z_acc0 * alpha[None, :]
         z_acc1 = z_acc1 * alpha[None, :]
-        mu = m_ok * unscale
+        bm = bias * unscale - (m_ok * unscale)[None, :]  # [16, ROWS]: p = exp2(s * unscale + bm)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s0, s00, s01, vz0, va0, vb0, mu, unscale, c_i, minus_v,
+            s0, s00, s01, vz0, va0, vb0, bm, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s1, s10, s11, vz1, va1, vb1, mu, unscale, c_i, minus_v,
+            s1, s10, s11, vz1, va1, vb1, bm, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s2, s20, s21, vz2, va2, vb2, mu, unscale, c_i, minus_v,
+            s2, s20, s21, vz2, va2, vb2, bm, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
         l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s3, s30, s31, vz3, va3, vb3, mu, unscale, c_i, minus_v,
+            s3, s30, s31, vz3, va3, vb3, bm, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
 
     # ---- the program's partial result: o = ((acc - 1024 sum p'') / w / c + sum(p z)) / l
@@ -388,12 +391,12 @@ def _value_pair(x, NG: gl.constexpr):
 
 
 @gluon.jit
-def _values(s, vs0, vs1, vz, wa, wb, mu, unscale, c_i, minus_v,
+def _values(s, vs0, vs1, vz, wa, wb, bm, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1,
             VBITS: gl.constexpr, NG: gl.constexpr, va: gl.constexpr, vb: gl.constexpr):
     """16 slots' values: p, its sums, and the products into the group accumulators (wa, wb: the
     groups' value units [8, 16 slots])."""
-    p = gl.exp2(s * unscale - mu[None, :])  # [16 slots, ROWS]
+    p = gl.exp2(s * unscale + bm)  # [16 slots, ROWS]
     l_acc = l_acc + p
     z0, z1 = _value_pair(vz, NG)
     z_acc0 = z_acc0 + p * z0[:, None]
