@@ -6,7 +6,7 @@ the median over rounds and the spread). Llama-3.1-8B attention shape, one decode
 (the base row windowed), random levels.
 
     python benchmarks/lowbit_kernel_bench.py [--context 1048576] [--dtypes int4 int2 k4v2]
-        [--splits 132 264 528] [--maxnreg 0 168] [--rounds 3] [--out results.json]
+        [--splits 132 264 528] [--maxnreg 0 168] [--pipe 0 1] [--rounds 3] [--out results.json]
 
 GB/s: the bytes the output row must read (packed slots with their scales, the bf16 sinks and
 ring) / time; roofline: against --bandwidth.
@@ -15,6 +15,7 @@ ring) / time; roofline: against --bandwidth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -37,6 +38,8 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["int4", "int2", "k4v2"], choices=("int4", "int2", "k4v2"))
     p.add_argument("--splits", type=int, nargs="+", default=[0], help="Gluon programs a KV head (0: the default)")
     p.add_argument("--maxnreg", type=int, nargs="+", default=[0], help="Gluon register caps (0: none)")
+    p.add_argument("--pipe", type=int, nargs="+", default=[1], choices=(0, 1),
+                   help="Gluon: tiles copied to shared memory a tile ahead (1) or loaded directly (0)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s")
     p.add_argument("--out", default=None)
@@ -70,11 +73,12 @@ def main():
             P2 = gluon_splits(q, HKV, S, splits or None)
             o = torch.empty(1, 1 + P2, 2, H, 2, D, device=dev)
             lse = torch.empty(1, 1 + P2, 2, H, device=dev)
-            for nreg in args.maxnreg:
+            for nreg, pipe in itertools.product(args.maxnreg, args.pipe):
                 k, grid, a, meta = gluon_launch(qr, *layer[2:8], qdoc, kdoc, b, o, lse, cache.sinks, S,
                                                 cache.key_bits, cache.value_bits, cache.key_group, None,
-                                                packed_rows(2, W, 1), P2, nreg or None)
-                fns[f"{kv} packed, {P2} splits" + (f", maxnreg {nreg}" if nreg else "")] = (
+                                                packed_rows(2, W, 1), P2, nreg or None, bool(pipe))
+                fns[f"{kv} packed, {P2} splits" + (f", maxnreg {nreg}" if nreg else "")
+                    + (", pipelined" if pipe else ", direct")] = (
                     lambda k=k, grid=grid, a=a, meta=meta: k[grid](*a, **meta), pbytes)
     times = {name: [] for name in fns}
     for r in range(args.rounds):

@@ -136,3 +136,35 @@ def test_splitkv_register_cap_reaches_the_build():
     assert r["registers"] <= 168 and r["spill_bytes"] <= 128, r
     (kern, a, meta), *_ = _launches_of(splitkv_attention, *args, **kw)
     assert "maxnreg" not in meta and compile_for(kern, a, meta)["registers"] > 168
+
+
+@pytest.mark.parametrize("kv, shape, pipe", [("int4", (32, 8, 128), True), ("int2", (32, 8, 128), True),
+                                             ("k4v2", (32, 8, 128), True), ("int4", (32, 8, 128), False),
+                                             ("int4", (9, 3, 64), False), ("int2", (9, 3, 64), False)])
+def test_gluon_packed_kernel_builds_for_sm90(kv, shape, pipe):
+    """The Gluon packed kernel (Llama-3.1-8B and SmolLM2 attention shapes) builds and keeps its loop's
+    data in registers: no local memory (ptxas may spill a few bytes outside the loop), and shared memory
+    only for the copies a tile ahead (pipe: cp.async, then reads into the operand layouts, two barriers
+    a tile); without them none and no barrier (a layout conversion through shared memory slipping into
+    the loop would show here); no call (a 64-bit division in the loop compiled to one). The tensor-core products are the design's: a 64-slot
+    tile is 8 plane products a 16-slot sub-tile for the keys (32), 16 for the bias, and a value group and
+    sub-tile 4 plus one for the -1024 row (40 at head size 128)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from orthros.ops.cross_compile import build, main_loop_sass, ptxas_report
+    from orthros.ops.lowbit_launches import gluon_packed_launch
+
+    H, Hkv, D = shape
+    kernel, grid, args, meta = gluon_packed_launch(kv, H, Hkv, D, pipe=pipe)
+    compiled = build(kernel, args, meta)
+    r = ptxas_report(compiled.asm["ptx"])
+    assert 0 < r["registers"] <= 255 and r["spill_bytes"] <= 16, r
+    n, ops = main_loop_sass(compiled)
+    assert not {"STL", "LDL", "STS", "CALL"} & set(ops), ops
+    if pipe:
+        assert ops["LDGSTS"] > 0 and ops["BAR"] == 2 and ops["LDS"] > 0, ops
+        assert 0 < compiled.metadata.shared <= 20 * 1024  # two stages of a 64-slot tile
+        assert "LDG" not in ops, ops
+    else:
+        assert compiled.metadata.shared == 0 and not {"BAR", "LDS", "LDSM", "LDGSTS"} & set(ops), ops
+    NG = D // 64
+    assert ops["HMMA"] == 4 * 8 * D // 128 + 16 * D // 128 + 4 * NG * (4 + 1), ops

@@ -39,3 +39,20 @@ def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: i
                        window_rows=1, rotation=cache.rotation, num_splits=4, block_n=block_n, num_warps=num_warps,
                        num_stages=num_stages, planar=planar, dequant_values=dequant_values,
                        fp16_dequant=fp16_dequant)
+
+
+def gluon_packed_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                        dtype=torch.bfloat16, context: int = 4096, splits: int = 64, maxnreg=None, pipe=None):
+    """The Gluon packed kernel's launch (`ops.splitkv_lowbit.gluon_launch`) for a decode pair over a
+    one-layer cache on the CPU: (kernel, grid, args, meta), for compile checks (nothing runs)."""
+    from .splitkv_lowbit import gluon_launch, packed_rows
+
+    cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=heads,
+                                  num_key_value_heads=kv_heads, head_dim=head_dim, window_size=128)
+    cache = LowBitStaticCache(cfg, 1, context, "cpu", dtype, kv_dtype)
+    q = torch.zeros(1, 2, heads, head_dim, dtype=dtype)
+    o = torch.empty(1, 1 + splits, 2, heads, 2, head_dim)
+    lse = torch.empty(1, 1 + splits, 2, heads)
+    return gluon_launch(q, *cache.layer(0)[2:8], torch.zeros(1, 2, dtype=torch.long), cache.doc,
+                        torch.tensor([cache.bound_at(context)]), o, lse, cache.sinks, context, cache.key_bits,
+                        cache.value_bits, cache.key_group, None, packed_rows(2, 128, 1), splits, maxnreg, pipe)

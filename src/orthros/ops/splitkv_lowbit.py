@@ -260,7 +260,7 @@ def gluon_splits(q, Hkv: int, length: int, num_splits=None) -> int:
 
 
 def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse, sinks, length,
-                 key_bits, value_bits, key_group, scale, row0, splits, maxnreg=None):
+                 key_bits, value_bits, key_group, scale, row0, splits, maxnreg=None, pipe=None):
     """The Gluon kernel's launch (kernel, grid, args, meta) over o / lse splits 1 .. splits, for q R
     (or q, unrotated) qr [B, M, H, D]: what `_gluon_attention` runs, and what a benchmark times alone."""
     import triton
@@ -280,8 +280,11 @@ def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bou
             v_scale.stride(2), q_doc.stride(0), k_doc.stride(0),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1),
             lse.stride(2), M, Hkv, sinks, key_group, scale * LOG2E, row0, 1, per]
-    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW),
-                **launch_options(num_warps=1, maxnreg=maxnreg))
+    pipe = D == 128 if pipe is None else pipe
+    if pipe and D != 128:
+        raise ValueError("the copies a tile ahead (pipe) need head size 128 (4-byte value scale pairs)")
+    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW), PIPE=pipe,
+                **gk.copy_layouts(NU, key_bits, value_bits), **launch_options(num_warps=1, maxnreg=maxnreg))
     return gk.lowbit_packed_fwd, (B * Hkv, splits), args, meta
 
 

@@ -47,7 +47,7 @@ import struct
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 BLOCK = gl.constexpr(64)  # slots a tile
 ROWS = gl.constexpr(8)  # query rows a program (the N of every product)
@@ -140,6 +140,20 @@ def layouts(NU: int, KW: int) -> dict:
     return dict(KSL=kscale)
 
 
+def copy_layouts(NU: int, key_bits: int, value_bits: int) -> dict:
+    """The asynchronous copies' layouts (PIPE): every thread copies 16 contiguous bytes (a unit is
+    `bits` bytes: 8 channels), or 4 for the per-slot words (documents, value scale pairs)."""
+    from triton.experimental.gluon.language import BlockedLayout
+
+    def rows(bits):
+        vec = 16 // bits  # units a 16-byte chunk
+        tpr = max(1, NU // vec)
+        return BlockedLayout([1, min(vec, NU)], [32 // tpr, tpr], [1, 1], [1, 0])
+
+    return dict(CPK=rows(key_bits), CPV=rows(value_bits), CPS=BlockedLayout([8], [32], [1], [0]),
+                CP1=BlockedLayout([2], [32], [1], [0]))
+
+
 @gluon.jit
 def _halves(x):
     """int32 -> its low and high fp16 halves (two value groups' scales, loaded as one word)."""
@@ -154,7 +168,8 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
                       sob, sop, som, soh, sox, slb, slp, slm,
                       M, Hkv, NS, KG, qscale, row0, split0, tiles_per_split,
                       G: gl.constexpr, NU: gl.constexpr, KBITS: gl.constexpr, VBITS: gl.constexpr,
-                      KW: gl.constexpr, KSL: gl.constexpr):
+                      KW: gl.constexpr, KSL: gl.constexpr, PIPE: gl.constexpr, CPK: gl.constexpr,
+                      CPV: gl.constexpr, CPS: gl.constexpr, CP1: gl.constexpr):
     NG: gl.constexpr = NU // 8  # value groups (64 channels, 8 units)
     KTY: gl.constexpr = gl.int32 if KBITS == 4 else gl.int16
     VTY: gl.constexpr = gl.int32 if VBITS == 4 else gl.int16
@@ -244,44 +259,107 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     o_acc0 = gl.zeros([64, ROWS], gl.float32, layout=mma)  # group 0: row 8 p + i -> channel 8 i + p
     o_acc1 = gl.zeros([64, ROWS], gl.float32, layout=mma)  # group 1 (head size 128)
 
+    if PIPE:  # the tile's bytes copied to shared memory a tile ahead (cp.async, two stages)
+        SH: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])  # [stage, 64 slots, NU]: a stage's
+        SH2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # [stage, n]
+        sk = gl.allocate_shared_memory(KTY, [2, BLOCK, NU], SH)
+        sv = gl.allocate_shared_memory(VTY, [2, BLOCK, NU], SH)
+        sks = gl.allocate_shared_memory(gl.float16, [2, 8 * NU], SH2)
+        skz = gl.allocate_shared_memory(gl.float16, [2, 8 * NU], SH2)
+        sd = gl.allocate_shared_memory(gl.int32, [2, BLOCK], SH2)
+        svs = gl.allocate_shared_memory(VS_b.dtype.element_ty, [2, BLOCK], SH2)
+        svz = gl.allocate_shared_memory(VS_b.dtype.element_ty, [2, BLOCK], SH2)
+        cr = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CPK))
+        cu = gl.arange(0, NU, layout=gl.SliceLayout(0, CPK))
+        kcp = cr[:, None] * kstride + cu[None, :]
+        cr = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, CPV))
+        cu = gl.arange(0, NU, layout=gl.SliceLayout(0, CPV))
+        vcp = cr[:, None] * vstride + cu[None, :]
+        scp = gl.arange(0, 8 * NU, layout=CPS)
+        c1 = gl.arange(0, BLOCK, layout=CP1)
+        _issue(t_lo, t_lo < t_hi, 0, sk, sv, sks, skz, sd, svs, svz, KQ_b, VQ_b, KS_b, KZ_b, KDOC_b, VS_b, VZ_b,
+               kcp, vcp, scp, c1, kstride, vstride, ksg, svss, KG, NG)
     for t in range(t_lo, t_hi):
         j0 = _opaque(t * BLOCK)
-        # every load of the tile first (one exposure of the memory latency a tile)
-        grp = (j0 // KG).to(gl.int64) * ksg
-        ks3 = gl.load(KS_b + grp + ch3)  # [NU, 8, ROWS]: one 16-byte load a unit (rows alike)
-        kz = gl.load(KZ_b + grp + zc)
-        KQ_t = KQ_b + j0.to(gl.int64) * kstride
-        kw0 = gl.load(KQ_t + koff)
-        kw1 = gl.load(KQ_t + 16 * kstride + koff)
-        kw2 = gl.load(KQ_t + 32 * kstride + koff)
-        kw3 = gl.load(KQ_t + 48 * kstride + koff)
-        KD_t = KDOC_b + 2 * j0
-        kd0 = gl.load(KD_t + 2 * sk_i)
-        kd1 = gl.load(KD_t + 32 + 2 * sk_i)
-        kd2 = gl.load(KD_t + 64 + 2 * sk_i)
-        kd3 = gl.load(KD_t + 96 + 2 * sk_i)
-        VS_t = VS_b + j0.to(gl.int64) * (svss // NG)
-        VZ_t = VZ_b + j0.to(gl.int64) * (svss // NG)
-        vs0 = gl.load(VS_t + vsl)
-        vs1 = gl.load(VS_t + 16 * (svss // NG) + vsl)
-        vs2 = gl.load(VS_t + 32 * (svss // NG) + vsl)
-        vs3 = gl.load(VS_t + 48 * (svss // NG) + vsl)
-        vz0 = gl.load(VZ_t + vsl)
-        vz1 = gl.load(VZ_t + 16 * (svss // NG) + vsl)
-        vz2 = gl.load(VZ_t + 32 * (svss // NG) + vsl)
-        vz3 = gl.load(VZ_t + 48 * (svss // NG) + vsl)
-        VQ_t = VQ_b + j0.to(gl.int64) * vstride
-        va0 = gl.load(VQ_t + voff)
-        va1 = gl.load(VQ_t + 16 * vstride + voff)
-        va2 = gl.load(VQ_t + 32 * vstride + voff)
-        va3 = gl.load(VQ_t + 48 * vstride + voff)
-        if NG == 2:
-            vb0 = gl.load(VQ_t + 8 + voff)
-            vb1 = gl.load(VQ_t + 16 * vstride + 8 + voff)
-            vb2 = gl.load(VQ_t + 32 * vstride + 8 + voff)
-            vb3 = gl.load(VQ_t + 48 * vstride + 8 + voff)
-        else:
-            vb0, vb1, vb2, vb3 = va0, va1, va2, va3
+        if PIPE:
+            st = (t - t_lo) % 2
+            gl.thread_barrier()  # every thread is done reading the other stage (the tile before)
+            _issue(t + 1, t + 1 < t_hi, 1 - st, sk, sv, sks, skz, sd, svs, svz, KQ_b, VQ_b, KS_b, KZ_b, KDOC_b,
+                   VS_b, VZ_b, kcp, vcp, scp, c1, kstride, vstride, ksg, svss, KG, NG)
+            async_copy.wait_group(1)  # this tile's copies are in (this thread's) ...
+            gl.thread_barrier()  # ... and every thread's
+            ks3 = sks.index(st).reshape([NU, 8]).load(gl.SliceLayout(2, KSL))[:, :, None]
+            kz = skz.index(st).load(gl.SliceLayout(0, za))
+            skt = sk.index(st)
+            kw0 = skt.slice(0, 16).load(kld)
+            kw1 = skt.slice(16, 16).load(kld)
+            kw2 = skt.slice(32, 16).load(kld)
+            kw3 = skt.slice(48, 16).load(kld)
+            sdt = sd.index(st)
+            kd0 = sdt.slice(0, 16).load(keys_l)
+            kd1 = sdt.slice(16, 16).load(keys_l)
+            kd2 = sdt.slice(32, 16).load(keys_l)
+            kd3 = sdt.slice(48, 16).load(keys_l)
+            svst = svs.index(st)
+            vs0 = svst.slice(0, 16).load(keys_l)
+            vs1 = svst.slice(16, 16).load(keys_l)
+            vs2 = svst.slice(32, 16).load(keys_l)
+            vs3 = svst.slice(48, 16).load(keys_l)
+            svzt = svz.index(st)
+            vz0 = svzt.slice(0, 16).load(keys_l)
+            vz1 = svzt.slice(16, 16).load(keys_l)
+            vz2 = svzt.slice(32, 16).load(keys_l)
+            vz3 = svzt.slice(48, 16).load(keys_l)
+            svt = sv.index(st).permute([1, 0])  # [NU units, 64 slots]
+            ga = svt.slice(0, 8, dim=0)
+            va0 = ga.slice(0, 16, dim=1).load(vld)
+            va1 = ga.slice(16, 16, dim=1).load(vld)
+            va2 = ga.slice(32, 16, dim=1).load(vld)
+            va3 = ga.slice(48, 16, dim=1).load(vld)
+            if NG == 2:
+                gb = svt.slice(8, 8, dim=0)
+                vb0 = gb.slice(0, 16, dim=1).load(vld)
+                vb1 = gb.slice(16, 16, dim=1).load(vld)
+                vb2 = gb.slice(32, 16, dim=1).load(vld)
+                vb3 = gb.slice(48, 16, dim=1).load(vld)
+            else:
+                vb0, vb1, vb2, vb3 = va0, va1, va2, va3
+        else:  # every load of the tile first (one exposure of the memory latency a tile)
+            grp = (j0 // KG).to(gl.int64) * ksg
+            ks3 = gl.load(KS_b + grp + ch3)  # [NU, 8, ROWS]: one 16-byte load a unit (rows alike)
+            kz = gl.load(KZ_b + grp + zc)
+            KQ_t = KQ_b + j0.to(gl.int64) * kstride
+            kw0 = gl.load(KQ_t + koff)
+            kw1 = gl.load(KQ_t + 16 * kstride + koff)
+            kw2 = gl.load(KQ_t + 32 * kstride + koff)
+            kw3 = gl.load(KQ_t + 48 * kstride + koff)
+            KD_t = KDOC_b + 2 * j0
+            kd0 = gl.load(KD_t + 2 * sk_i)
+            kd1 = gl.load(KD_t + 32 + 2 * sk_i)
+            kd2 = gl.load(KD_t + 64 + 2 * sk_i)
+            kd3 = gl.load(KD_t + 96 + 2 * sk_i)
+            VS_t = VS_b + j0.to(gl.int64) * (svss // NG)
+            VZ_t = VZ_b + j0.to(gl.int64) * (svss // NG)
+            vs0 = gl.load(VS_t + vsl)
+            vs1 = gl.load(VS_t + 16 * (svss // NG) + vsl)
+            vs2 = gl.load(VS_t + 32 * (svss // NG) + vsl)
+            vs3 = gl.load(VS_t + 48 * (svss // NG) + vsl)
+            vz0 = gl.load(VZ_t + vsl)
+            vz1 = gl.load(VZ_t + 16 * (svss // NG) + vsl)
+            vz2 = gl.load(VZ_t + 32 * (svss // NG) + vsl)
+            vz3 = gl.load(VZ_t + 48 * (svss // NG) + vsl)
+            VQ_t = VQ_b + j0.to(gl.int64) * vstride
+            va0 = gl.load(VQ_t + voff)
+            va1 = gl.load(VQ_t + 16 * vstride + voff)
+            va2 = gl.load(VQ_t + 32 * vstride + voff)
+            va3 = gl.load(VQ_t + 48 * vstride + voff)
+            if NG == 2:
+                vb0 = gl.load(VQ_t + 8 + voff)
+                vb1 = gl.load(VQ_t + 16 * vstride + 8 + voff)
+                vb2 = gl.load(VQ_t + 32 * vstride + 8 + voff)
+                vb3 = gl.load(VQ_t + 48 * vstride + 8 + voff)
+            else:
+                vb0, vb1, vb2, vb3 = va0, va1, va2, va3
         # q' of this key group (fp16: q * s / w) and the bias q.z - 1024 sum(q'), by the tensor cores
         qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
         # (two independent chains, off the scores' path: the bias is a per-row constant of the tile,
@@ -336,6 +414,8 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
             s3, s30, s31, vz3, va3, vb3, bm, unscale, c_i, minus_v,
             l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
 
+    if PIPE:
+        async_copy.wait_group(0)  # the last (empty) group
     # ---- the program's partial result: o = ((acc - 1024 sum p'') / w / c + sum(p z)) / l
     l_i = gl.sum(l_acc, axis=0)
     seen = l_i > 0
@@ -356,6 +436,24 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     for g in gl.static_range(NG):
         gl.store(obase[None, :] + 64 * g + ch[:, None], zero, mask=rvalid[None, :])
     gl.store(LSE + b * slb + (split0 + split) * slp + out_m * slm + out_h, lse, mask=rvalid)
+
+
+@gluon.jit
+def _issue(t, valid, st, sk, sv, sks, skz, sd, svs, svz, KQ_b, VQ_b, KS_b, KZ_b, KDOC_b, VS_b, VZ_b,
+           kcp, vcp, scp, c1, kstride, vstride, ksg, svss, KG, NG: gl.constexpr):
+    """Copy tile t's bytes (zeros past the split: valid False) into stage st, as one group."""
+    jt = _opaque(t * BLOCK)
+    grp = (jt // KG).to(gl.int64) * ksg  # (a 32-bit division: a 64-bit one is a call)
+    j0 = jt.to(gl.int64)
+    async_copy.async_copy_global_to_shared(sk.index(st), KQ_b + j0 * kstride + kcp, mask=valid)
+    async_copy.async_copy_global_to_shared(sv.index(st), VQ_b + j0 * vstride + vcp, mask=valid)
+    async_copy.async_copy_global_to_shared(sks.index(st), KS_b + grp + scp, mask=valid)
+    async_copy.async_copy_global_to_shared(skz.index(st), KZ_b + grp + scp, mask=valid)
+    async_copy.async_copy_global_to_shared(sd.index(st), KDOC_b + 2 * (j0 + c1), mask=valid)
+    vstep = svss // NG
+    async_copy.async_copy_global_to_shared(svs.index(st), VS_b + (j0 + c1) * vstep, mask=valid)
+    async_copy.async_copy_global_to_shared(svz.index(st), VZ_b + (j0 + c1) * vstep, mask=valid)
+    async_copy.commit_group()
 
 
 @gluon.jit
