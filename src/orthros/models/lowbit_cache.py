@@ -111,8 +111,11 @@ class LowBitStaticCache(StaticOrthrosCache):
         self.vq = zeros(B, C, Hkv, D * vb // 8)
         self.k_scale, self.k_zero = zeros(B, C // key_group, Hkv, D, dt=torch.float16), \
             zeros(B, C // key_group, Hkv, D, dt=torch.float16)
-        self.v_scale, self.v_zero = zeros(B, C, Hkv, D // value_group, dt=torch.float16), \
-            zeros(B, C, Hkv, D // value_group, dt=torch.float16)
+        # value scales / zeros [B, C, Hkv, D / value_group], stored head-major (a view of [B, Hkv, C, ...]):
+        # a KV head's slots are contiguous, so a kernel reading one head streams whole sectors (slot-major,
+        # a head's 4 bytes a slot took a 32-byte sector each through L2)
+        self.v_scale, self.v_zero = ([x.transpose(1, 2) for x in zeros(B, Hkv, C, D // value_group, dt=torch.float16)]
+                                     for _ in range(2))
         self.rk, self.rv = zeros(B, self.ring, Hkv, D, dt=self.hi), zeros(B, self.ring, Hkv, D, dt=self.hi)
         self.sk, self.sv = zeros(B, sinks, Hkv, D, dt=self.hi), zeros(B, sinks, Hkv, D, dt=self.hi)
         self.doc = torch.full((B, capacity), PAD_DOC, device=device, dtype=torch.long)

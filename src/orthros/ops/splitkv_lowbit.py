@@ -95,6 +95,7 @@ slot indices are 32-bit (caches below 2^31 slots).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -242,9 +243,60 @@ def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv
                                             bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
                                             scale, row0, P2)
     kernel[grid](*args, **meta)
-    lo = _combine(o[:, :1, :row0], lse[:, :1, :row0], q.dtype, rotation) if row0 else None
-    hi = _combine(o[:, :, row0:], lse[:, :, row0:], q.dtype, rotation)
-    return hi if lo is None else torch.cat([lo, hi], dim=1)
+    out = torch.empty(B, M, H, D, device=q.device, dtype=q.dtype)
+    rot = rotation if rotation is not None else o  # any pointer when unrotated (never read)
+    _finish_kernel()[(B * M * H,)](
+        o, lse, rot, out, 1 + P2, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
+        lse.stride(0), lse.stride(1), lse.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        D=D, BLOCK_P=min(64, _pow2(1 + P2)), ROTATED=rotation is not None)
+    return out
+
+
+@functools.cache
+def _finish_kernel():
+    """The Gluon path's merge, one program a (row, query, head): the bf16 split (split 0: its bf16
+    part and an empty packed part) and the packed splits 1 .. P - 1 (rows from row0 on; the rows
+    before are windowed and read split 0 alone), log-sum-exp weighted; the packed part's sum times
+    R (a rotated cache) added to the bf16 part's. One launch where the general merge takes a dozen."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def lowbit_finish(O, LSE, R, OUT, P, M, H, row0, sob, sop, som, soh, sox, slb, slp, slm, s_out_b,
+                      s_out_m, s_out_h, D: tl.constexpr, BLOCK_P: tl.constexpr, ROTATED: tl.constexpr):
+        pid = tl.program_id(0)
+        h = pid % H
+        m = (pid // H) % M
+        b = (pid // (H * M)).to(tl.int64)
+        n = tl.where(m >= row0, P, 1)
+        d = tl.arange(0, D)
+        lbase = LSE + b * slb + m * slm + h
+        obase = O + b * sob + m * som + h * soh
+        top = tl.full([], float("-inf"), tl.float32)
+        for p0 in range(0, n, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            top = tl.maximum(top, tl.max(tl.load(lbase + p * slp, mask=p < n, other=float("-inf")), 0))
+        top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: the weights below are 0
+        total = tl.zeros([], tl.float32)
+        packed = tl.zeros([D], tl.float32)
+        for p0 in range(0, n, BLOCK_P):
+            p = p0 + tl.arange(0, BLOCK_P)
+            w = tl.exp(tl.load(lbase + p * slp, mask=p < n, other=float("-inf")) - top)
+            o = tl.load(obase + p[:, None] * sop + sox + d[None, :], mask=(p < n)[:, None], other=0.0)
+            total += tl.sum(w, 0)
+            packed += tl.sum(w[:, None] * o, 0)
+        w0 = tl.exp(tl.load(lbase) - top)
+        inv = 1.0 / tl.where(total > 0, total, 1.0)
+        obuf = OUT + b * s_out_b + m * s_out_m + h * s_out_h
+        if ROTATED:  # (sum of the packed parts) R, R's columns a chunk at a time
+            for e0 in tl.static_range(0, D, 32):
+                e = e0 + tl.arange(0, 32)
+                col = tl.sum(packed[:, None] * tl.load(R + d[:, None] * D + e[None, :]), 0)
+                tl.store(obuf + e, ((w0 * tl.load(obase + e) + col) * inv).to(OUT.dtype.element_ty))
+        else:
+            tl.store(obuf + d, ((w0 * tl.load(obase + d) + packed) * inv).to(OUT.dtype.element_ty))
+
+    return lowbit_finish
 
 
 def gluon_splits(q, Hkv: int, length: int, num_splits=None) -> int:

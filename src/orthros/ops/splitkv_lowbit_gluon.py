@@ -22,9 +22,10 @@ query rows cost 8 columns, not 16):
     values    O^T [channels, rows] += L^T [channels, keys] @ p'' [keys, rows] per value group:
               p'' = p * s_v / max(s_v of the tile) (the token's scale folded into p, normalized so
               that small scales do not push p into fp16's subnormals; the factor is carried in the
-              accumulator's rescale, like the softmax max), the -1024 offsets by a (-1024) @ p''
-              product, the zeros as sum(p z_v) (fp32, per thread, reduced once at the end), and
-              1 / w of each channel applied once at the end.
+              accumulator's rescale, like the softmax max), the levels w n exact in fp16 (the offset
+              1024 taken off before the product: carried through the fp32 accumulation of a long
+              row it cost the levels' low bits), the zeros as sum(p z_v) (fp32, per thread,
+              reduced once at the end), and 1 / w of each channel applied once at the end.
 
 Packed words: a "unit" is the 8 channels c = 8u .. 8u + 7 of a slot (an int32 word of int4 levels,
 an int16 of int2 levels; `ops/lowbit.py` packs the lowest bits first, so plane p of a unit is
@@ -57,49 +58,63 @@ def _f16x2(x: float) -> str:
     return f"0x{int.from_bytes(struct.pack('<e', x), 'little') * 0x10001:08x}"
 
 
-def _pair4_ptx() -> str:
+def _pair4_ptx(exact: bool = False) -> str:
     """Two int32 units ($8, $9: the same channels of two slots, or two units of one slot) -> the 8
     planes' levels, plane p in $p: lane 0 from $8, lane 1 from $9, 1024 + n (even p) or
-    1024 + 16 n (odd p). prmt brings byte b of each word to the low byte of a lane; lop3 masks
-    one nibble and ors in the exponent of 1024."""
+    1024 + 16 n (odd p); exact: 1024 taken off (n, 16 n). prmt brings byte b of each word to the
+    low byte of a lane; lop3 masks one nibble and ors in the exponent of 1024."""
     lines = [".reg .b32 t;", ".reg .b32 mg;", f"mov.b32 mg, {_f16x2(1024.0)};"]
     for b in range(4):
         lines.append(f"prmt.b32 t, $8, $9, 0x{0x4400 + 0x1111 * b:04x};")
         lines.append(f"lop3.b32 ${2 * b}, t, 0x000f000f, mg, 0xea;")
         lines.append(f"lop3.b32 ${2 * b + 1}, t, 0x00f000f0, mg, 0xea;")
-    return "{\n" + "\n".join(lines) + "\n}"
+    return _block(lines, exact)
 
 
-def _pair2_ptx() -> str:
+def _pair2_ptx(exact: bool = False) -> str:
     """Two int16 units in one register ($8: lane 0, lane 1) -> the 8 planes' levels, plane p in $p:
-    1024 + 4^(p % 4) n. Fields 0-3 of each lane by masks, then the register shifted by 8 (the
-    high lane's low byte lands in the low lane's high byte, which no mask reads)."""
+    1024 + 4^(p % 4) n (exact: 4^(p % 4) n). Fields 0-3 of each lane by masks, then the register
+    shifted by 8 (the high lane's low byte lands in the low lane's high byte, which no mask reads)."""
     lines = [".reg .b32 t;", ".reg .b32 mg;", f"mov.b32 mg, {_f16x2(1024.0)};"]
     for i in range(4):
         lines.append(f"lop3.b32 ${i}, $8, 0x{(3 << 2 * i) * 0x10001:08x}, mg, 0xea;")
     lines.append("shr.b32 t, $8, 8;")
     for i in range(4):
         lines.append(f"lop3.b32 ${4 + i}, t, 0x{(3 << 2 * i) * 0x10001:08x}, mg, 0xea;")
+    return _block(lines, exact)
+
+
+def _block(lines: list[str], exact: bool) -> str:
+    if exact:  # (1024 + w n) - 1024 = w n, exactly (w n < 1024)
+        lines += [f"sub.f16x2 ${p}, ${p}, mg;" for p in range(8)]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 PAIR4 = gl.constexpr(_pair4_ptx())
 PAIR2 = gl.constexpr(_pair2_ptx())
+# the values' levels without the offset: a product accumulating 1024 p'' a slot loses the levels'
+# low bits in the tensor cores' fp32 accumulation (a relative error of 0.02 - 0.06 seen on an H200 at
+# 70,000 slots, 2026-12-03, with the offset taken off afterwards by a (-1024) @ p'' product)
+PAIR4X = gl.constexpr(_pair4_ptx(True))
+PAIR2X = gl.constexpr(_pair2_ptx(True))
 C4 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
 C2 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
+F8 = gl.constexpr((gl.float16,) * 8)
 
 
 @gluon.jit
-def _planes(x, BITS: gl.constexpr):
-    """Units x (int32 for 4 bits, int16 for 2) -> their 8 planes' levels (fp16, 1024 + w n)."""
+def _planes(x, BITS: gl.constexpr, EXACT: gl.constexpr = False):
+    """Units x (int32 for 4 bits, int16 for 2) -> their 8 planes' levels (fp16, 1024 + w n; EXACT: w n)."""
     if BITS == 4:
-        return gl.inline_asm_elementwise(PAIR4, C4, [x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16,
-                                                               gl.float16, gl.float16, gl.float16, gl.float16),
-                                         is_pure=True, pack=2)
+        if EXACT:
+            return gl.inline_asm_elementwise(PAIR4X, C4, [x], dtype=F8, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(PAIR4, C4, [x], dtype=F8, is_pure=True, pack=2)
     else:
-        return gl.inline_asm_elementwise(PAIR2, C2, [x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16,
-                                                               gl.float16, gl.float16, gl.float16, gl.float16),
-                                         is_pure=True, pack=2)
+        if EXACT:
+            return gl.inline_asm_elementwise(PAIR2X, C2, [x], dtype=F8, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(PAIR2, C2, [x], dtype=F8, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -214,7 +229,6 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
                  mask=(zr < nrows)[None, :], other=0.0).to(gl.float32) * (qscale * pre)
     qz = qz.to(gl.float16)
     minus = gl.full([16, 8 * NU], -1024.0, gl.float16, layout=ka)
-    minus_v = gl.full([16, 16], -1024.0, gl.float16, layout=va)
     zc = gl.arange(0, 8 * NU, layout=gl.SliceLayout(0, za))
     zfill = gl.zeros([16, 8 * NU], gl.float16, layout=za)
 
@@ -254,8 +268,6 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     l_acc = gl.zeros([16, ROWS], gl.float32, layout=mma)  # per-thread partial sums (reduced at the end)
     z_acc0 = gl.zeros([16, ROWS], gl.float32, layout=mma)
     z_acc1 = gl.zeros([16, ROWS], gl.float32, layout=mma)
-    p1_acc0 = gl.zeros([16, ROWS], gl.float32, layout=mma)  # -1024 sum(p'') per group (rows alike)
-    p1_acc1 = gl.zeros([16, ROWS], gl.float32, layout=mma)
     o_acc0 = gl.zeros([64, ROWS], gl.float32, layout=mma)  # group 0: row 8 p + i -> channel 8 i + p
     o_acc1 = gl.zeros([64, ROWS], gl.float32, layout=mma)  # group 1 (head size 128)
 
@@ -394,29 +406,23 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
         m_i = m_new
         c_i = c_new
         o_acc0 = o_acc0 * resc[None, :]
-        p1_acc0 = p1_acc0 * resc[None, :]
         o_acc1 = o_acc1 * resc[None, :]
-        p1_acc1 = p1_acc1 * resc[None, :]
         l_acc = l_acc * alpha[None, :]
         z_acc0 = z_acc0 * alpha[None, :]
         z_acc1 = z_acc1 * alpha[None, :]
         bm = bias * unscale - (m_ok * unscale)[None, :]  # [16, ROWS]: p = exp2(s * unscale + bm)
-        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s0, s00, s01, vz0, va0, vb0, bm, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
-        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s1, s10, s11, vz1, va1, vb1, bm, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
-        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s2, s20, s21, vz2, va2, vb2, bm, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
-        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1 = _values(
-            s3, s30, s31, vz3, va3, vb3, bm, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1, VBITS, NG, va, vb)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1 = _values(s0, s00, s01, vz0, va0, vb0, bm, unscale, c_i,
+                                                        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, VBITS, NG, va, vb)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1 = _values(s1, s10, s11, vz1, va1, vb1, bm, unscale, c_i,
+                                                        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, VBITS, NG, va, vb)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1 = _values(s2, s20, s21, vz2, va2, vb2, bm, unscale, c_i,
+                                                        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, VBITS, NG, va, vb)
+        l_acc, z_acc0, z_acc1, o_acc0, o_acc1 = _values(s3, s30, s31, vz3, va3, vb3, bm, unscale, c_i,
+                                                        l_acc, z_acc0, z_acc1, o_acc0, o_acc1, VBITS, NG, va, vb)
 
     if PIPE:
         async_copy.wait_group(0)  # the last (empty) group
-    # ---- the program's partial result: o = ((acc - 1024 sum p'') / w / c + sum(p z)) / l
+    # ---- the program's partial result: o = (acc / w / c + sum(p z)) / l
     l_i = gl.sum(l_acc, axis=0)
     seen = l_i > 0
     linv = 1.0 / gl.where(seen, l_i, 1.0)
@@ -429,9 +435,9 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     ci = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     ch = 8 * (ci % 8) + ci // 8  # accumulator row 8 p + i -> channel 8 i + p of the group
     wv = _unit_weight(ci // 8, VBITS) * cinv
-    _store_group(obase, o_acc0, p1_acc0, z_acc0, wv, ch, linv, rvalid, sox)
+    _store_group(obase, o_acc0, z_acc0, wv, ch, linv, rvalid, sox)
     if NG == 2:
-        _store_group(obase + 64, o_acc1, p1_acc1, z_acc1, wv, ch, linv, rvalid, sox)
+        _store_group(obase + 64, o_acc1, z_acc1, wv, ch, linv, rvalid, sox)
     zero = gl.zeros([64, ROWS], gl.float32, layout=mma)
     for g in gl.static_range(NG):
         gl.store(obase[None, :] + 64 * g + ch[:, None], zero, mask=rvalid[None, :])
@@ -457,10 +463,9 @@ def _issue(t, valid, st, sk, sv, sks, skz, sd, svs, svz, KQ_b, VQ_b, KS_b, KZ_b,
 
 
 @gluon.jit
-def _store_group(obase, acc, p1, z, wv, ch, linv, rvalid, sox):
-    p1r = gl.max(p1, axis=0)  # the rows of p1 are alike
+def _store_group(obase, acc, z, wv, ch, linv, rvalid, sox):
     zr = gl.sum(z, axis=0)
-    o = ((acc + p1r[None, :]) * wv[:, None] + zr[None, :]) * linv[None, :]
+    o = (acc * wv[:, None] + zr[None, :]) * linv[None, :]
     gl.store(obase[None, :] + sox + ch[:, None], o, mask=rvalid[None, :])
 
 
@@ -489,8 +494,7 @@ def _value_pair(x, NG: gl.constexpr):
 
 
 @gluon.jit
-def _values(s, vs0, vs1, vz, wa, wb, bm, unscale, c_i, minus_v,
-            l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1,
+def _values(s, vs0, vs1, vz, wa, wb, bm, unscale, c_i, l_acc, z_acc0, z_acc1, o_acc0, o_acc1,
             VBITS: gl.constexpr, NG: gl.constexpr, va: gl.constexpr, vb: gl.constexpr):
     """16 slots' values: p, its sums, and the products into the group accumulators (wa, wb: the
     groups' value units [8, 16 slots])."""
@@ -499,19 +503,17 @@ def _values(s, vs0, vs1, vz, wa, wb, bm, unscale, c_i, minus_v,
     z0, z1 = _value_pair(vz, NG)
     z_acc0 = z_acc0 + p * z0[:, None]
     pa = gl.convert_layout((p * (vs0 * c_i)[:, None]).to(gl.float16), vb)
-    o_acc0, p1_acc0 = _group_product(wa, pa, minus_v, o_acc0, p1_acc0, VBITS, va)
+    o_acc0 = _group_product(wa, pa, o_acc0, VBITS, va)
     if NG == 2:
         z_acc1 = z_acc1 + p * z1[:, None]
         pb = gl.convert_layout((p * (vs1 * c_i)[:, None]).to(gl.float16), vb)
-        o_acc1, p1_acc1 = _group_product(wb, pb, minus_v, o_acc1, p1_acc1, VBITS, va)
-    return l_acc, z_acc0, z_acc1, o_acc0, o_acc1, p1_acc0, p1_acc1
+        o_acc1 = _group_product(wb, pb, o_acc1, VBITS, va)
+    return l_acc, z_acc0, z_acc1, o_acc0, o_acc1
 
 
 @gluon.jit
-def _group_product(w, pg, minus_v, acc, p1, VBITS: gl.constexpr, va: gl.constexpr):
-    """acc [64 (8 p + i), ROWS] += levels of units w [8 (i), 16 slots], plane p, @ pg [16 slots, ROWS]."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, VBITS)
+def _group_product(w, pg, acc, VBITS: gl.constexpr, va: gl.constexpr):
+    """acc [64 (8 p + i), ROWS] += w_p * levels of units w [8 (i), 16 slots], plane p, @ pg [16 slots, ROWS]."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, VBITS, True)
     x = gl.reshape(gl.permute(_stack8(x0, x1, x2, x3, x4, x5, x6, x7), [2, 0, 1]), [64, 16])
-    acc = mma_v2(gl.convert_layout(x, va), pg, acc)
-    p1 = mma_v2(minus_v, pg, p1)
-    return acc, p1
+    return mma_v2(gl.convert_layout(x, va), pg, acc)
