@@ -226,6 +226,35 @@ def quick_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
     mixed_key_bits(device, torch.bfloat16)
 
 
+def finish_case(device="cpu"):
+    """The Gluon path's merge (`ops.splitkv_lowbit.finish`) against the same sums in PyTorch: split 0
+    (bf16 part; its packed part zero) for every row, splits 1.. (packed part) from row0 on; the bf16
+    parts of splits 1.. and the packed splits of the rows before row0 hold garbage that must not be
+    read; a split with nothing seen (lse -inf); rotated and not."""
+    from orthros.ops.lowbit import rotation_matrix
+    from orthros.ops.splitkv_lowbit import finish
+
+    torch.manual_seed(5)
+    B, P, M, H, D, row0 = 2, 70, 3, 4, 64, 1
+    o = torch.randn(B, P, M, H, 2, D, device=device)
+    o[:, 0, :, :, 1] = 0.0
+    lse = 3 * torch.randn(B, P, M, H, device=device)
+    lse[:, 5] = float("-inf")
+    o[:, 1:, :row0] = float("nan")  # never written by the packed kernel
+    lse[:, 1:, :row0] = float("nan")
+    o[:, 1:, :, :, 0] = float("nan")  # the packed splits' bf16 part: not written either
+    for rot in (None, rotation_matrix(D, device)):
+        out = finish(o, lse, row0, rot, torch.float32)
+        want = torch.empty(B, M, H, D, device=device)
+        for m in range(M):
+            n = P if m >= row0 else 1
+            w = torch.softmax(lse[:, :n, m], dim=1)  # [B, n, H]
+            packed = (w[..., None] * o[:, :n, m, :, 1]).sum(1)
+            want[:, m] = w[:, 0, :, None] * o[:, 0, m, :, 0] + (packed if rot is None else packed @ rot)
+        err = ((out - want).norm() / want.norm()).item()
+        assert err < 1e-5, (rot is not None, err)
+
+
 def gluon_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
     """The Gluon packed kernel (`ops/splitkv_lowbit_gluon.py`, asked for explicitly): head sizes 128 and
     64 with 4 and 3 query heads a KV head (one output row, a decode pair, two output rows), bf16 and fp16
@@ -271,6 +300,9 @@ if __name__ == "__main__":
     dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     if which == "quick":
         quick_cases(dev)
+        print("ok")
+    elif which == "finish":
+        finish_case(dev)
         print("ok")
     elif which == "gluon":  # optional third argument: the cache dtypes, comma-separated
         gluon_cases(dev, *([tuple(sys.argv[3].split(","))] if len(sys.argv) > 3 else []))

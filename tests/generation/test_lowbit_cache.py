@@ -11,6 +11,8 @@ from orthros.models.paged_cache import PagedKVPool
 from orthros.ops import lowbit
 from orthros.ops.naive import naive_attention
 
+from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
+
 from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
 from .splitkv_lowbit_cases import filled_cache
 
@@ -276,11 +278,45 @@ def test_kernel_matches_reference_on_gpu(kv_dtype):
     main("all", "cuda", kvs=(kv_dtype,))
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon has no interpreter: its kernel cases need a GPU")
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
+def test_gluon_kernel_matches_reference_on_gpu(kv_dtype):
+    from .splitkv_lowbit_cases import gluon_cases
+
+    gluon_cases("cuda", (kv_dtype,))
+
+
 def test_kernel_against_reference_triton_interpreter():
     """The kernel against dequantize-then-attend on cache states written by the cache itself
     (every case of splitkv_lowbit_cases.py), under TRITON_INTERPRET=1 on CPU."""
     r = run_triton_interpreted("-m", "tests.generation.splitkv_lowbit_cases", timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_gluon_merge_triton_interpreter():
+    """The Gluon path's merge of its splits (`ops.splitkv_lowbit.finish`: bf16 split, packed splits from
+    the first non-windowed row on, R) against the same sums in PyTorch, under TRITON_INTERPRET=1 (the
+    Gluon kernel itself has no interpreter: its cases run on a GPU, `gluon_cases`)."""
+    r = run_triton_interpreted("-m", "tests.generation.splitkv_lowbit_cases", "finish", timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_gluon_kernel_refuses_what_it_cannot_read():
+    """The Gluon packed kernel is never asked for where it cannot run; asking for it says why."""
+    from orthros.ops.splitkv_lowbit import gluon_applies, gluon_refusal
+
+    cache = filled_cache("int4", 4, 2, 64, 300, 4, [300], 0, 0, key_group=64, value_group=64)
+    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
+    why = gluon_refusal(q, cache.k_scale[0], cache.v_scale[0], 64, 4, 4, 0)
+    assert "CUDA" in why and not gluon_applies(q, cache.k_scale[0], cache.v_scale[0], 64, 4, 4, 0)
+    with pytest.raises(ValueError, match="Gluon packed kernel does not apply: it needs a CUDA GPU"):
+        lowbit_splitkv_attention(q, *cache.layer(0), torch.full((2, 1), 299), torch.zeros(2, 1, dtype=torch.long),
+                                 cache.doc, torch.tensor([cache.bound_at(300)]), 300, 4, 4, 64,
+                                 rotation=cache.rotation, packed_kernel="gluon")
+    with pytest.raises(ValueError, match="packed_kernel must be"):
+        lowbit_splitkv_attention(q, *cache.layer(0), torch.full((2, 1), 299), torch.zeros(2, 1, dtype=torch.long),
+                                 cache.doc, torch.tensor([cache.bound_at(300)]), 300, 4, 4, 64,
+                                 rotation=cache.rotation, packed_kernel="cuda")
 
 
 def test_generate_command_kv_dtype(tmp_path, capsys):

@@ -243,12 +243,20 @@ def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv
                                             bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
                                             scale, row0, P2)
     kernel[grid](*args, **meta)
-    out = torch.empty(B, M, H, D, device=q.device, dtype=q.dtype)
+    return finish(o, lse, row0, rotation, q.dtype)
+
+
+def finish(o, lse, row0: int, rotation, dtype) -> torch.Tensor:
+    """The Gluon path's outputs -> [B, M, H, D] in dtype: o [B, P, M, H, 2, D] / lse [B, P, M, H] hold
+    the bf16 split at split 0 (its packed part empty) and the packed splits at 1 .. P - 1 for the rows
+    from row0 on (their bf16 part unread); see `_finish_kernel`."""
+    B, P, M, H, _, D = o.shape
+    out = torch.empty(B, M, H, D, device=o.device, dtype=dtype)
     rot = rotation if rotation is not None else o  # any pointer when unrotated (never read)
     _finish_kernel()[(B * M * H,)](
-        o, lse, rot, out, 1 + P2, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
+        o, lse, rot, out, P, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
         lse.stride(0), lse.stride(1), lse.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_P=min(64, _pow2(1 + P2)), ROTATED=rotation is not None)
+        D=D, BLOCK_P=min(64, _pow2(P)), ROTATED=rotation is not None)
     return out
 
 
