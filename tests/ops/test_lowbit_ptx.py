@@ -44,9 +44,10 @@ def _prmt(a: int, b: int, sel: int) -> int:
     return out
 
 
-def emulate(asm: str, word: int, n_out: int) -> list[int]:
-    """Run the PTX block on one input register ($n_out) -> the output registers $0 .. $n_out-1."""
-    regs = {f"${n_out}": word}
+def emulate(asm: str, word, n_out: int) -> list[int]:
+    """Run the PTX block on its input registers ($n_out, $n_out + 1, ...: one word, or a list) -> the
+    output registers $0 .. $n_out-1."""
+    regs = {f"${n_out + i}": x for i, x in enumerate(word if isinstance(word, list) else [word])}
     for line in asm.split(";"):
         line = line.strip().strip("{}").strip()
         if not line or line.startswith(".reg"):
@@ -60,6 +61,8 @@ def emulate(asm: str, word: int, n_out: int) -> list[int]:
             r = _prmt(v(args[1]), v(args[2]), v(args[3]))
         elif op == "lop3.b32":
             r = _lop3(v(args[1]), v(args[2]), v(args[3]), v(args[4]))
+        elif op == "shr.b32":
+            r = v(args[1]) >> v(args[2])
         elif op == "sub.f16x2":
             r = _word(_halves(v(args[1])) - _halves(v(args[2])))
         elif op == "fma.rn.f16x2":  # one rounding: exact products and sums of these operands

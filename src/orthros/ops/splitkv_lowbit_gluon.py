@@ -302,38 +302,14 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
             gl.thread_barrier()  # ... and every thread's
             ks3 = sks.index(st).reshape([NU, 8]).load(gl.SliceLayout(2, KSL))[:, :, None]
             kz = skz.index(st).load(gl.SliceLayout(0, za))
-            skt = sk.index(st)
-            kw0 = skt.slice(0, 16).load(kld)
-            kw1 = skt.slice(16, 16).load(kld)
-            kw2 = skt.slice(32, 16).load(kld)
-            kw3 = skt.slice(48, 16).load(kld)
-            sdt = sd.index(st)
-            kd0 = sdt.slice(0, 16).load(keys_l)
-            kd1 = sdt.slice(16, 16).load(keys_l)
-            kd2 = sdt.slice(32, 16).load(keys_l)
-            kd3 = sdt.slice(48, 16).load(keys_l)
-            svst = svs.index(st)
-            vs0 = svst.slice(0, 16).load(keys_l)
-            vs1 = svst.slice(16, 16).load(keys_l)
-            vs2 = svst.slice(32, 16).load(keys_l)
-            vs3 = svst.slice(48, 16).load(keys_l)
-            svzt = svz.index(st)
-            vz0 = svzt.slice(0, 16).load(keys_l)
-            vz1 = svzt.slice(16, 16).load(keys_l)
-            vz2 = svzt.slice(32, 16).load(keys_l)
-            vz3 = svzt.slice(48, 16).load(keys_l)
+            kw0, kw1, kw2, kw3 = _sub_tiles(sk.index(st), 0, kld)
+            kd0, kd1, kd2, kd3 = _sub_tiles(sd.index(st), 0, keys_l)
+            vs0, vs1, vs2, vs3 = _sub_tiles(svs.index(st), 0, keys_l)
+            vz0, vz1, vz2, vz3 = _sub_tiles(svz.index(st), 0, keys_l)
             svt = sv.index(st).permute([1, 0])  # [NU units, 64 slots]
-            ga = svt.slice(0, 8, dim=0)
-            va0 = ga.slice(0, 16, dim=1).load(vld)
-            va1 = ga.slice(16, 16, dim=1).load(vld)
-            va2 = ga.slice(32, 16, dim=1).load(vld)
-            va3 = ga.slice(48, 16, dim=1).load(vld)
+            va0, va1, va2, va3 = _sub_tiles(svt.slice(0, 8, dim=0), 1, vld)
             if NG == 2:
-                gb = svt.slice(8, 8, dim=0)
-                vb0 = gb.slice(0, 16, dim=1).load(vld)
-                vb1 = gb.slice(16, 16, dim=1).load(vld)
-                vb2 = gb.slice(32, 16, dim=1).load(vld)
-                vb3 = gb.slice(48, 16, dim=1).load(vld)
+                vb0, vb1, vb2, vb3 = _sub_tiles(svt.slice(8, 8, dim=0), 1, vld)
             else:
                 vb0, vb1, vb2, vb3 = va0, va1, va2, va3
         else:  # every load of the tile first (one exposure of the memory latency a tile)
@@ -442,6 +418,13 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     for g in gl.static_range(NG):
         gl.store(obase[None, :] + 64 * g + ch[:, None], zero, mask=rvalid[None, :])
     gl.store(LSE + b * slb + (split0 + split) * slp + out_m * slm + out_h, lse, mask=rvalid)
+
+
+@gluon.jit
+def _sub_tiles(buf, dim: gl.constexpr, layout: gl.constexpr):
+    """A shared tile's 4 sub-tiles of 16 slots (slots along `dim`), loaded in `layout`."""
+    return (buf.slice(0, 16, dim=dim).load(layout), buf.slice(16, 16, dim=dim).load(layout),
+            buf.slice(32, 16, dim=dim).load(layout), buf.slice(48, 16, dim=dim).load(layout))
 
 
 @gluon.jit
