@@ -50,6 +50,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+# Gluon's names moved between Triton releases: cp.async into shared memory is `async_load` from Triton
+# 3.9 on (the older name raises there), the CTA barrier `barrier` (`thread_barrier` before)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 BLOCK = gl.constexpr(64)  # slots a tile
 ROWS = gl.constexpr(8)  # query rows a program (the N of every product)
 
@@ -295,11 +300,11 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
         j0 = _opaque(t * BLOCK)
         if PIPE:
             st = (t - t_lo) % 2
-            gl.thread_barrier()  # every thread is done reading the other stage (the tile before)
+            _barrier()  # every thread is done reading the other stage (the tile before)
             _issue(t + 1, t + 1 < t_hi, 1 - st, sk, sv, sks, skz, sd, svs, svz, KQ_b, VQ_b, KS_b, KZ_b, KDOC_b,
                    VS_b, VZ_b, kcp, vcp, scp, c1, kstride, vstride, ksg, svss, KG, NG)
             async_copy.wait_group(1)  # this tile's copies are in (this thread's) ...
-            gl.thread_barrier()  # ... and every thread's
+            _barrier()  # ... and every thread's
             ks3 = sks.index(st).reshape([NU, 8]).load(gl.SliceLayout(2, KSL))[:, :, None]
             kz = skz.index(st).load(gl.SliceLayout(0, za))
             kw0, kw1, kw2, kw3 = _sub_tiles(sk.index(st), 0, kld)
@@ -434,14 +439,14 @@ def _issue(t, valid, st, sk, sv, sks, skz, sd, svs, svz, KQ_b, VQ_b, KS_b, KZ_b,
     jt = _opaque(t * BLOCK)
     grp = (jt // KG).to(gl.int64) * ksg  # (a 32-bit division: a 64-bit one is a call)
     j0 = jt.to(gl.int64)
-    async_copy.async_copy_global_to_shared(sk.index(st), KQ_b + j0 * kstride + kcp, mask=valid)
-    async_copy.async_copy_global_to_shared(sv.index(st), VQ_b + j0 * vstride + vcp, mask=valid)
-    async_copy.async_copy_global_to_shared(sks.index(st), KS_b + grp + scp, mask=valid)
-    async_copy.async_copy_global_to_shared(skz.index(st), KZ_b + grp + scp, mask=valid)
-    async_copy.async_copy_global_to_shared(sd.index(st), KDOC_b + 2 * (j0 + c1), mask=valid)
+    _async_load(sk.index(st), KQ_b + j0 * kstride + kcp, mask=valid)
+    _async_load(sv.index(st), VQ_b + j0 * vstride + vcp, mask=valid)
+    _async_load(sks.index(st), KS_b + grp + scp, mask=valid)
+    _async_load(skz.index(st), KZ_b + grp + scp, mask=valid)
+    _async_load(sd.index(st), KDOC_b + 2 * (j0 + c1), mask=valid)
     vstep = svss // NG
-    async_copy.async_copy_global_to_shared(svs.index(st), VS_b + (j0 + c1) * vstep, mask=valid)
-    async_copy.async_copy_global_to_shared(svz.index(st), VZ_b + (j0 + c1) * vstep, mask=valid)
+    _async_load(svs.index(st), VS_b + (j0 + c1) * vstep, mask=valid)
+    _async_load(svz.index(st), VZ_b + (j0 + c1) * vstep, mask=valid)
     async_copy.commit_group()
 
 
