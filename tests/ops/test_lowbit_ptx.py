@@ -61,6 +61,8 @@ def emulate(asm: str, word, n_out: int) -> list[int]:
             r = _prmt(v(args[1]), v(args[2]), v(args[3]))
         elif op == "lop3.b32":
             r = _lop3(v(args[1]), v(args[2]), v(args[3]), v(args[4]))
+        elif op == "and.b32":
+            r = v(args[1]) & v(args[2])
         elif op == "shr.b32":
             r = v(args[1]) >> v(args[2])
         elif op == "sub.f16x2":

@@ -3,29 +3,29 @@ slots [sinks, bound) of a `LowBitStaticCache` layer, for the output rows of a de
 every register layout chosen. What the Triton kernel (`splitkv_lowbit_kernel.py`) spends its
 instructions on there is layout traffic: levels moved between threads and through shared
 memory to reach the tensor cores' operand layouts. Here each thread loads exactly the packed
-words its operand registers hold, turns them into fp16 levels in place (inline PTX, about
-0.6-0.75 instructions a level) and feeds them to `mma_v2` as they are.
+words its operand registers hold, turns them into fp16 levels in place (inline PTX: prmt and
+and, 0.5-0.75 instructions a level) and feeds them to `mma_v2` as they are.
 
 One warp a program, one (row, KV head, split) each; a split is a run of 64-slot tiles (a tile
 lies inside one key group). For a tile, with the G query heads of the KV head (and the M rows)
 as the N = 8 columns of every product ("swapped": keys and channels are the M side, so the few
 query rows cost 8 columns, not 16):
 
+    levels    a field's bits as they lie in the word, read as an fp16: the subnormal w n 2^-24,
+              exact (w = 16^h for int4's high nibbles, 4^i for int2's fields); 2^24 and 1 / w are
+              applied once in fp32 (SUBNORMAL_SCALE, below).
     keys      S [keys, rows] = sum over bit planes of L_p [keys, units] @ q'_p [units, rows]
-              + bias. L = 1024 + w n, the level n as an exact fp16 with the magic exponent of
-              1024 (w = 16^h for int4's high nibbles, 4^i for int2's fields); the key group's
-              per-channel scale s is folded into the query, q' = q s / w (fp16), so a level is
-              never dequantized; bias = q.z - 1024 sum(q'), both by the tensor cores (a -1024
-              operand and the zeros broadcast over rows, fp32 accumulation: nothing cancels
-              inexactly).
-    softmax   online, per program (no cross-warp state), in log2 units.
+              + bias: the key group's per-channel scale s is folded into the query, q' = q s / w
+              (fp16), so a level is never dequantized; bias = q.z (the zeros broadcast over rows,
+              by the tensor cores), a per-row constant of the tile, added to the max and inside
+              the exponent, never to a score.
+    softmax   online, per program (no cross-warp state), in log2 units, rescaled lazily (only when
+              the max grows by more than 2^8).
     values    O^T [channels, rows] += L^T [channels, keys] @ p'' [keys, rows] per value group:
-              p'' = p * s_v / max(s_v of the tile) (the token's scale folded into p, normalized so
-              that small scales do not push p into fp16's subnormals; the factor is carried in the
-              accumulator's rescale, like the softmax max), the levels w n exact in fp16 (the offset
-              1024 taken off before the product: carried through the fp32 accumulation of a long
-              row it cost the levels' low bits), the zeros as sum(p z_v) (fp32, per thread,
-              reduced once at the end), and 1 / w of each channel applied once at the end.
+              p'' = p * s_v * c (the token's scale folded into p; c a power of two near 1 / the
+              largest scale, carried in the accumulators' rescale like the softmax max, so that
+              small scales do not push p'' into fp16's subnormals), the zeros as sum(p z_v)
+              (fp32, per thread, reduced once at the end).
 
 Packed words: a "unit" is the 8 channels c = 8u .. 8u + 7 of a slot (an int32 word of int4 levels,
 an int16 of int2 levels; `ops/lowbit.py` packs the lowest bits first, so plane p of a unit is
@@ -63,63 +63,55 @@ def _f16x2(x: float) -> str:
     return f"0x{int.from_bytes(struct.pack('<e', x), 'little') * 0x10001:08x}"
 
 
-def _pair4_ptx(exact: bool = False) -> str:
+def _pair4_ptx() -> str:
     """Two int32 units ($8, $9: the same channels of two slots, or two units of one slot) -> the 8
-    planes' levels, plane p in $p: lane 0 from $8, lane 1 from $9, 1024 + n (even p) or
-    1024 + 16 n (odd p); exact: 1024 taken off (n, 16 n). prmt brings byte b of each word to the
-    low byte of a lane; lop3 masks one nibble and ors in the exponent of 1024."""
-    lines = [".reg .b32 t;", ".reg .b32 mg;", f"mov.b32 mg, {_f16x2(1024.0)};"]
+    planes' levels, plane p in $p: lane 0 from $8, lane 1 from $9, the fp16 bit pattern n (even p)
+    or 16 n (odd p): the subnormal n w 2^-24, exact. prmt brings byte b of each word to the low
+    byte of a lane, an and keeps one nibble."""
+    lines = [".reg .b32 t;"]
     for b in range(4):
         lines.append(f"prmt.b32 t, $8, $9, 0x{0x4400 + 0x1111 * b:04x};")
-        lines.append(f"lop3.b32 ${2 * b}, t, 0x000f000f, mg, 0xea;")
-        lines.append(f"lop3.b32 ${2 * b + 1}, t, 0x00f000f0, mg, 0xea;")
-    return _block(lines, exact)
-
-
-def _pair2_ptx(exact: bool = False) -> str:
-    """Two int16 units in one register ($8: lane 0, lane 1) -> the 8 planes' levels, plane p in $p:
-    1024 + 4^(p % 4) n (exact: 4^(p % 4) n). Fields 0-3 of each lane by masks, then the register
-    shifted by 8 (the high lane's low byte lands in the low lane's high byte, which no mask reads)."""
-    lines = [".reg .b32 t;", ".reg .b32 mg;", f"mov.b32 mg, {_f16x2(1024.0)};"]
-    for i in range(4):
-        lines.append(f"lop3.b32 ${i}, $8, 0x{(3 << 2 * i) * 0x10001:08x}, mg, 0xea;")
-    lines.append("shr.b32 t, $8, 8;")
-    for i in range(4):
-        lines.append(f"lop3.b32 ${4 + i}, t, 0x{(3 << 2 * i) * 0x10001:08x}, mg, 0xea;")
-    return _block(lines, exact)
-
-
-def _block(lines: list[str], exact: bool) -> str:
-    if exact:  # (1024 + w n) - 1024 = w n, exactly (w n < 1024)
-        lines += [f"sub.f16x2 ${p}, ${p}, mg;" for p in range(8)]
+        lines.append(f"and.b32 ${2 * b}, t, 0x000f000f;")
+        lines.append(f"and.b32 ${2 * b + 1}, t, 0x00f000f0;")
     return "{\n" + "\n".join(lines) + "\n}"
 
 
+def _pair2_ptx() -> str:
+    """Two int16 units in one register ($8: lane 0, lane 1) -> the 8 planes' levels, plane p in $p:
+    the fp16 bit pattern 4^(p % 4) n (n w 2^-24). Fields 0-3 of each lane by masks, then the
+    register shifted by 8 (the high lane's low byte lands in the low lane's high byte, which no
+    mask reads)."""
+    lines = [".reg .b32 t;"]
+    for i in range(4):
+        lines.append(f"and.b32 ${i}, $8, 0x{(3 << 2 * i) * 0x10001:08x};")
+    lines.append("shr.b32 t, $8, 8;")
+    for i in range(4):
+        lines.append(f"and.b32 ${4 + i}, t, 0x{(3 << 2 * i) * 0x10001:08x};")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# Levels as fp16 subnormals: a field's bits as they lie are the fp16 w n 2^-24, exactly (w n < 1024),
+# one and a level pair, and no offset. Earlier forms or'd in the exponent of 1024 (1024 + w n) and
+# took 1024 times the operand's sum off afterwards: in a product accumulating over a long row the
+# tensor cores' fp32 accumulation (truncating below the largest partial sum) lost the levels' low
+# bits against that offset (relative errors 0.02 - 0.06 at 70,000 slots on an H200, 2026-12-03);
+# taking it off in fp16 first cost an instruction a level pair. The tensor cores take fp16
+# subnormal operands as they are (they do not flush them); SUBNORMAL_SCALE undoes 2^-24 in fp32.
 PAIR4 = gl.constexpr(_pair4_ptx())
 PAIR2 = gl.constexpr(_pair2_ptx())
-# the values' levels without the offset: a product accumulating 1024 p'' a slot loses the levels'
-# low bits in the tensor cores' fp32 accumulation (a relative error of 0.02 - 0.06 seen on an H200 at
-# 70,000 slots, 2026-12-03, with the offset taken off afterwards by a (-1024) @ p'' product)
-PAIR4X = gl.constexpr(_pair4_ptx(True))
-PAIR2X = gl.constexpr(_pair2_ptx(True))
+SUBNORMAL_SCALE = gl.constexpr(2.0 ** 24)
 C4 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r")
 C2 = gl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r")
 F8 = gl.constexpr((gl.float16,) * 8)
 
 
 @gluon.jit
-def _planes(x, BITS: gl.constexpr, EXACT: gl.constexpr = False):
-    """Units x (int32 for 4 bits, int16 for 2) -> their 8 planes' levels (fp16, 1024 + w n; EXACT: w n)."""
+def _planes(x, BITS: gl.constexpr):
+    """Units x (int32 for 4 bits, int16 for 2) -> their 8 planes' levels (fp16 subnormals w n 2^-24)."""
     if BITS == 4:
-        if EXACT:
-            return gl.inline_asm_elementwise(PAIR4X, C4, [x], dtype=F8, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise(PAIR4, C4, [x], dtype=F8, is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(PAIR4, C4, [x], dtype=F8, is_pure=True, pack=2)
     else:
-        if EXACT:
-            return gl.inline_asm_elementwise(PAIR2X, C2, [x], dtype=F8, is_pure=True, pack=2)
-        else:
-            return gl.inline_asm_elementwise(PAIR2, C2, [x], dtype=F8, is_pure=True, pack=2)
+        return gl.inline_asm_elementwise(PAIR2, C2, [x], dtype=F8, is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -226,14 +218,13 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
                   other=0.0).to(gl.float32) * qscale
     big = gl.max(gl.max(gl.max(gl.abs(qf3), axis=2), axis=1), axis=0)
     pre = gl.where(big > 16384.0, gl.exp2(14.0 - gl.ceil(gl.log2(big))), 1.0)  # a power of two: exact
-    unscale = 1.0 / pre
+    unscale = SUBNORMAL_SCALE / pre  # raw scores (units of 2^-24 times the pre-scale) -> log2 units
     qw = (qf3 * (pre * _unit_weight(p3, KBITS))[None, :, None]).to(gl.float16)
     zk = gl.arange(0, 8 * NU, layout=gl.SliceLayout(1, zb))
     zr = gl.arange(0, ROWS, layout=gl.SliceLayout(0, zb))
     qz = gl.load(QR + b * sqb + ((row0 + zr // G) * sqm + (kvh * G + zr % G) * sqh)[None, :] + zk[:, None],
                  mask=(zr < nrows)[None, :], other=0.0).to(gl.float32) * (qscale * pre)
     qz = qz.to(gl.float16)
-    minus = gl.full([16, 8 * NU], -1024.0, gl.float16, layout=ka)
     zc = gl.arange(0, 8 * NU, layout=gl.SliceLayout(0, za))
     zfill = gl.zeros([16, 8 * NU], gl.float16, layout=za)
 
@@ -353,13 +344,13 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
                 vb3 = gl.load(VQ_t + 48 * vstride + 8 + voff)
             else:
                 vb0, vb1, vb2, vb3 = va0, va1, va2, va3
-        # q' of this key group (fp16: q * s / w) and the bias q.z - 1024 sum(q'), by the tensor cores
+        # q' of this key group (fp16: q * s / w) and the bias q.z, by the tensor cores
         qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
         # (two independent chains, off the scores' path: the bias is a per-row constant of the tile,
         # added to the max and inside the exponent, never to a score)
         zbr = gl.broadcast(kz[None, :], zfill)[0]
         zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
-        bias = mma_v2(minus, qs, zero) + mma_v2(zbr, qz, zero)  # [16, ROWS], its rows alike
+        bias = mma_v2(zbr, qz, zero) * (1.0 / SUBNORMAL_SCALE)  # [16, ROWS] raw units, its rows alike
         # raw scores without the bias; a packed slot is visible to a row of the same document (slots
         # below NS are sinks)
         s0 = _masked(_scores(kw0, qs, zero, KBITS, NU, ka), kd0, j0 + sk_i >= NS, qdoc)
@@ -415,7 +406,7 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     obase = O + b * sob + (split0 + split) * sop + out_m * som + out_h * soh  # [ROWS] in rows_l
     ci = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
     ch = 8 * (ci % 8) + ci // 8  # accumulator row 8 p + i -> channel 8 i + p of the group
-    wv = _unit_weight(ci // 8, VBITS) * cinv
+    wv = _unit_weight(ci // 8, VBITS) * cinv * SUBNORMAL_SCALE
     _store_group(obase, o_acc0, z_acc0, wv, ch, linv, rvalid, sox)
     if NG == 2:
         _store_group(obase + 64, o_acc1, z_acc1, wv, ch, linv, rvalid, sox)
@@ -502,6 +493,6 @@ def _values(s, vs0, vs1, vz, wa, wb, bm, unscale, c_i, l_acc, z_acc0, z_acc1, o_
 @gluon.jit
 def _group_product(w, pg, acc, VBITS: gl.constexpr, va: gl.constexpr):
     """acc [64 (8 p + i), ROWS] += w_p * levels of units w [8 (i), 16 slots], plane p, @ pg [16 slots, ROWS]."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, VBITS, True)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(w, VBITS)
     x = gl.reshape(gl.permute(_stack8(x0, x1, x2, x3, x4, x5, x6, x7), [2, 0, 1]), [64, 16])
     return mma_v2(gl.convert_layout(x, va), pg, acc)
