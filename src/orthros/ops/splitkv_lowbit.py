@@ -149,10 +149,11 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     if packed_kernel is None:
         packed_kernel = "gluon" if gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0,
                                                  planar) else "triton"
-    if packed_kernel == "gluon":
+    elif packed_kernel == "gluon":
         why = gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar)
         if why:
             raise ValueError(f"the Gluon packed kernel does not apply: {why}")
+    if packed_kernel == "gluon":
         return _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
                                 bound, length, key_bits, value_bits, key_group, window, scale, window_rows, rotation,
                                 row0, num_splits, block_n, num_warps, num_stages, maxnreg)
@@ -162,20 +163,15 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
                        block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg)
     _kernel()[plan.grid](*plan.args, **plan.meta)
-    return _combine(plan.o, plan.lse, q.dtype, rotation)
-
-
-def _combine(o, lse, dtype, rotation):
-    """Split results o [B, P, M, H, parts, D], lse [B, P, M, H] -> [B, M, H, D] in dtype."""
-    B, P, M, H, parts, D = o.shape
+    B, P, M, H, parts, D = plan.o.shape
     if parts == 1:
-        return merge_splits_kernel(o.reshape(B, P, M, H, D), lse, dtype)
+        return merge_splits_kernel(plan.o.view(B, P, M, H, D), plan.lse, q.dtype)
     # both parts share each split's softmax: merge them as 2H heads, then add the packed part
     # (out of V R space for a rotated cache)
-    out = merge_splits_kernel(o.reshape(B, P, M, 2 * H, D), lse.repeat_interleave(2, dim=-1), torch.float32)
+    out = merge_splits_kernel(plan.o.view(B, P, M, 2 * H, D), plan.lse.repeat_interleave(2, dim=-1), torch.float32)
     out = out.view(B, M, H, 2, D)
     packed = out[..., 1, :] if rotation is None else out[..., 1, :] @ rotation
-    return (out[..., 0, :] + packed).to(dtype)
+    return (out[..., 0, :] + packed).to(q.dtype)
 
 
 # ------------------------------------------------------------------ the Gluon packed kernel
@@ -343,8 +339,8 @@ def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bou
     pipe = D == 128 if pipe is None else pipe
     if pipe and D != 128:
         raise ValueError("the copies a tile ahead (pipe) need head size 128 (4-byte value scale pairs)")
-    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, **gk.layouts(NU, KW), PIPE=pipe,
-                **gk.copy_layouts(NU, key_bits, value_bits), **launch_options(num_warps=1, maxnreg=maxnreg))
+    meta = dict(G=H // Hkv, NU=NU, KBITS=key_bits, VBITS=value_bits, KW=KW, PIPE=pipe,
+                **gk.layouts(NU, KW, key_bits, value_bits), **launch_options(num_warps=1, maxnreg=maxnreg))
     return gk.lowbit_packed_fwd, (B * Hkv, splits), args, meta
 
 

@@ -33,18 +33,16 @@ channel 8u + p). Keys: a thread holds 4 consecutive units of a slot (one 16-byte
 8 bytes for int2), two units a register pair; values: a thread holds one unit of 4 slots of a
 value group, two slots a register pair.
 
-Outputs: the program's part of o [B, P, M, H, 2, D] (fp32; part 0, the bf16 slots', written as
-zeros, part 1 the packed slots' in V R space) and lse [B, P, M, H] (natural log) at split
-`split0 + program_id(1)`, merged with the other splits (`ops/splitkv_lowbit.py`). Rows the
-program does not compute (windowed rows) get lse = -inf.
+Outputs: the program's part of o [B, P, M, H, 2, D] (fp32; part 1 only, the packed slots' in V R
+space; part 0 belongs to the bf16 split) and lse [B, P, M, H] (natural log) at split
+`split0 + program_id(1)`, for the rows from row0 on (windowed rows are neither read nor written),
+merged with the other splits by `ops.splitkv_lowbit.finish`.
 
 Requirements (the launcher checks them): CUDA sm_80+, head size 64 or 128, value groups of 64,
 key groups a multiple of 64, 16-bit queries, at most 8 output rows a KV head.
 """
 
 from __future__ import annotations
-
-import struct
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -57,10 +55,6 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 BLOCK = gl.constexpr(64)  # slots a tile
 ROWS = gl.constexpr(8)  # query rows a program (the N of every product)
-
-
-def _f16x2(x: float) -> str:
-    return f"0x{int.from_bytes(struct.pack('<e', x), 'little') * 0x10001:08x}"
 
 
 def _pair4_ptx() -> str:
@@ -139,30 +133,27 @@ def _unit_weight(p, BITS: gl.constexpr):
         return gl.where(e == 0, 1.0, gl.where(e == 1, 0.25, gl.where(e == 2, 0.0625, 0.015625)))
 
 
-def layouts(NU: int, KW: int) -> dict:
-    """The key scales' register layout (a constexpr of `lowbit_packed_fwd`), as a linear layout over
-    [NU units, 8 planes, ROWS]: a thread holds KW consecutive units with all 8 planes of each (one
-    16-byte load a unit) for the row of its lane group, as the key product's B operand wants them."""
-    from triton.experimental.gluon.language import DistributedLinearLayout
+def layouts(NU: int, KW: int, key_bits: int, value_bits: int) -> dict:
+    """The register layouts the loads take (constexprs of `lowbit_packed_fwd`).
+
+    KSL, the key scales as a linear layout over [NU units, 8 planes, ROWS]: a thread holds KW
+    consecutive units with all 8 planes of each (one 16-byte load a unit) for the row of its lane
+    group, as the key product's B operand wants them. CPK / CPV / CPS / CP1, the copies a tile ahead
+    (PIPE): every thread copies 16 contiguous bytes of key / value units (a unit is `bits` bytes: 8
+    channels) or key scales, or 4-byte per-slot words (documents, value scale pairs)."""
+    from triton.experimental.gluon.language import BlockedLayout, DistributedLinearLayout
 
     unit_regs = [[1 << i, 0, 0] for i in range(KW.bit_length() - 1)]
     kscale = DistributedLinearLayout(reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0]] + unit_regs,
                                      lane_bases=[[KW, 0, 0], [2 * KW, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
                                      warp_bases=[], block_bases=[], shape=[NU, 8, 8])
-    return dict(KSL=kscale)
-
-
-def copy_layouts(NU: int, key_bits: int, value_bits: int) -> dict:
-    """The asynchronous copies' layouts (PIPE): every thread copies 16 contiguous bytes (a unit is
-    `bits` bytes: 8 channels), or 4 for the per-slot words (documents, value scale pairs)."""
-    from triton.experimental.gluon.language import BlockedLayout
 
     def rows(bits):
         vec = 16 // bits  # units a 16-byte chunk
         tpr = max(1, NU // vec)
         return BlockedLayout([1, min(vec, NU)], [32 // tpr, tpr], [1, 1], [1, 0])
 
-    return dict(CPK=rows(key_bits), CPV=rows(value_bits), CPS=BlockedLayout([8], [32], [1], [0]),
+    return dict(KSL=kscale, CPK=rows(key_bits), CPV=rows(value_bits), CPS=BlockedLayout([8], [32], [1], [0]),
                 CP1=BlockedLayout([2], [32], [1], [0]))
 
 
@@ -312,42 +303,20 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
             grp = (j0 // KG).to(gl.int64) * ksg
             ks3 = gl.load(KS_b + grp + ch3)  # [NU, 8, ROWS]: one 16-byte load a unit (rows alike)
             kz = gl.load(KZ_b + grp + zc)
-            KQ_t = KQ_b + j0.to(gl.int64) * kstride
-            kw0 = gl.load(KQ_t + koff)
-            kw1 = gl.load(KQ_t + 16 * kstride + koff)
-            kw2 = gl.load(KQ_t + 32 * kstride + koff)
-            kw3 = gl.load(KQ_t + 48 * kstride + koff)
-            KD_t = KDOC_b + 2 * j0
-            kd0 = gl.load(KD_t + 2 * sk_i)
-            kd1 = gl.load(KD_t + 32 + 2 * sk_i)
-            kd2 = gl.load(KD_t + 64 + 2 * sk_i)
-            kd3 = gl.load(KD_t + 96 + 2 * sk_i)
-            VS_t = VS_b + j0.to(gl.int64) * (svss // NG)
-            VZ_t = VZ_b + j0.to(gl.int64) * (svss // NG)
-            vs0 = gl.load(VS_t + vsl)
-            vs1 = gl.load(VS_t + 16 * (svss // NG) + vsl)
-            vs2 = gl.load(VS_t + 32 * (svss // NG) + vsl)
-            vs3 = gl.load(VS_t + 48 * (svss // NG) + vsl)
-            vz0 = gl.load(VZ_t + vsl)
-            vz1 = gl.load(VZ_t + 16 * (svss // NG) + vsl)
-            vz2 = gl.load(VZ_t + 32 * (svss // NG) + vsl)
-            vz3 = gl.load(VZ_t + 48 * (svss // NG) + vsl)
+            kw0, kw1, kw2, kw3 = _direct4(KQ_b + j0.to(gl.int64) * kstride, 16 * kstride, koff)
+            kd0, kd1, kd2, kd3 = _direct4(KDOC_b + 2 * j0, 32, 2 * sk_i)
+            vs0, vs1, vs2, vs3 = _direct4(VS_b + j0.to(gl.int64) * (svss // NG), 16 * (svss // NG), vsl)
+            vz0, vz1, vz2, vz3 = _direct4(VZ_b + j0.to(gl.int64) * (svss // NG), 16 * (svss // NG), vsl)
             VQ_t = VQ_b + j0.to(gl.int64) * vstride
-            va0 = gl.load(VQ_t + voff)
-            va1 = gl.load(VQ_t + 16 * vstride + voff)
-            va2 = gl.load(VQ_t + 32 * vstride + voff)
-            va3 = gl.load(VQ_t + 48 * vstride + voff)
+            va0, va1, va2, va3 = _direct4(VQ_t, 16 * vstride, voff)
             if NG == 2:
-                vb0 = gl.load(VQ_t + 8 + voff)
-                vb1 = gl.load(VQ_t + 16 * vstride + 8 + voff)
-                vb2 = gl.load(VQ_t + 32 * vstride + 8 + voff)
-                vb3 = gl.load(VQ_t + 48 * vstride + 8 + voff)
+                vb0, vb1, vb2, vb3 = _direct4(VQ_t + 8, 16 * vstride, voff)
             else:
                 vb0, vb1, vb2, vb3 = va0, va1, va2, va3
         # q' of this key group (fp16: q * s / w) and the bias q.z, by the tensor cores
         qs = gl.convert_layout(gl.reshape(gl.permute(qw * ks3, [1, 0, 2]), [8 * NU, ROWS]), kb)
-        # (two independent chains, off the scores' path: the bias is a per-row constant of the tile,
-        # added to the max and inside the exponent, never to a score)
+        # (off the scores' dependency chain: the bias is a per-row constant of the tile, added to the
+        # max and inside the exponent, never to a score)
         zbr = gl.broadcast(kz[None, :], zfill)[0]
         zero = gl.zeros([16, ROWS], gl.float32, layout=mma)
         bias = mma_v2(zbr, qz, zero) * (1.0 / SUBNORMAL_SCALE)  # [16, ROWS] raw units, its rows alike
@@ -410,10 +379,14 @@ def lowbit_packed_fwd(QR, KQ, VQ, KS, KZ, VS, VZ, QDOC, KDOC, BOUND, O, LSE,
     _store_group(obase, o_acc0, z_acc0, wv, ch, linv, rvalid, sox)
     if NG == 2:
         _store_group(obase + 64, o_acc1, z_acc1, wv, ch, linv, rvalid, sox)
-    zero = gl.zeros([64, ROWS], gl.float32, layout=mma)
-    for g in gl.static_range(NG):
-        gl.store(obase[None, :] + 64 * g + ch[:, None], zero, mask=rvalid[None, :])
     gl.store(LSE + b * slb + (split0 + split) * slp + out_m * slm + out_h, lse, mask=rvalid)
+
+
+@gluon.jit
+def _direct4(base, step, off):
+    """The 4 sub-tiles of a tile from global memory: base + i * step + off, i < 4."""
+    return (gl.load(base + off), gl.load(base + step + off), gl.load(base + 2 * step + off),
+            gl.load(base + 3 * step + off))
 
 
 @gluon.jit
