@@ -9,7 +9,8 @@ the median over rounds and the spread). Llama-3.1-8B attention shape, one decode
         [--splits 132 264 528] [--maxnreg 0 168] [--pipe 0 1] [--rounds 3] [--out results.json]
 
 GB/s: the bytes the output row must read (packed slots with their scales, the bf16 sinks and
-ring) / time; roofline: against --bandwidth.
+ring) / time; roofline: against --bandwidth. The Gluon path's parts (its bf16 split with q R, and
+its merge) are also timed alone: with the packed kernel they make up the path's time.
 """
 
 from __future__ import annotations
@@ -27,9 +28,16 @@ from orthros import OrthrosConfig
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.ops.splitkv import splitkv_attention
-from orthros.ops.splitkv_lowbit import gluon_launch, gluon_splits, lowbit_splitkv_attention, packed_rows
+from orthros.ops.splitkv_lowbit import (_kernel, finish, gluon_launch, gluon_splits, launch_plan,
+                                        lowbit_splitkv_attention, packed_rows)
 
 H, HKV, D, W = 32, 8, 128, 128
+
+
+def _bf16_split(common, rotation, o, lse):
+    plan = launch_plan(*common, window=W, window_rows=1, rotation=rotation, num_splits=1, out=(o, lse),
+                       no_packed=True)
+    _kernel()[plan.grid](*plan.args, **plan.meta)
 
 
 def main():
@@ -67,6 +75,16 @@ def main():
         for pk in ("gluon", "triton"):
             fns[f"{kv} read, {pk}"] = (lambda c=common, pk=pk, rot=cache.rotation: lowbit_splitkv_attention(
                 *c, rotation=rot, window=W, window_rows=1, packed_kernel=pk), nbytes)
+        # the Gluon path's other launches alone, at the default split count: its breakdown
+        P2 = gluon_splits(q, HKV, S)
+        o = torch.zeros(1, 1 + P2, 2, H, 2, D, device=dev)
+        lse = torch.zeros(1, 1 + P2, 2, H, device=dev)
+        fns[f"{kv} path part: bf16 split (sinks, ring) + q R"] = (
+            lambda c=common, rot=cache.rotation, o=o, lse=lse: _bf16_split(c, rot, o, lse),
+            (S - bound + cache.sinks) * 2 * HKV * D * 2)
+        fns[f"{kv} path part: merge (finish), {1 + P2} splits"] = (
+            lambda o=o, lse=lse, rot=cache.rotation: finish(o, lse, packed_rows(2, W, 1), rot, q.dtype),
+            o[:, :, 1:, :, 1].numel() * 4)
         qr = (q.float() @ cache.rotation).to(q.dtype)
         pbytes = (bound - cache.sinks) * cache.slot_bytes()
         for splits in args.splits:
