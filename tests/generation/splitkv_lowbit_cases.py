@@ -235,11 +235,12 @@ def finish_case(device="cpu"):
     from orthros.ops.splitkv_lowbit import finish
 
     torch.manual_seed(5)
-    B, P, M, H, D, row0 = 2, 70, 3, 4, 64, 1
+    B, P, M, H, D, row0 = 2, 300, 3, 4, 64, 1  # several of the merge's chunks of splits
     o = torch.randn(B, P, M, H, 2, D, device=device)
     o[:, 0, :, :, 1] = 0.0
     lse = 3 * torch.randn(B, P, M, H, device=device)
     lse[:, 5] = float("-inf")
+    lse[:, 250] += 30  # the maximum grows in a later chunk: the partial sums are rescaled
     o[:, 1:, :row0] = float("nan")  # never written by the packed kernel
     lse[:, 1:, :row0] = float("nan")
     o[:, 1:, :, :, 0] = float("nan")  # the packed splits' bf16 part: not written either

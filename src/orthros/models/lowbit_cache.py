@@ -114,8 +114,10 @@ class LowBitStaticCache(StaticOrthrosCache):
         # value scales / zeros [B, C, Hkv, D / value_group], stored head-major (a view of [B, Hkv, C, ...]):
         # a KV head's slots are contiguous, so a kernel reading one head streams whole sectors (slot-major,
         # a head's 4 bytes a slot took a 32-byte sector each through L2)
-        self.v_scale, self.v_zero = ([x.transpose(1, 2) for x in zeros(B, Hkv, C, D // value_group, dt=torch.float16)]
-                                     for _ in range(2))
+        # (the decode step writes and passes the head-major buffers themselves, `_vs`: under torch.compile a
+        # write through the transposed view, or the view handed to an op, costs a copy of the whole buffer)
+        self._vs = [zeros(B, Hkv, C, D // value_group, dt=torch.float16) for _ in range(2)]
+        self.v_scale, self.v_zero = ([x.transpose(1, 2) for x in hm] for hm in self._vs)
         self.rk, self.rv = zeros(B, self.ring, Hkv, D, dt=self.hi), zeros(B, self.ring, Hkv, D, dt=self.hi)
         self.sk, self.sv = zeros(B, sinks, Hkv, D, dt=self.hi), zeros(B, sinks, Hkv, D, dt=self.hi)
         self.doc = torch.full((B, capacity), PAD_DOC, device=device, dtype=torch.long)
@@ -131,7 +133,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     # ---------------------------------------------------------------- state
     def buffers(self) -> list[torch.Tensor]:
-        return [*self.kq, *self.vq, *self.k_scale, *self.k_zero, *self.v_scale, *self.v_zero, *self.rk, *self.rv,
+        return [*self.kq, *self.vq, *self.k_scale, *self.k_zero, *self._vs[0], *self._vs[1], *self.rk, *self.rv,
                 *self.sk, *self.sv, self.doc, self.slot, self.next_pos, self.last_doc]
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
@@ -228,8 +230,8 @@ class LowBitStaticCache(StaticOrthrosCache):
                 buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
         pv, s, z = quantize_values(self._rot(hv), self.value_bits, self.value_group)
         self.vq[layer_idx].index_copy_(1, slot, pv)
-        self.v_scale[layer_idx].index_copy_(1, slot, s)
-        self.v_zero[layer_idx].index_copy_(1, slot, z)
+        self._vs[0][layer_idx].index_copy_(2, slot, s.transpose(1, 2))
+        self._vs[1][layer_idx].index_copy_(2, slot, z.transpose(1, 2))
         # The key group just below the bound after this token (a no-op group while bound is 0:
         # nothing below it is read, and it is written again once it is complete).
         first = (self.bound_at(slot + 1) - self.key_group).clamp_min(0)
@@ -250,7 +252,9 @@ class LowBitStaticCache(StaticOrthrosCache):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.decoding:
             bound = self.bound_at(self.slot + 1)
-            return lowbit_decode_attention(q, *self.layer(layer_idx), q_slot.expand(q.shape[0], -1), q_doc, k_doc,
+            parts = list(self.layer(layer_idx))
+            parts[6], parts[7] = self._vs[0][layer_idx], self._vs[1][layer_idx]  # head-major, as stored
+            return lowbit_decode_attention(q, *parts, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                                            bound, 0 if window is None else int(window), scale,
                                            -1 if window_rows is None else int(window_rows),
                                            self.layer_key_bits[layer_idx],
@@ -342,8 +346,9 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
     """A decode step's queries [B, M, H, D] over a low-bit cache (the whole capacity; the
     kernel clips to what each query sees). window 0 = none; window_rows -1 = every row;
     rotation: R [D, D] of a rotated cache, or None; kernel: the split-KV kernel, else
-    dequantize-then-attend.
+    dequantize-then-attend; v_scale / v_zero head-major as the cache stores them, [B, Hkv, C, NG].
     Opaque to torch.compile, captured as is in CUDA graphs."""
+    v_scale, v_zero = v_scale.transpose(1, 2), v_zero.transpose(1, 2)
     win = None if window == 0 else window
     rows = None if window_rows < 0 else window_rows
     S = k_doc.shape[1]

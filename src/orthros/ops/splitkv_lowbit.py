@@ -144,11 +144,15 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     folded into p with dots batched over the channel groups (for comparisons); fp16_dequant: in
     the dequantizing loop, keys and values dequantized in fp16 from levels made by packed-bit
     operations, the dots in fp16 (None: wherever that loop runs), or False: keys folded into q
-    and values dequantized in fp32 (the loop before, for comparisons)."""
+    and values dequantized in fp32 (the loop before, for comparisons). packed_kernel: what reads the
+    packed slots: "gluon" (`ops/splitkv_lowbit_gluon.py`; `gluon_refusal` says where it cannot),
+    "triton" (this module's kernel, with the loop variants above), or None: the Gluon kernel wherever it
+    applies and no Triton loop variant is asked for (`gluon_applies`)."""
     row0 = packed_rows(q.shape[1], window, window_rows)
-    if packed_kernel is None:
-        packed_kernel = "gluon" if gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0,
-                                                 planar) else "triton"
+    if packed_kernel is None:  # the Triton kernel's loop variants, when asked for, are the Triton kernel's
+        tuned = (planar, dequant_values, fp16_dequant) != (None, None, None)
+        gluon = not tuned and gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar)
+        packed_kernel = "gluon" if gluon else "triton"
     elif packed_kernel == "gluon":
         why = gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar)
         if why:
@@ -216,8 +220,10 @@ def gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, pl
 
 
 def gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar=None) -> bool:
-    """Whether the packed slots are read by the Gluon kernel by default (`packed_kernel=None`)."""
-    if os.environ.get("ORTHROS_LOWBIT_KERNEL", "").lower() != "gluon":  # not yet the default: unverified
+    """Whether the packed slots are read by the Gluon kernel by default (`packed_kernel=None`): wherever
+    it can, unless the environment variable ORTHROS_LOWBIT_KERNEL=triton asks for the Triton kernel (for
+    comparisons)."""
+    if os.environ.get("ORTHROS_LOWBIT_KERNEL", "").lower() == "triton":
         return False
     return gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar) is None
 
@@ -252,7 +258,7 @@ def finish(o, lse, row0: int, rotation, dtype) -> torch.Tensor:
     _finish_kernel()[(B * M * H,)](
         o, lse, rot, out, P, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
         lse.stride(0), lse.stride(1), lse.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_P=min(64, _pow2(P)), ROTATED=rotation is not None)
+        D=D, BLOCK_P=min(128, _pow2(P)), ROTATED=rotation is not None, num_warps=8)
     return out
 
 
@@ -276,19 +282,21 @@ def _finish_kernel():
         d = tl.arange(0, D)
         lbase = LSE + b * slb + m * slm + h
         obase = O + b * sob + m * som + h * soh
-        top = tl.full([], float("-inf"), tl.float32)
-        for p0 in range(0, n, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            top = tl.maximum(top, tl.max(tl.load(lbase + p * slp, mask=p < n, other=float("-inf")), 0))
-        top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: the weights below are 0
+        top = tl.full([], float("-inf"), tl.float32)  # one pass, rescaled as the maximum grows
         total = tl.zeros([], tl.float32)
         packed = tl.zeros([D], tl.float32)
         for p0 in range(0, n, BLOCK_P):
             p = p0 + tl.arange(0, BLOCK_P)
-            w = tl.exp(tl.load(lbase + p * slp, mask=p < n, other=float("-inf")) - top)
+            lse = tl.load(lbase + p * slp, mask=p < n, other=float("-inf"))
             o = tl.load(obase + p[:, None] * sop + sox + d[None, :], mask=(p < n)[:, None], other=0.0)
-            total += tl.sum(w, 0)
-            packed += tl.sum(w[:, None] * o, 0)
+            new = tl.maximum(top, tl.max(lse, 0))
+            ref = tl.where(new == float("-inf"), 0.0, new)  # every split so far empty: weights 0
+            alpha = tl.exp(top - ref)
+            w = tl.exp(lse - ref)
+            total = total * alpha + tl.sum(w, 0)
+            packed = packed * alpha + tl.sum(w[:, None] * o, 0)
+            top = new
+        top = tl.where(top == float("-inf"), 0.0, top)
         w0 = tl.exp(tl.load(lbase) - top)
         inv = 1.0 / tl.where(total > 0, total, 1.0)
         obuf = OUT + b * s_out_b + m * s_out_m + h * s_out_h
