@@ -142,7 +142,7 @@ def timed(fn, device):
 
 
 KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
-    ("split-KV attention", ("splitkv", "paged_fwd")),
+    ("split-KV attention", ("splitkv", "paged_fwd", "lowbit_packed", "lowbit_finish")),
     ("FlexAttention (SWA)", ("flex", "triton_tem")),
     ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
     ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
