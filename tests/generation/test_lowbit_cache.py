@@ -1,6 +1,9 @@
 """The int4 / int2 cache (`LowBitStaticCache`): the quantization format, what the cache stores for a
 sequence however it is written, what each stream reads, and the fast path on top of it."""
 
+import os
+from unittest import mock
+
 import pytest
 import torch
 
@@ -336,6 +339,9 @@ def test_gluon_kernel_refuses_what_it_cannot_read():
         lowbit_splitkv_attention(q, *cache.layer(0), torch.full((2, 1), 299), torch.zeros(2, 1, dtype=torch.long),
                                  cache.doc, torch.tensor([cache.bound_at(300)]), 300, 4, 4, 64,
                                  rotation=cache.rotation, packed_kernel="cuda")
+    with mock.patch.dict(os.environ, {"ORTHROS_LOWBIT_KERNEL": "trition"}):
+        with pytest.raises(ValueError, match="ORTHROS_LOWBIT_KERNEL must be 'gluon' or 'triton'"):
+            gluon_applies(q, cache.k_scale[0], cache.v_scale[0], 64, 4, 4, 0)
 
 
 def test_generate_command_kv_dtype(tmp_path, capsys):

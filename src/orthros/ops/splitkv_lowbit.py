@@ -223,7 +223,10 @@ def gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, pl
     """Whether the packed slots are read by the Gluon kernel by default (`packed_kernel=None`): wherever
     it can, unless the environment variable ORTHROS_LOWBIT_KERNEL=triton asks for the Triton kernel (for
     comparisons)."""
-    if os.environ.get("ORTHROS_LOWBIT_KERNEL", "").lower() == "triton":
+    asked = os.environ.get("ORTHROS_LOWBIT_KERNEL", "").strip().lower()
+    if asked not in ("", "gluon", "triton"):
+        raise ValueError(f"ORTHROS_LOWBIT_KERNEL must be 'gluon' or 'triton' (or unset), got {asked!r}")
+    if asked == "triton":
         return False
     return gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar) is None
 
