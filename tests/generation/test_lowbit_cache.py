@@ -2,6 +2,7 @@
 sequence however it is written, what each stream reads, and the fast path on top of it."""
 
 import os
+import re
 from unittest import mock
 
 import pytest
@@ -189,8 +190,6 @@ def test_compiled_step_writes_no_whole_buffer():
     """Under inductor the decode step's writes touch a few slots: no loop of the generated code is as long
     as the cache (writing the value scales through their transposed view, or handing that view to the
     attention op, made inductor copy the whole buffers every step, ~70 us a layer at 1M slots)."""
-    import re
-
     from torch._inductor.utils import run_and_get_code
 
     model = make_model(window=8, num_hidden_layers=1).cpu()

@@ -211,7 +211,8 @@ def measure(args) -> dict:
                         progress(f"{what}: warm-up took {warm_s:.1f} s; {args.steps} steps timed")
                         if args.profile and variant not in profiles:
                             prof = {"batch": B, "context": C, "steps": 10, **kernel_profile(
-                                lambda: [decode_one_token_fast(model, tok[:B], cache, step_fn) for _ in range(10)], device, top=40)}
+                                lambda: [decode_one_token_fast(model, tok[:B], cache, step_fn) for _ in range(10)],
+                                device, top=40)}
                             prof["gb_per_s"] = group_bandwidth(prof, model, cache, B, cache.length - 5)  # mid-run context
                             profiles[variant] = prof
                     nbytes = step_bytes(model, cache, B, C + args.warmup + args.steps // 2)

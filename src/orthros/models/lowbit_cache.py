@@ -114,10 +114,10 @@ class LowBitStaticCache(StaticOrthrosCache):
         # value scales / zeros [B, C, Hkv, D / value_group], stored head-major (a view of [B, Hkv, C, ...]):
         # a KV head's slots are contiguous, so a kernel reading one head streams whole sectors (slot-major,
         # a head's 4 bytes a slot took a 32-byte sector each through L2)
-        # (the decode step writes and passes the head-major buffers themselves, `_vs`: under torch.compile a
-        # write through the transposed view, or the view handed to an op, costs a copy of the whole buffer)
-        self._vs = [zeros(B, Hkv, C, D // value_group, dt=torch.float16) for _ in range(2)]
-        self.v_scale, self.v_zero = ([x.transpose(1, 2) for x in hm] for hm in self._vs)
+        # (the decode step writes and passes the head-major buffers themselves, `_v_head_major`: under
+        # torch.compile a write through the transposed view, or the view handed to an op, copies the whole buffer)
+        self._v_head_major = [zeros(B, Hkv, C, D // value_group, dt=torch.float16) for _ in range(2)]
+        self.v_scale, self.v_zero = ([x.transpose(1, 2) for x in hm] for hm in self._v_head_major)
         self.rk, self.rv = zeros(B, self.ring, Hkv, D, dt=self.hi), zeros(B, self.ring, Hkv, D, dt=self.hi)
         self.sk, self.sv = zeros(B, sinks, Hkv, D, dt=self.hi), zeros(B, sinks, Hkv, D, dt=self.hi)
         self.doc = torch.full((B, capacity), PAD_DOC, device=device, dtype=torch.long)
@@ -133,7 +133,8 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     # ---------------------------------------------------------------- state
     def buffers(self) -> list[torch.Tensor]:
-        return [*self.kq, *self.vq, *self.k_scale, *self.k_zero, *self._vs[0], *self._vs[1], *self.rk, *self.rv,
+        vs, vz = self._v_head_major
+        return [*self.kq, *self.vq, *self.k_scale, *self.k_zero, *vs, *vz, *self.rk, *self.rv,
                 *self.sk, *self.sv, self.doc, self.slot, self.next_pos, self.last_doc]
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
@@ -230,8 +231,8 @@ class LowBitStaticCache(StaticOrthrosCache):
                 buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
         pv, s, z = quantize_values(self._rot(hv), self.value_bits, self.value_group)
         self.vq[layer_idx].index_copy_(1, slot, pv)
-        self._vs[0][layer_idx].index_copy_(2, slot, s.transpose(1, 2))
-        self._vs[1][layer_idx].index_copy_(2, slot, z.transpose(1, 2))
+        self._v_head_major[0][layer_idx].index_copy_(2, slot, s.transpose(1, 2))
+        self._v_head_major[1][layer_idx].index_copy_(2, slot, z.transpose(1, 2))
         # The key group just below the bound after this token (a no-op group while bound is 0:
         # nothing below it is read, and it is written again once it is complete).
         first = (self.bound_at(slot + 1) - self.key_group).clamp_min(0)
@@ -253,7 +254,7 @@ class LowBitStaticCache(StaticOrthrosCache):
         if self.decoding:
             bound = self.bound_at(self.slot + 1)
             parts = list(self.layer(layer_idx))
-            parts[6], parts[7] = self._vs[0][layer_idx], self._vs[1][layer_idx]  # head-major, as stored
+            parts[6], parts[7] = (x[layer_idx] for x in self._v_head_major)  # head-major, as stored
             return lowbit_decode_attention(q, *parts, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                                            bound, 0 if window is None else int(window), scale,
                                            -1 if window_rows is None else int(window_rows),
