@@ -28,16 +28,10 @@ from orthros import OrthrosConfig
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.ops.splitkv import splitkv_attention
-from orthros.ops.splitkv_lowbit import (_kernel, finish, gluon_launch, gluon_splits, launch_plan,
-                                        lowbit_splitkv_attention, packed_rows)
+from orthros.ops.splitkv_lowbit import (bf16_split, finish, gluon_launch, gluon_splits, lowbit_splitkv_attention,
+                                        packed_rows)
 
 H, HKV, D, W = 32, 8, 128, 128
-
-
-def _bf16_split(common, rotation, o, lse):
-    plan = launch_plan(*common, window=W, window_rows=1, rotation=rotation, num_splits=1, out=(o, lse),
-                       no_packed=True)
-    _kernel()[plan.grid](*plan.args, **plan.meta)
 
 
 def main():
@@ -80,7 +74,8 @@ def main():
         o = torch.zeros(1, 1 + P2, 2, H, 2, D, device=dev)
         lse = torch.zeros(1, 1 + P2, 2, H, device=dev)
         fns[f"{kv} path part: bf16 split (sinks, ring) + q R"] = (
-            lambda c=common, rot=cache.rotation, o=o, lse=lse: _bf16_split(c, rot, o, lse),
+            lambda c=common, rot=cache.rotation, o=o, lse=lse: bf16_split(*c, o, lse, window=W, window_rows=1,
+                                                                          rotation=rot),
             (S - bound + cache.sinks) * 2 * HKV * D * 2)
         fns[f"{kv} path part: merge (finish), {1 + P2} splits"] = (
             lambda o=o, lse=lse, rot=cache.rotation: finish(o, lse, packed_rows(2, W, 1), rot, q.dtype),

@@ -253,10 +253,10 @@ class LowBitStaticCache(StaticOrthrosCache):
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if self.decoding:
             bound = self.bound_at(self.slot + 1)
-            parts = list(self.layer(layer_idx))
-            parts[6], parts[7] = (x[layer_idx] for x in self._v_head_major)  # head-major, as stored
-            return lowbit_decode_attention(q, *parts, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
-                                           bound, 0 if window is None else int(window), scale,
+            sk, sv, kq, vq, ks, kz, _, _, rk, rv = self.layer(layer_idx)
+            vs, vz = (x[layer_idx] for x in self._v_head_major)  # head-major, as stored
+            return lowbit_decode_attention(q, sk, sv, kq, vq, ks, kz, vs, vz, rk, rv, q_slot.expand(q.shape[0], -1),
+                                           q_doc, k_doc, bound, 0 if window is None else int(window), scale,
                                            -1 if window_rows is None else int(window_rows),
                                            self.layer_key_bits[layer_idx],
                                            self.value_bits, self.key_group, self.rotation,

@@ -240,15 +240,26 @@ def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv
     P2 = gluon_splits(q, rk.shape[2], length, num_splits)
     o = torch.empty(B, 1 + P2, M, H, 2, D, device=q.device, dtype=torch.float32)
     lse = torch.empty(B, 1 + P2, M, H, device=q.device, dtype=torch.float32)
-    plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
-                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, 1,
-                       block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
-    _kernel()[plan.grid](*plan.args, **plan.meta)  # split 0: sinks and ring
-    kernel, grid, args, meta = gluon_launch(plan.args[1], kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc,
+    qr = bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
+                    length, key_bits, value_bits, key_group, o, lse, window, scale, window_rows, rotation, block_n,
+                    num_warps, num_stages, maxnreg)
+    kernel, grid, args, meta = gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc,
                                             bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
                                             scale, row0, P2)
     kernel[grid](*args, **meta)
     return finish(o, lse, row0, rotation, q.dtype)
+
+
+def bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, length,
+               key_bits, value_bits, key_group, o, lse, window=None, scale=None, window_rows=None, rotation=None,
+               block_n=64, num_warps=None, num_stages=None, maxnreg=None) -> torch.Tensor:
+    """The Gluon path's split 0: the bf16 slots (sinks, ring) by the Triton kernel, its packed loop
+    skipped, into o / lse at split 0. -> q R (q if unrotated), what the packed kernel reads."""
+    plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
+                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, 1,
+                       block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
+    _kernel()[plan.grid](*plan.args, **plan.meta)
+    return plan.args[1]
 
 
 def finish(o, lse, row0: int, rotation, dtype) -> torch.Tensor:
