@@ -314,6 +314,20 @@ def test_kernel_against_reference_triton_interpreter():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+def test_decode_write_kernel_triton_interpreter():
+    """The decode write's Triton launch (`ops/lowbit_write.py`) stores the bits its PyTorch form stores
+    (every case of lowbit_write_cases.py), under TRITON_INTERPRET=1 on CPU."""
+    r = run_triton_interpreted("-m", "tests.generation.lowbit_write_cases", timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the write cases (CI runs them interpreted)")
+def test_decode_write_kernel_on_gpu():
+    from .lowbit_write_cases import main
+
+    main("cuda")
+
+
 def test_gluon_merge_triton_interpreter():
     """The Gluon path's merge of its splits (`ops.splitkv_lowbit.finish`: bf16 split, packed splits from
     the first non-windowed row on, R) against the same sums in PyTorch, under TRITON_INTERPRET=1 (the

@@ -168,3 +168,23 @@ def test_gluon_packed_kernel_builds_for_sm90(kv, shape, pipe):
         assert compiled.metadata.shared == 0 and not {"BAR", "LDS", "LDSM", "LDGSTS"} & set(ops), ops
     NG = D // 64
     assert ops["HMMA"] == 4 * 8 * D // 128 + 8 * D // 128 + 4 * NG * 4, ops
+
+
+@pytest.mark.parametrize("kv, D", [("int4", 128), ("int2", 128), ("k4v2", 64)])
+def test_decode_write_kernel_builds_for_sm90(kv, D):
+    """The low-bit cache's decode write (`ops/lowbit_write.py`) as the cache launches it, for sm_90."""
+    from orthros.models import OrthrosConfig
+    from orthros.models.lowbit_cache import LowBitStaticCache
+    from orthros.ops.lowbit_write import decode_write
+
+    cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
+                                  head_dim=D, window_size=128)
+    c = LowBitStaticCache(cfg, 1, 1024, "cpu", torch.bfloat16, kv)
+    x = torch.zeros(1, 1, 8, D, dtype=torch.bfloat16)
+    vs, vz = c._v_head_major
+    launches = _launches_of(decode_write, x, x, c.rk[0], c.rv[0], c.sk[0], c.sv[0], c.kq[0], c.vq[0], c.k_scale[0],
+                            c.k_zero[0], vs[0], vz[0], c.slot, c.recent, c.key_group, c.key_bits, c.value_bits, True)
+    (kernel, args, meta), = launches
+    r = compile_for(kernel, args, meta)
+    assert kernel.__name__ == "lowbit_decode_write_fwd"
+    assert 0 < r["registers"] <= 255 and r["shared_bytes"] <= H200_SHARED, r

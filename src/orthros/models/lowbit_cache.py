@@ -29,11 +29,13 @@ the sequence, not on how it was chunked):
              that the chunk pushes below `bound` are quantized from the ring
              and the chunk; then the chunk's last slots go to the ring.
     decode   (capturable, no host sync) the token goes to the ring (and the
-             sinks) and its value is quantized; the key group just below
-             `bound` is quantized again from the ring. It is the same group
-             for `key_group` steps and gives the same bits each time; the step
-             where `bound` moves is the one that matters, and the ring
-             (recent + 2 key_group slots) still holds that group.
+             sinks) and its value is quantized; on the step where `bound`
+             moves, the key group just below it is quantized from the ring
+             (recent + 2 key_group slots: it still holds that group). One
+             Triton launch a layer on CUDA (`ops/lowbit_write.py`, the same
+             bits as the PyTorch ops); the PyTorch form (elsewhere) has no
+             branch and quantizes that group again every step, the same bits
+             each time.
 
 Reads: the base stream gets its window in bf16 (prefill: ring + chunk;
 decode: the ring); the output queries read all three parts through the
@@ -48,6 +50,7 @@ from transformers import Cache
 
 from ..ops import attention
 from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate, rotation_matrix
+from ..ops.lowbit_write import decode_write, write_kernel_applies
 from ..ops.masks import PAD_DOC
 from .static_cache import StaticOrthrosCache
 
@@ -201,43 +204,25 @@ class LowBitStaticCache(StaticOrthrosCache):
         """What gets quantized: x times R (fp32), or x itself with rotate=False."""
         return rotate(x) if self.rotated else x
 
-    def _write_key_groups(self, layer_idx: int, src: torch.Tensor, first):
-        """Quantize whole key groups src [B, n * key_group, Hkv, D] starting at slot `first`
-        (an int or a [1] tensor); sink slots do not count in a group's range."""
-        g = self.key_group
-        slots = first + torch.arange(src.shape[1], device=src.device)
-        valid = (slots >= self.sinks)[None].expand(src.shape[0], -1)
+    def _write_key_groups(self, layer_idx: int, src: torch.Tensor, first: int):
+        """Quantize whole key groups src [B, n * key_group, Hkv, D] starting at slot `first`; sink
+        slots do not count in a group's range."""
+        g, n = self.key_group, src.shape[1]
+        valid = (torch.arange(first, first + n, device=src.device) >= self.sinks)[None].expand(src.shape[0], -1)
         pk, s, z = quantize_keys(self._rot(src), self.layer_key_bits[layer_idx], g, valid)
-        if torch.is_tensor(first):
-            grp = first // g + torch.arange(src.shape[1] // g, device=src.device)
-            self.kq[layer_idx].index_copy_(1, slots, pk)
-            self.k_scale[layer_idx].index_copy_(1, grp, s)
-            self.k_zero[layer_idx].index_copy_(1, grp, z)
-        else:
-            self.kq[layer_idx][:, first: first + src.shape[1]] = pk
-            self.k_scale[layer_idx][:, first // g: (first + src.shape[1]) // g] = s
-            self.k_zero[layer_idx][:, first // g: (first + src.shape[1]) // g] = z
+        self.kq[layer_idx][:, first: first + n] = pk
+        self.k_scale[layer_idx][:, first // g: (first + n) // g] = s
+        self.k_zero[layer_idx][:, first // g: (first + n) // g] = z
 
     def _decode_write(self, layer_idx: int, hk: torch.Tensor, hv: torch.Tensor) -> None:
-        """One token per row at `slot` (tensor indices only: capturable)."""
-        slot = self.slot
-        r = slot % self.ring
-        self.rk[layer_idx].index_copy_(1, r, hk)
-        self.rv[layer_idx].index_copy_(1, r, hv)
-        if self.sinks:
-            i = slot.clamp_max(self.sinks - 1)
-            keep = (slot < self.sinks).view(1, 1, 1, 1)
-            for buf, x in ((self.sk[layer_idx], hk), (self.sv[layer_idx], hv)):
-                buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
-        pv, s, z = quantize_values(self._rot(hv), self.value_bits, self.value_group)
-        self.vq[layer_idx].index_copy_(1, slot, pv)
-        self._v_head_major[0][layer_idx].index_copy_(2, slot, s.transpose(1, 2))
-        self._v_head_major[1][layer_idx].index_copy_(2, slot, z.transpose(1, 2))
-        # The key group just below the bound after this token (a no-op group while bound is 0:
-        # nothing below it is read, and it is written again once it is complete).
-        first = (self.bound_at(slot + 1) - self.key_group).clamp_min(0)
-        src = self.rk[layer_idx].index_select(1, (first + torch.arange(self.key_group, device=slot.device)) % self.ring)
-        self._write_key_groups(layer_idx, src, first)
+        """One token per row at `slot` (tensor indices only: capturable): one Triton launch on CUDA
+        (`ops/lowbit_write.py`), PyTorch ops elsewhere; the same bits either way."""
+        i = layer_idx
+        vs, vz = (x[i] for x in self._v_head_major)
+        lowbit_decode_write(hk, hv, self.rk[i], self.rv[i], self.sk[i], self.sv[i], self.kq[i], self.vq[i],
+                            self.k_scale[i], self.k_zero[i], vs, vz, self.slot, self.recent, self.key_group,
+                            self.layer_key_bits[i], self.value_bits, self.rotated,
+                            write_kernel_applies(hv, self.value_group, self.key_group))
 
     # ---------------------------------------------------------------- reads
     def dense(self, layer_idx: int, length: int, bound) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,6 +320,48 @@ def _kernel_takes(q, sk, backend: str) -> bool:
     few = (q.shape[2] // sk.shape[2]) * q.shape[1]
     device_ok = q.is_cuda or (_interpreting() and backend == "triton")
     return device_ok and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
+
+
+@torch.library.custom_op("orthros::lowbit_decode_write",
+                         mutates_args=("rk", "rv", "sk", "sv", "kq", "vq", "k_scale", "k_zero", "v_scale", "v_zero"))
+def lowbit_decode_write(hk: torch.Tensor, hv: torch.Tensor, rk: torch.Tensor, rv: torch.Tensor, sk: torch.Tensor,
+                        sv: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor, k_scale: torch.Tensor,
+                        k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, slot: torch.Tensor,
+                        recent: int, key_group: int, key_bits: int, value_bits: int, rotated: bool,
+                        kernel: bool) -> None:
+    """A decode step's write of one layer (`LowBitStaticCache._decode_write`; v_scale / v_zero
+    head-major, [B, Hkv, C, NG]): the Triton kernel (`ops.lowbit_write.decode_write`), or PyTorch ops.
+    Opaque to torch.compile (the ops' form compiled to a dozen kernels a layer), captured as is in
+    CUDA graphs."""
+    if kernel:
+        decode_write(hk, hv, rk, rv, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, slot, recent, key_group,
+                     key_bits, value_bits, rotated)
+        return
+    ring, sinks = rk.shape[1], sk.shape[1]
+    r = slot % ring
+    rk.index_copy_(1, r, hk)
+    rv.index_copy_(1, r, hv)
+    if sinks:
+        i = slot.clamp_max(sinks - 1)
+        keep = (slot < sinks).view(1, 1, 1, 1)
+        for buf, x in ((sk, hk), (sv, hv)):
+            buf.index_copy_(1, i, torch.where(keep, x, buf.index_select(1, i)))
+    pv, s, z = quantize_values(rotate(hv) if rotated else hv, value_bits, hv.shape[-1] // v_scale.shape[-1])
+    vq.index_copy_(1, slot, pv)
+    v_scale.index_copy_(2, slot, s.transpose(1, 2))
+    v_zero.index_copy_(2, slot, z.transpose(1, 2))
+    # The key group just below the bound after this token, every step (no branch without a host sync:
+    # the same group with the same bits for key_group steps; while bound is 0 a group nothing reads,
+    # written again once it is complete).
+    g = key_group
+    first = (((slot + 1 - recent).clamp_min(0) // g) * g - g).clamp_min(0)
+    slots = first + torch.arange(g, device=slot.device)
+    src = rk.index_select(1, slots % ring)
+    valid = (slots >= sinks)[None].expand(src.shape[0], -1)
+    pk, s, z = quantize_keys(rotate(src) if rotated else src, key_bits, g, valid)
+    kq.index_copy_(1, slots, pk)
+    k_scale.index_copy_(1, first // g, s)
+    k_zero.index_copy_(1, first // g, z)
 
 
 @torch.library.custom_op("orthros::lowbit_decode_attention", mutates_args=())
