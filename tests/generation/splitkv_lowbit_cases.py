@@ -256,6 +256,36 @@ def finish_case(device="cpu"):
         assert err < 1e-5, (rot is not None, err)
 
 
+def bf16_split_case(device="cpu"):
+    """The Gluon path's split 0 (`ops.splitkv_lowbit.bf16_split`): q R made by the kernel is `ops.lowbit.rotate`'s,
+    bit for bit (head sizes 64, 24: block-diagonal, padded tile), and the split's output is attention over the
+    sinks and the ring alone (the packed slots hidden from the reference)."""
+    from orthros.ops.lowbit import rotate
+    from orthros.ops.splitkv_lowbit import bf16_split
+
+    for D, dt in ((64, torch.bfloat16), (24, torch.float32)):
+        cache = filled_cache("int4", 8, 2, D, 300, 4, [300], pad=0, seed=2, device=device)
+        B, L = cache.batch_size, 300
+        q = torch.randn(B, 1, 8, D, device=device).to(dt)
+        slot, qd = torch.full((B, 1), L - 1, device=device), torch.zeros(B, 1, dtype=torch.long, device=device)
+        bound = cache.bound_at(L)
+        o = torch.full((B, 2, 1, 8, 2, D), float("nan"), device=device)
+        lse = torch.full((B, 2, 1, 8), float("nan"), device=device)
+        qr = bf16_split(q, *cache.layer(0), slot, qd, cache.doc[:, :L], torch.tensor([bound], device=device), L,
+                        cache.key_bits, cache.value_bits, cache.key_group, o, lse, rotation=cache.rotation)
+        want = rotate(q)
+        if device == "cpu" and dt != torch.float32:  # the interpreter casts fp32 to bf16 by truncation
+            assert ((qr.float() - want).abs() <= want.abs() * 2**-7).all(), D
+        else:
+            assert torch.equal(qr, want.to(dt)), D
+        kd, vd = cache.dense(0, L, bound)
+        kdoc = cache.doc[:, :L].clone()
+        kdoc[:, 4:bound] = -7  # the packed slots: another document
+        ref = _reference(q.float(), kd, vd, slot, qd, kdoc, None, None)
+        err = ((o[:, 0, :, :, 0] - ref).norm() / ref.norm()).item()
+        assert err < 2e-2 and torch.isfinite(lse[:, 0]).all(), (D, err)
+
+
 def gluon_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
     """The Gluon packed kernel (`ops/splitkv_lowbit_gluon.py`, asked for explicitly): head sizes 128 and
     64 with 4 and 3 query heads a KV head (one output row, a decode pair, two output rows), bf16 and fp16
@@ -304,6 +334,7 @@ if __name__ == "__main__":
         print("ok")
     elif which == "finish":
         finish_case(dev)
+        bf16_split_case(dev)
         print("ok")
     elif which == "gluon":  # optional third argument: the cache dtypes, comma-separated
         gluon_cases(dev, *([tuple(sys.argv[3].split(","))] if len(sys.argv) > 3 else []))

@@ -188,3 +188,23 @@ def test_decode_write_kernel_builds_for_sm90(kv, D):
     r = compile_for(kernel, args, meta)
     assert kernel.__name__ == "lowbit_decode_write_fwd"
     assert 0 < r["registers"] <= 255 and r["shared_bytes"] <= H200_SHARED, r
+
+
+def test_gluon_path_triton_launches_build_for_sm90():
+    """The Gluon path's Triton launches as it makes them: split 0 (sinks and ring, q R written for the
+    packed kernel) and the merge (the packed sum rotated by the fast transform), for sm_90."""
+    from orthros.ops.lowbit import rotation_matrix
+    from orthros.ops.splitkv_lowbit import bf16_split, finish
+
+    plan = lowbit_launch("int4")  # a one-layer 8B-shaped cache and its decode pair
+    q, sk, sv, kq, vq, ks, kz, vs, vz, rk, rv, slot, qd, kd, bound, o, lse = (plan.args[0], *plan.args[2:18])
+    o = torch.empty(1, 9, *o.shape[2:])
+    lse = torch.empty(1, 9, *lse.shape[2:])
+    launches = _launches_of(bf16_split, q, sk, sv, kq, vq, ks, kz, vs, vz, rk, rv, slot, qd, kd, bound, 1000, 4, 4,
+                            64, o, lse, window=128, window_rows=1, rotation=rotation_matrix(128))
+    launches += _launches_of(finish, o, lse, 1, rotation_matrix(128), torch.bfloat16)
+    assert [k.__name__ for k, _, _ in launches] == ["splitkv_lowbit_fwd", "lowbit_finish"]
+    assert launches[0][2]["NO_PACKED"] and launches[0][2]["HB"] == 128
+    for kernel, args, meta in launches:
+        r = compile_for(kernel, args, meta)
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] <= H200_SHARED, (kernel.__name__, r)

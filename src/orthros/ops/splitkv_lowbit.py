@@ -95,7 +95,6 @@ slot indices are 32-bit (caches below 2^31 slots).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -254,7 +253,8 @@ def bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_sl
                key_bits, value_bits, key_group, o, lse, window=None, scale=None, window_rows=None, rotation=None,
                block_n=64, num_warps=None, num_stages=None, maxnreg=None) -> torch.Tensor:
     """The Gluon path's split 0: the bf16 slots (sinks, ring) by the Triton kernel, its packed loop
-    skipped, into o / lse at split 0. -> q R (q if unrotated), what the packed kernel reads."""
+    skipped, into o / lse at split 0. -> q R (q if unrotated; made by that kernel), what the packed
+    kernel reads."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, 1,
                        block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
@@ -268,59 +268,17 @@ def finish(o, lse, row0: int, rotation, dtype) -> torch.Tensor:
     from row0 on (their bf16 part unread); see `_finish_kernel`."""
     B, P, M, H, _, D = o.shape
     out = torch.empty(B, M, H, D, device=o.device, dtype=dtype)
-    rot = rotation if rotation is not None else o  # any pointer when unrotated (never read)
+    if rotation is not None and (D != _pow2(D) or rotation.shape != (D, D)):
+        raise ValueError(f"the merge rotates power-of-two heads (Hadamard R [D, D]), got D={D}")
     _finish_kernel()[(B * M * H,)](
-        o, lse, rot, out, P, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
+        o, lse, out, P, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
         lse.stride(0), lse.stride(1), lse.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_P=min(128, _pow2(P)), ROTATED=rotation is not None, num_warps=8)
+        D=D, BLOCK_P=min(128, _pow2(P)), ROTATED=rotation is not None, HB=D, RSCALE=float(D) ** -0.5, num_warps=8)
     return out
 
 
-@functools.cache
 def _finish_kernel():
-    """The Gluon path's merge, one program a (row, query, head): the bf16 split (split 0: its bf16
-    part and an empty packed part) and the packed splits 1 .. P - 1 (rows from row0 on; the rows
-    before are windowed and read split 0 alone), log-sum-exp weighted; the packed part's sum times
-    R (a rotated cache) added to the bf16 part's. One launch where the general merge takes a dozen."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def lowbit_finish(O, LSE, R, OUT, P, M, H, row0, sob, sop, som, soh, sox, slb, slp, slm, s_out_b,
-                      s_out_m, s_out_h, D: tl.constexpr, BLOCK_P: tl.constexpr, ROTATED: tl.constexpr):
-        pid = tl.program_id(0)
-        h = pid % H
-        m = (pid // H) % M
-        b = (pid // (H * M)).to(tl.int64)
-        n = tl.where(m >= row0, P, 1)
-        d = tl.arange(0, D)
-        lbase = LSE + b * slb + m * slm + h
-        obase = O + b * sob + m * som + h * soh
-        top = tl.full([], float("-inf"), tl.float32)  # one pass, rescaled as the maximum grows
-        total = tl.zeros([], tl.float32)
-        packed = tl.zeros([D], tl.float32)
-        for p0 in range(0, n, BLOCK_P):
-            p = p0 + tl.arange(0, BLOCK_P)
-            lse = tl.load(lbase + p * slp, mask=p < n, other=float("-inf"))
-            o = tl.load(obase + p[:, None] * sop + sox + d[None, :], mask=(p < n)[:, None], other=0.0)
-            new = tl.maximum(top, tl.max(lse, 0))
-            ref = tl.where(new == float("-inf"), 0.0, new)  # every split so far empty: weights 0
-            alpha = tl.exp(top - ref)
-            w = tl.exp(lse - ref)
-            total = total * alpha + tl.sum(w, 0)
-            packed = packed * alpha + tl.sum(w[:, None] * o, 0)
-            top = new
-        top = tl.where(top == float("-inf"), 0.0, top)
-        w0 = tl.exp(tl.load(lbase) - top)
-        inv = 1.0 / tl.where(total > 0, total, 1.0)
-        obuf = OUT + b * s_out_b + m * s_out_m + h * s_out_h
-        if ROTATED:  # (sum of the packed parts) R, R's columns a chunk at a time
-            for e0 in tl.static_range(0, D, 32):
-                e = e0 + tl.arange(0, 32)
-                col = tl.sum(packed[:, None] * tl.load(R + d[:, None] * D + e[None, :]), 0)
-                tl.store(obuf + e, ((w0 * tl.load(obase + e) + col) * inv).to(OUT.dtype.element_ty))
-        else:
-            tl.store(obuf + d, ((w0 * tl.load(obase + d) + packed) * inv).to(OUT.dtype.element_ty))
+    from .splitkv_lowbit_kernel import lowbit_finish  # imports triton
 
     return lowbit_finish
 
@@ -437,7 +395,12 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
             raise ValueError(f"out buffers [B, >= {P}, {M}, {H}, {parts}, {D}] expected, got {tuple(o.shape)}")
     if sk.shape[1] == 0:  # no sinks: any valid pointer (never read)
         sk, sv = rk, rv
-    qr = q if rotation is None else (q.float() @ rotation).to(q.dtype)  # [B, M, H, D], contiguous
+    if rotation is None:
+        qr = q
+    elif no_packed:  # the kernel writes q R (`ops.lowbit.rotate`'s transform) for the other kernel to read
+        qr = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    else:
+        qr = (q.float() @ rotation).to(q.dtype)  # [B, M, H, D], contiguous
     args = [
         q, qr, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, slot, q_doc, k_doc, bound, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -459,7 +422,8 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
-        F16=bool(fp16_dequant), PTX=not _interpreting(), NO_PACKED=bool(no_packed),
+        F16=bool(fp16_dequant), PTX=not _interpreting(), NO_PACKED=bool(no_packed), HB=D & -D,
+        RSCALE=float(D & -D) ** -0.5,
         **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)

@@ -7,6 +7,8 @@ import struct
 import triton
 import triton.language as tl
 
+from .lowbit_write_kernel import _rotate
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -221,7 +223,8 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        KEY_FOLD: tl.constexpr, VALUE_BYTES: tl.constexpr,
                        HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
                        PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
-                       PTX: tl.constexpr, NO_PACKED: tl.constexpr = False):
+                       PTX: tl.constexpr, NO_PACKED: tl.constexpr = False, HB: tl.constexpr = 1,
+                       RSCALE: tl.constexpr = 1.0):
     # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
@@ -241,7 +244,13 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                 mask=rvalid[:, None] & dmask[None, :], other=0.0)
     qf = q.to(tl.float32) * qscale  # softmax scale and log2(e) folded in: scores in log2 units
     qd = qf.to(DT)
-    if ROTATED:  # q R for the packed keys (they hold K R)
+    if ROTATED and NO_PACKED:  # q R for the kernel that reads the packed slots, made here (one launch less)
+        qr = _rotate(q.to(tl.float32), BLOCK_R, BLOCK_D, HB, RSCALE).to(QR.dtype.element_ty)
+        tl.store(QR + b * sqrb + m[:, None] * sqrm + h[:, None] * sqrh + d[None, :], qr,
+                 mask=rvalid[:, None] & dmask[None, :])
+        qf_p = qr.to(tl.float32) * qscale
+        qd_p = qf_p.to(DT)
+    elif ROTATED:  # q R for the packed keys (they hold K R)
         qr = tl.load(QR + b * sqrb + m[:, None] * sqrm + h[:, None] * sqrh + d[None, :],
                      mask=rvalid[:, None] & dmask[None, :], other=0.0)
         qf_p = qr.to(tl.float32) * qscale
@@ -517,3 +526,42 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     else:
         tl.store(O + b * sob + split * sop + m3 * som + h3 * soh + ch3, acc * inv, mask=omask)
     tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
+
+
+@triton.jit
+def lowbit_finish(O, LSE, OUT, P, M, H, row0, sob, sop, som, soh, sox, slb, slp, slm, s_out_b,
+                  s_out_m, s_out_h, D: tl.constexpr, BLOCK_P: tl.constexpr, ROTATED: tl.constexpr,
+                  HB: tl.constexpr, RSCALE: tl.constexpr):
+    """The Gluon path's merge, one program a (row, query, head): the bf16 split (split 0: its bf16
+    part and an empty packed part) and the packed splits 1 .. P - 1 (rows from row0 on; the rows
+    before are windowed and read split 0 alone), log-sum-exp weighted; the packed part's sum times
+    R (a rotated cache) added to the bf16 part's. One launch where the general merge takes a dozen."""
+    pid = tl.program_id(0)
+    h = pid % H
+    m = (pid // H) % M
+    b = (pid // (H * M)).to(tl.int64)
+    n = tl.where(m >= row0, P, 1)
+    d = tl.arange(0, D)
+    lbase = LSE + b * slb + m * slm + h
+    obase = O + b * sob + m * som + h * soh
+    top = tl.full([], float("-inf"), tl.float32)  # one pass, rescaled as the maximum grows
+    total = tl.zeros([], tl.float32)
+    packed = tl.zeros([D], tl.float32)
+    for p0 in range(0, n, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        lse = tl.load(lbase + p * slp, mask=p < n, other=float("-inf"))
+        o = tl.load(obase + p[:, None] * sop + sox + d[None, :], mask=(p < n)[:, None], other=0.0)
+        new = tl.maximum(top, tl.max(lse, 0))
+        ref = tl.where(new == float("-inf"), 0.0, new)  # every split so far empty: weights 0
+        alpha = tl.exp(top - ref)
+        w = tl.exp(lse - ref)
+        total = total * alpha + tl.sum(w, 0)
+        packed = packed * alpha + tl.sum(w[:, None] * o, 0)
+        top = new
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w0 = tl.exp(tl.load(lbase) - top)
+    inv = 1.0 / tl.where(total > 0, total, 1.0)
+    obuf = OUT + b * s_out_b + m * s_out_m + h * s_out_h
+    if ROTATED:  # (sum of the packed parts) R, by the fast transform (`ops.lowbit.rotate`)
+        packed = tl.reshape(_rotate(packed[None, :], 1, D, HB, RSCALE), [D])
+    tl.store(obuf + d, ((w0 * tl.load(obase + d) + packed) * inv).to(OUT.dtype.element_ty))
