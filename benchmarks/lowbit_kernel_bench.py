@@ -28,8 +28,8 @@ from orthros import OrthrosConfig
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.ops.splitkv import splitkv_attention
-from orthros.ops.splitkv_lowbit import (bf16_split, finish, gluon_launch, gluon_splits, lowbit_splitkv_attention,
-                                        packed_rows)
+from orthros.ops.splitkv_lowbit import (bf16_split, bf16_splits, finish, gluon_launch, gluon_splits,
+                                        lowbit_splitkv_attention, packed_rows)
 
 H, HKV, D, W = 32, 8, 128, 128
 
@@ -70,15 +70,15 @@ def main():
             fns[f"{kv} read, {pk}"] = (lambda c=common, pk=pk, rot=cache.rotation: lowbit_splitkv_attention(
                 *c, rotation=rot, window=W, window_rows=1, packed_kernel=pk), nbytes)
         # the Gluon path's other launches alone, at the default split count: its breakdown
-        P2 = gluon_splits(q, HKV, S)
-        o = torch.zeros(1, 1 + P2, 2, H, 2, D, device=dev)
-        lse = torch.zeros(1, 1 + P2, 2, H, device=dev)
-        fns[f"{kv} path part: bf16 split (sinks, ring) + q R"] = (
+        P2, NB = gluon_splits(q, HKV, S), bf16_splits(cache.rk[0], cache.key_group)
+        o = torch.zeros(1, NB + P2, 2, H, 2, D, device=dev)
+        lse = torch.zeros(1, NB + P2, 2, H, device=dev)
+        fns[f"{kv} path part: {NB} bf16 splits (sinks, ring) + q R"] = (
             lambda c=common, rot=cache.rotation, o=o, lse=lse: bf16_split(*c, o, lse, window=W, window_rows=1,
                                                                           rotation=rot),
             (S - bound + cache.sinks) * 2 * HKV * D * 2)
-        fns[f"{kv} path part: merge (finish), {1 + P2} splits"] = (
-            lambda o=o, lse=lse, rot=cache.rotation: finish(o, lse, packed_rows(2, W, 1), rot, q.dtype),
+        fns[f"{kv} path part: merge (finish), {NB + P2} splits"] = (
+            lambda o=o, lse=lse, rot=cache.rotation: finish(o, lse, packed_rows(2, W, 1), rot, q.dtype, NB),
             o[:, :, 1:, :, 1].numel() * 4)
         qr = (q.float() @ cache.rotation).to(q.dtype)
         pbytes = (bound - cache.sinks) * cache.slot_bytes()

@@ -227,50 +227,57 @@ def quick_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
 
 
 def finish_case(device="cpu"):
-    """The Gluon path's merge (`ops.splitkv_lowbit.finish`) against the same sums in PyTorch: split 0
-    (bf16 part; its packed part zero) for every row, splits 1.. (packed part) from row0 on; the bf16
-    parts of splits 1.. and the packed splits of the rows before row0 hold garbage that must not be
-    read; a split with nothing seen (lse -inf); rotated and not."""
+    """The Gluon path's merge (`ops.splitkv_lowbit.finish`) against the same sums in PyTorch: the bf16 splits
+    (one, or four: their bf16 part; their packed part zero) for every row, the packed splits after them
+    (packed part) from row0 on; the bf16 parts of the packed splits and the packed splits of the rows
+    before row0 hold garbage that must not be read; splits with nothing seen (lse -inf), a bf16 one
+    among them; rotated and not."""
     from orthros.ops.lowbit import rotation_matrix
     from orthros.ops.splitkv_lowbit import finish
 
     torch.manual_seed(5)
     B, P, M, H, D, row0 = 2, 300, 3, 4, 64, 1  # several of the merge's chunks of splits
-    o = torch.randn(B, P, M, H, 2, D, device=device)
-    o[:, 0, :, :, 1] = 0.0
-    lse = 3 * torch.randn(B, P, M, H, device=device)
-    lse[:, 5] = float("-inf")
-    lse[:, 250] += 30  # the maximum grows in a later chunk: the partial sums are rescaled
-    o[:, 1:, :row0] = float("nan")  # never written by the packed kernel
-    lse[:, 1:, :row0] = float("nan")
-    o[:, 1:, :, :, 0] = float("nan")  # the packed splits' bf16 part: not written either
-    for rot in (None, rotation_matrix(D, device)):
-        out = finish(o, lse, row0, rot, torch.float32)
-        want = torch.empty(B, M, H, D, device=device)
-        for m in range(M):
-            n = P if m >= row0 else 1
-            w = torch.softmax(lse[:, :n, m], dim=1)  # [B, n, H]
-            packed = (w[..., None] * o[:, :n, m, :, 1]).sum(1)
-            want[:, m] = w[:, 0, :, None] * o[:, 0, m, :, 0] + (packed if rot is None else packed @ rot)
-        err = ((out - want).norm() / want.norm()).item()
-        assert err < 1e-5, (rot is not None, err)
+    for NB in (1, 4):
+        o = torch.randn(B, P, M, H, 2, D, device=device)
+        o[:, :NB, :, :, 1] = 0.0
+        lse = 3 * torch.randn(B, P, M, H, device=device)
+        lse[:, 5] = float("-inf")
+        if NB > 1:
+            lse[:, NB - 1, 0] = float("-inf")  # an empty bf16 split beside others
+        lse[:, 250] += 30  # the maximum grows in a later chunk: the partial sums are rescaled
+        o[:, NB:, :row0] = float("nan")  # never written by the packed kernel
+        lse[:, NB:, :row0] = float("nan")
+        o[:, NB:, :, :, 0] = float("nan")  # the packed splits' bf16 part: not written either
+        for rot in (None, rotation_matrix(D, device)):
+            out = finish(o, lse, row0, rot, torch.float32, NB)
+            want = torch.empty(B, M, H, D, device=device)
+            for m in range(M):
+                n = P if m >= row0 else NB
+                w = torch.softmax(lse[:, :n, m], dim=1)  # [B, n, H]
+                bf16 = (w[:, :NB, :, None] * o[:, :NB, m, :, 0]).sum(1)
+                packed = (w[:, NB:, :, None] * o[:, NB:n, m, :, 1]).sum(1)
+                want[:, m] = bf16 + (packed if rot is None else packed @ rot)
+            err = ((out - want).norm() / want.norm()).item()
+            assert err < 1e-5, (NB, rot is not None, err)
 
 
 def bf16_split_case(device="cpu"):
-    """The Gluon path's split 0 (`ops.splitkv_lowbit.bf16_split`): q R made by the kernel is `ops.lowbit.rotate`'s,
-    bit for bit (head sizes 64, 24: block-diagonal, padded tile), and the split's output is attention over the
-    sinks and the ring alone (the packed slots hidden from the reference)."""
+    """The Gluon path's bf16 splits (`ops.splitkv_lowbit.bf16_split`): q R made by the kernel is
+    `ops.lowbit.rotate`'s, bit for bit (head sizes 64, 24: block-diagonal, padded tile), and the splits'
+    outputs merged are attention over the sinks and the ring alone (the packed slots hidden from the
+    reference); one split (a short ring) and two (a ring of 136 slots, 52 slots from the bound on)."""
     from orthros.ops.lowbit import rotate
-    from orthros.ops.splitkv_lowbit import bf16_split
+    from orthros.ops.splitkv_lowbit import bf16_split, bf16_splits
 
-    for D, dt in ((64, torch.bfloat16), (24, torch.float32)):
-        cache = filled_cache("int4", 8, 2, D, 300, 4, [300], pad=0, seed=2, device=device)
-        B, L = cache.batch_size, 300
+    for D, dt, g, L in ((64, torch.bfloat16, 16, 300), (24, torch.float32, 16, 300), (64, torch.bfloat16, 64, 500)):
+        cache = filled_cache("int4", 8, 2, D, L, 4, [L], pad=0, seed=2, device=device, key_group=g)
+        B, NB = cache.batch_size, bf16_splits(cache.rk[0], g)
+        assert NB == (2 if g == 64 else 1)
         q = torch.randn(B, 1, 8, D, device=device).to(dt)
         slot, qd = torch.full((B, 1), L - 1, device=device), torch.zeros(B, 1, dtype=torch.long, device=device)
         bound = cache.bound_at(L)
-        o = torch.full((B, 2, 1, 8, 2, D), float("nan"), device=device)
-        lse = torch.full((B, 2, 1, 8), float("nan"), device=device)
+        o = torch.full((B, NB + 1, 1, 8, 2, D), float("nan"), device=device)
+        lse = torch.full((B, NB + 1, 1, 8), float("nan"), device=device)
         qr = bf16_split(q, *cache.layer(0), slot, qd, cache.doc[:, :L], torch.tensor([bound], device=device), L,
                         cache.key_bits, cache.value_bits, cache.key_group, o, lse, rotation=cache.rotation)
         want = rotate(q)
@@ -282,8 +289,11 @@ def bf16_split_case(device="cpu"):
         kdoc = cache.doc[:, :L].clone()
         kdoc[:, 4:bound] = -7  # the packed slots: another document
         ref = _reference(q.float(), kd, vd, slot, qd, kdoc, None, None)
-        err = ((o[:, 0, :, :, 0] - ref).norm() / ref.norm()).item()
-        assert err < 2e-2 and torch.isfinite(lse[:, 0]).all(), (D, err)
+        assert torch.isfinite(lse[:, :NB]).all() and torch.isnan(lse[:, NB]).all()  # NB splits, none empty
+        w = torch.softmax(lse[:, :NB], dim=1)[..., None]
+        out = (w * o[:, :NB, :, :, 0]).sum(1)
+        err = ((out - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, (D, g, err)
 
 
 def gluon_cases(device="cuda", kvs=("int4", "int2", "k4v2")):

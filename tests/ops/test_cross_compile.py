@@ -191,8 +191,8 @@ def test_decode_write_kernel_builds_for_sm90(kv, D):
 
 
 def test_gluon_path_triton_launches_build_for_sm90():
-    """The Gluon path's Triton launches as it makes them: split 0 (sinks and ring, q R written for the
-    packed kernel) and the merge (the packed sum rotated by the fast transform), for sm_90."""
+    """The Gluon path's Triton launches as it makes them: the bf16 splits (sinks and ring, q R written for
+    the packed kernel) and the merge (4 bf16 splits; the packed sum rotated by the fast transform), for sm_90."""
     from orthros.ops.lowbit import rotation_matrix
     from orthros.ops.splitkv_lowbit import bf16_split, finish
 
@@ -202,9 +202,9 @@ def test_gluon_path_triton_launches_build_for_sm90():
     lse = torch.empty(1, 9, *lse.shape[2:])
     launches = _launches_of(bf16_split, q, sk, sv, kq, vq, ks, kz, vs, vz, rk, rv, slot, qd, kd, bound, 1000, 4, 4,
                             64, o, lse, window=128, window_rows=1, rotation=rotation_matrix(128))
-    launches += _launches_of(finish, o, lse, 1, rotation_matrix(128), torch.bfloat16)
+    launches += _launches_of(finish, o, lse, 1, rotation_matrix(128), torch.bfloat16, 4)
     assert [k.__name__ for k, _, _ in launches] == ["splitkv_lowbit_fwd", "lowbit_finish"]
-    assert launches[0][2]["NO_PACKED"] and launches[0][2]["HB"] == 128
+    assert launches[0][2]["NO_PACKED"] and launches[0][2]["HB"] == 128 and launches[1][2]["NB"] == 4
     for kernel, args, meta in launches:
         r = compile_for(kernel, args, meta)
         assert 0 < r["registers"] <= 255 and r["shared_bytes"] <= H200_SHARED, (kernel.__name__, r)

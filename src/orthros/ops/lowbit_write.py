@@ -13,8 +13,9 @@ the same group with the same bits for `key_group` steps, so writing it only when
 stores the same cache. The arithmetic is the PyTorch ops' own, in the same order, so the kernel
 stores the same bits (checked against them: tests/generation/lowbit_write_cases.py): the rotation
 is the same fast Walsh-Hadamard transform (adds and subtracts in butterfly order, then one scale),
-divisions are IEEE (`div_rn`: Triton's plain fp32 division is approximate), rounding is to nearest
-even (cvt.rni on a GPU; under the interpreter, adding and subtracting 1.5 * 2^23).
+the scale is the range times the fp32 reciprocal of the level count (`quantize` computes it so, on
+every device), the level a division (IEEE, `div_rn`: Triton's plain fp32 division is approximate),
+rounded to nearest even (cvt.rni on a GPU; under the interpreter, adding and subtracting 1.5 * 2^23).
 
 Why: written with PyTorch ops the step's writes compiled to a dozen kernels a layer (the
 rotation's butterflies, the group's min / max, the packing, the index copies): ~0.55 ms of a
@@ -33,10 +34,10 @@ def _pow2(x: int) -> bool:
 
 
 def write_kernel_applies(hv: torch.Tensor, value_group: int, key_group: int) -> bool:
-    """Whether the Triton write runs this step: CUDA (or the Triton interpreter), power-of-two
-    value and key groups (the tiles' shapes)."""
-    device_ok = hv.is_cuda or _interpreting()
-    return device_ok and triton_available() and _pow2(value_group) and _pow2(key_group) and key_group <= 256
+    """Whether the Triton write runs this step: CUDA, power-of-two value and key groups (the tiles'
+    shapes). (Under the Triton interpreter the cases of tests/generation/lowbit_write_cases.py ask for
+    it on the CPU.)"""
+    return hv.is_cuda and triton_available() and _pow2(value_group) and _pow2(key_group) and key_group <= 256
 
 
 def decode_write(hk, hv, rk, rv, sk, sv, kq, vq, k_scale, k_zero, v_scale_hm, v_zero_hm, slot, recent: int,

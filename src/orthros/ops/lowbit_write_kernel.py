@@ -49,7 +49,7 @@ def _quantize(x, lo, hi, BITS: tl.constexpr, PTX: tl.constexpr):
     """`ops.lowbit.quantize` given the group's range: (levels int32 like x, scale, zero fp16)."""
     LEVELS: tl.constexpr = 2**BITS - 1
     zero = lo.to(tl.float16)
-    scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, LEVELS, tl.float32)).to(tl.float16)
+    scale = ((hi - lo) * (1.0 / LEVELS)).to(tl.float16)  # times the fp32 reciprocal, as `quantize` does
     s, z = scale.to(tl.float32), zero.to(tl.float32)
     s2 = tl.broadcast_to(s, x.shape)
     n = tl.math.div_rn(x - tl.broadcast_to(z, x.shape), tl.maximum(s2, 1e-30))

@@ -233,47 +233,65 @@ def gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, pl
 def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                      length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, row0,
                      num_splits, block_n, num_warps, num_stages, maxnreg):
-    """The bf16 slots (sinks, ring) by the Triton kernel in one split, the packed slots by the Gluon
-    kernel in `num_splits` (default GLUON_WARPS_PER_SM programs an SM), merged."""
+    """The bf16 slots (sinks, ring) by the Triton kernel in `bf16_splits` splits, the packed slots by the
+    Gluon kernel in `num_splits` (default GLUON_WARPS_PER_SM programs an SM), merged."""
     B, M, H, D = q.shape
+    NB = bf16_splits(rk, key_group)
     P2 = gluon_splits(q, rk.shape[2], length, num_splits)
-    o = torch.empty(B, 1 + P2, M, H, 2, D, device=q.device, dtype=torch.float32)
-    lse = torch.empty(B, 1 + P2, M, H, device=q.device, dtype=torch.float32)
+    o = torch.empty(B, NB + P2, M, H, 2, D, device=q.device, dtype=torch.float32)
+    lse = torch.empty(B, NB + P2, M, H, device=q.device, dtype=torch.float32)
     qr = bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                     length, key_bits, value_bits, key_group, o, lse, window, scale, window_rows, rotation, block_n,
                     num_warps, num_stages, maxnreg)
     kernel, grid, args, meta = gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc,
                                             bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
-                                            scale, row0, P2)
+                                            scale, row0, P2, split0=NB)
     kernel[grid](*args, **meta)
-    return finish(o, lse, row0, rotation, q.dtype)
+    return finish(o, lse, row0, rotation, q.dtype, NB)
+
+
+BF16_SPLIT_SLOTS = 32  # at least this many ring slots a bf16 split (at most 4 splits)
+
+
+def bf16_splits(rk, key_group: int) -> int:
+    """How many programs a (row, KV head) read the bf16 slots, so that the few bf16 tiles are read side
+    by side, not one after another by one program: the slots from the bound on (at most ring - key_group:
+    191 of the 8B shape's 256-slot ring, read as 4 runs of 48) in runs of at least BF16_SPLIT_SLOTS, at
+    most 4 runs, a power of two (the merge's tile)."""
+    n = max(1, min(4, (rk.shape[1] - key_group) // BF16_SPLIT_SLOTS))
+    return 1 << (n.bit_length() - 1)
 
 
 def bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, length,
                key_bits, value_bits, key_group, o, lse, window=None, scale=None, window_rows=None, rotation=None,
                block_n=64, num_warps=None, num_stages=None, maxnreg=None) -> torch.Tensor:
-    """The Gluon path's split 0: the bf16 slots (sinks, ring) by the Triton kernel, its packed loop
-    skipped, into o / lse at split 0. -> q R (q if unrotated; made by that kernel), what the packed
-    kernel reads."""
+    """The Gluon path's bf16 splits: the bf16 slots (sinks, ring) by the Triton kernel, its packed loop
+    skipped, into o / lse at splits 0 .. `bf16_splits(rk, key_group)` - 1 (split 0: the sinks and the ring's first
+    run; split i: the ring's i-th run of its slots from the bound on). -> q R (q if unrotated; made by
+    that kernel), what the packed kernel reads."""
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
-                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, 1,
+                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, bf16_splits(rk, key_group),
                        block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     return plan.args[1]
 
 
-def finish(o, lse, row0: int, rotation, dtype) -> torch.Tensor:
+def finish(o, lse, row0: int, rotation, dtype, bf16_splits: int = 1) -> torch.Tensor:
     """The Gluon path's outputs -> [B, M, H, D] in dtype: o [B, P, M, H, 2, D] / lse [B, P, M, H] hold
-    the bf16 split at split 0 (its packed part empty) and the packed splits at 1 .. P - 1 for the rows
-    from row0 on (their bf16 part unread); see `_finish_kernel`."""
+    the bf16 splits at 0 .. bf16_splits - 1 (a power of two; their packed part empty) and the packed
+    splits after them, for the rows from row0 on (their bf16 part unread); see
+    `splitkv_lowbit_kernel.lowbit_finish`."""
     B, P, M, H, _, D = o.shape
     out = torch.empty(B, M, H, D, device=o.device, dtype=dtype)
     if rotation is not None and (D != _pow2(D) or rotation.shape != (D, D)):
         raise ValueError(f"the merge rotates power-of-two heads (Hadamard R [D, D]), got D={D}")
+    if bf16_splits != _pow2(bf16_splits) or not 1 <= bf16_splits <= P:
+        raise ValueError(f"bf16_splits must be a power of two in [1, {P}], got {bf16_splits}")
     _finish_kernel()[(B * M * H,)](
         o, lse, out, P, M, H, row0, o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4),
         lse.stride(0), lse.stride(1), lse.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        D=D, BLOCK_P=min(128, _pow2(P)), ROTATED=rotation is not None, HB=D, RSCALE=float(D) ** -0.5, num_warps=8)
+        D=D, NB=bf16_splits, BLOCK_P=min(128, _pow2(P)), ROTATED=rotation is not None, HB=D, RSCALE=float(D) ** -0.5,
+        num_warps=8)
     return out
 
 
@@ -296,8 +314,9 @@ def gluon_splits(q, Hkv: int, length: int, num_splits=None) -> int:
 
 
 def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse, sinks, length,
-                 key_bits, value_bits, key_group, scale, row0, splits, maxnreg=None, pipe=None):
-    """The Gluon kernel's launch (kernel, grid, args, meta) over o / lse splits 1 .. splits, for q R
+                 key_bits, value_bits, key_group, scale, row0, splits, maxnreg=None, pipe=None, split0=1):
+    """The Gluon kernel's launch (kernel, grid, args, meta) over o / lse splits split0 .. split0 + splits - 1
+    (after the bf16 splits), for q R
     (or q, unrotated) qr [B, M, H, D]: what `_gluon_attention` runs, and what a benchmark times alone."""
     import triton
 
@@ -315,7 +334,7 @@ def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bou
             k_scale.stride(0), k_scale.stride(1), k_scale.stride(2), v_scale.stride(0), v_scale.stride(1),
             v_scale.stride(2), q_doc.stride(0), k_doc.stride(0),
             o.stride(0), o.stride(1), o.stride(2), o.stride(3), o.stride(4), lse.stride(0), lse.stride(1),
-            lse.stride(2), M, Hkv, sinks, key_group, scale * LOG2E, row0, 1, per]
+            lse.stride(2), M, Hkv, sinks, key_group, scale * LOG2E, row0, split0, per]
     pipe = D == 128 if pipe is None else pipe
     if pipe and D != 128:
         raise ValueError("the copies a tile ahead (pipe) need head size 128 (4-byte value scale pairs)")
@@ -385,6 +404,8 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         num_splits = max(1, min(want, triton.cdiv(S, 4 * block_n)))
     per = triton.cdiv(triton.cdiv(max(S, 1), num_splits), block_n) * block_n
     P = max(1, triton.cdiv(S, per))
+    if no_packed:  # runs of the slots from the bound on (< ring - key_group; the sinks in split 0): the kernel
+        per, P = triton.cdiv(rk.shape[1] - key_group, num_splits), num_splits
     parts = 2 if rotation is not None or planar else 1  # [bf16 part | packed part]
     if out is None:
         o = torch.empty(B, P, M, H, parts, D, device=q.device, dtype=torch.float32)

@@ -263,6 +263,10 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     bound = tl.load(BOUND).to(tl.int32)
     start = split * keys_per_split
     end = tl.minimum(start + keys_per_split, S)
+    if NO_PACKED:  # the bf16 slots alone: split 0 the sinks and the ring's first run, split i its i-th
+        rb = tl.maximum(bound, NS)
+        start = tl.where(split == 0, 0, rb + split * keys_per_split)
+        end = tl.minimum(rb + (split + 1) * keys_per_split, S)
     end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
     if HAS_WINDOW:
         if window_rows >= M:  # every row is windowed: skip the keys before the window
@@ -530,38 +534,43 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
 
 @triton.jit
 def lowbit_finish(O, LSE, OUT, P, M, H, row0, sob, sop, som, soh, sox, slb, slp, slm, s_out_b,
-                  s_out_m, s_out_h, D: tl.constexpr, BLOCK_P: tl.constexpr, ROTATED: tl.constexpr,
-                  HB: tl.constexpr, RSCALE: tl.constexpr):
-    """The Gluon path's merge, one program a (row, query, head): the bf16 split (split 0: its bf16
-    part and an empty packed part) and the packed splits 1 .. P - 1 (rows from row0 on; the rows
-    before are windowed and read split 0 alone), log-sum-exp weighted; the packed part's sum times
-    R (a rotated cache) added to the bf16 part's. One launch where the general merge takes a dozen."""
+                  s_out_m, s_out_h, D: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr,
+                  ROTATED: tl.constexpr, HB: tl.constexpr, RSCALE: tl.constexpr):
+    """The Gluon path's merge, one program a (row, query, head): the NB bf16 splits (splits 0 .. NB - 1:
+    their bf16 part; their packed part empty) and the packed splits NB .. P - 1 (rows from row0 on; the
+    rows before are windowed and read the bf16 splits alone), log-sum-exp weighted; the packed parts'
+    sum times R (a rotated cache; the fast transform, `ops.lowbit.rotate`) added to the bf16 parts'.
+    One launch where the general merge takes a dozen."""
     pid = tl.program_id(0)
     h = pid % H
     m = (pid // H) % M
     b = (pid // (H * M)).to(tl.int64)
-    n = tl.where(m >= row0, P, 1)
+    n = tl.where(m >= row0, P, NB)
     d = tl.arange(0, D)
     lbase = LSE + b * slb + m * slm + h
     obase = O + b * sob + m * som + h * soh
-    top = tl.full([], float("-inf"), tl.float32)  # one pass, rescaled as the maximum grows
-    total = tl.zeros([], tl.float32)
+    # the bf16 splits
+    pb = tl.arange(0, NB)
+    lb = tl.load(lbase + pb * slp)
+    top = tl.max(lb, 0)
+    wb = tl.exp(lb - tl.where(top == float("-inf"), 0.0, top))  # every split empty: weights 0
+    total = tl.sum(wb, 0)
+    bf16 = tl.sum(wb[:, None] * tl.load(obase + pb[:, None] * sop + d[None, :]), 0)
     packed = tl.zeros([D], tl.float32)
-    for p0 in range(0, n, BLOCK_P):
+    for p0 in range(NB, n, BLOCK_P):  # the packed splits: one pass, rescaled as the maximum grows
         p = p0 + tl.arange(0, BLOCK_P)
         lse = tl.load(lbase + p * slp, mask=p < n, other=float("-inf"))
         o = tl.load(obase + p[:, None] * sop + sox + d[None, :], mask=(p < n)[:, None], other=0.0)
         new = tl.maximum(top, tl.max(lse, 0))
-        ref = tl.where(new == float("-inf"), 0.0, new)  # every split so far empty: weights 0
+        ref = tl.where(new == float("-inf"), 0.0, new)
         alpha = tl.exp(top - ref)
         w = tl.exp(lse - ref)
         total = total * alpha + tl.sum(w, 0)
+        bf16 = bf16 * alpha
         packed = packed * alpha + tl.sum(w[:, None] * o, 0)
         top = new
-    top = tl.where(top == float("-inf"), 0.0, top)
-    w0 = tl.exp(tl.load(lbase) - top)
     inv = 1.0 / tl.where(total > 0, total, 1.0)
-    obuf = OUT + b * s_out_b + m * s_out_m + h * s_out_h
-    if ROTATED:  # (sum of the packed parts) R, by the fast transform (`ops.lowbit.rotate`)
+    if ROTATED:  # (sum of the packed parts) R, by the fast transform
         packed = tl.reshape(_rotate(packed[None, :], 1, D, HB, RSCALE), [D])
-    tl.store(obuf + d, ((w0 * tl.load(obase + d) + packed) * inv).to(OUT.dtype.element_ty))
+    obuf = OUT + b * s_out_b + m * s_out_m + h * s_out_h
+    tl.store(obuf + d, ((bf16 + packed) * inv).to(OUT.dtype.element_ty))
