@@ -272,10 +272,11 @@ def table(result) -> str:
                 f"context {_fmt_len(first['context'])}), µs:", "",
                 "| kernels | " + " | ".join(prof) + " |", "| --- |" + " --- |" * len(prof)]
         names = list(dict.fromkeys(g for p in prof.values() for g in p["groups_ms"]))
-        for g in names + ["kernel launches"]:
+        launches = "kernel launches a step (a count, not µs)"
+        for g in names + [launches]:
             cells = []
             for p in prof.values():
-                v = p["kernel_count"] if g == "kernel launches" else p["groups_ms"].get(g, 0.0) * 1e3
+                v = p["kernel_count"] if g == launches else p["groups_ms"].get(g, 0.0) * 1e3
                 cells.append(f"{v / p['steps']:.0f}")
             out.append(f"| {g} | " + " | ".join(cells) + " |")
         for g in dict.fromkeys(g for p in prof.values() for g in p.get("gb_per_s", {})):
