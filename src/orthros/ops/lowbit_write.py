@@ -35,9 +35,11 @@ def _pow2(x: int) -> bool:
 
 def write_kernel_applies(hv: torch.Tensor, value_group: int, key_group: int) -> bool:
     """Whether the Triton write runs this step: CUDA, power-of-two value and key groups (the tiles'
-    shapes). (Under the Triton interpreter the cases of tests/generation/lowbit_write_cases.py ask for
-    it on the CPU.)"""
-    return hv.is_cuda and triton_available() and _pow2(value_group) and _pow2(key_group) and key_group <= 256
+    shapes), rotation blocks of at most 256 channels. (Under the Triton interpreter the cases of
+    tests/generation/lowbit_write_cases.py ask for it on the CPU.)"""
+    D = hv.shape[-1]
+    shapes_ok = _pow2(value_group) and _pow2(key_group) and key_group <= 256 and D & -D <= 256
+    return hv.is_cuda and triton_available() and shapes_ok
 
 
 def decode_write(hk, hv, rk, rv, sk, sv, kq, vq, k_scale, k_zero, v_scale_hm, v_zero_hm, slot, recent: int,

@@ -15,22 +15,10 @@ def _butterfly(x, R: tl.constexpr, N: tl.constexpr, h: tl.constexpr):
 @triton.jit
 def _rotate(x, R: tl.constexpr, N: tl.constexpr, HB: tl.constexpr, SCALE: tl.constexpr):
     """`ops.lowbit.rotate` of the rows of x [R, N] (blocks of HB channels), the same bits."""
-    if HB > 1:
-        x = _butterfly(x, R, N, 1)
-    if HB > 2:
-        x = _butterfly(x, R, N, 2)
-    if HB > 4:
-        x = _butterfly(x, R, N, 4)
-    if HB > 8:
-        x = _butterfly(x, R, N, 8)
-    if HB > 16:
-        x = _butterfly(x, R, N, 16)
-    if HB > 32:
-        x = _butterfly(x, R, N, 32)
-    if HB > 64:
-        x = _butterfly(x, R, N, 64)
-    if HB > 128:
-        x = _butterfly(x, R, N, 128)
+    tl.static_assert(HB <= 256, "rotation blocks of at most 256 channels")
+    for i in tl.static_range(8):  # h = 1, 2, 4, ... < HB (unrolled: h is a constant of each stage)
+        if HB > (1 << i):
+            x = _butterfly(x, R, N, 1 << i)
     return x * SCALE
 
 
