@@ -208,8 +208,8 @@ class LowBitStaticCache(StaticOrthrosCache):
         """Quantize whole key groups src [B, n * key_group, Hkv, D] starting at slot `first`; sink
         slots do not count in a group's range."""
         g, n = self.key_group, src.shape[1]
-        valid = (torch.arange(first, first + n, device=src.device) >= self.sinks)[None].expand(src.shape[0], -1)
-        pk, s, z = quantize_keys(self._rot(src), self.layer_key_bits[layer_idx], g, valid)
+        pk, s, z = quantize_key_groups(src, torch.arange(first, first + n, device=src.device), self.sinks,
+                                       self.layer_key_bits[layer_idx], g, self.rotated)
         self.kq[layer_idx][:, first: first + n] = pk
         self.k_scale[layer_idx][:, first // g: (first + n) // g] = s
         self.k_zero[layer_idx][:, first // g: (first + n) // g] = z
@@ -322,6 +322,14 @@ def _kernel_takes(q, sk, backend: str) -> bool:
     return device_ok and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
 
 
+def quantize_key_groups(src, slots, sinks: int, bits: int, group: int, rotated: bool):
+    """Whole key groups src [B, n * group, Hkv, D] at slots `slots` [n * group] -> (packed, scale, zero)
+    (`ops.lowbit.quantize_keys`, after the rotation if the cache is rotated); sink slots do not count
+    in a group's range."""
+    valid = (slots >= sinks)[None].expand(src.shape[0], -1)
+    return quantize_keys(rotate(src) if rotated else src, bits, group, valid)
+
+
 @torch.library.custom_op("orthros::lowbit_decode_write",
                          mutates_args=("rk", "rv", "sk", "sv", "kq", "vq", "k_scale", "k_zero", "v_scale", "v_zero"))
 def lowbit_decode_write(hk: torch.Tensor, hv: torch.Tensor, rk: torch.Tensor, rv: torch.Tensor, sk: torch.Tensor,
@@ -356,9 +364,7 @@ def lowbit_decode_write(hk: torch.Tensor, hv: torch.Tensor, rk: torch.Tensor, rv
     g = key_group
     first = (((slot + 1 - recent).clamp_min(0) // g) * g - g).clamp_min(0)
     slots = first + torch.arange(g, device=slot.device)
-    src = rk.index_select(1, slots % ring)
-    valid = (slots >= sinks)[None].expand(src.shape[0], -1)
-    pk, s, z = quantize_keys(rotate(src) if rotated else src, key_bits, g, valid)
+    pk, s, z = quantize_key_groups(rk.index_select(1, slots % ring), slots, sinks, key_bits, g, rotated)
     kq.index_copy_(1, slots, pk)
     k_scale.index_copy_(1, first // g, s)
     k_zero.index_copy_(1, first // g, z)

@@ -49,19 +49,21 @@ def decode_write(hk, hv, rk, rv, sk, sv, kq, vq, k_scale, k_zero, v_scale_hm, v_
     kq / vq [B, C, Hkv, D * bits / 8], key scale / zero [B, C / key_group, Hkv, D], value scale /
     zero head-major [B, Hkv, C, D / VG]. Nothing is synced with the host (capturable)."""
     B, _, Hkv, D = hv.shape
+    NS = sk.shape[1]
     NG = v_scale_hm.shape[-1]
     VG = D // NG
-    sinks = sk if sk.shape[1] else rk  # no sinks: any pointer (never written)
+    if sk.shape[1] == 0:  # no sinks: any pointers (never written)
+        sk, sv = rk, rv
     block_d = 1 << max(0, (D - 1).bit_length())
     hb = D & -D  # the rotation's block: the largest power of two dividing D
     _kernel()[(B * Hkv,)](
-        hk, hv, rk, rv, sinks, sv if sk.shape[1] else rv, kq, vq, k_scale, k_zero, v_scale_hm, v_zero_hm, slot,
-        hk.stride(0), hk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
-        sinks.stride(0), sinks.stride(1), sinks.stride(2),
+        hk, hv, rk, rv, sk, sv, kq, vq, k_scale, k_zero, v_scale_hm, v_zero_hm, slot,
+        hk.stride(0), hk.stride(2), hv.stride(0), hv.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
+        sk.stride(0), sk.stride(1), sk.stride(2),
         kq.stride(0), kq.stride(1), kq.stride(2), vq.stride(0), vq.stride(1), vq.stride(2),
         k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
         v_scale_hm.stride(0), v_scale_hm.stride(1), v_scale_hm.stride(2),
-        Hkv, sk.shape[1], rk.shape[1], recent,
+        Hkv, NS, rk.shape[1], recent,
         D=D, BLOCK_D=block_d, HB=hb, SCALE=float(hb) ** -0.5, ROTATED=rotated, KG=key_group, VG=VG,
         KBITS=key_bits, VBITS=value_bits, PTX=not _interpreting(), num_warps=4)
 

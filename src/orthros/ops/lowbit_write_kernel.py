@@ -56,7 +56,7 @@ def _pack(n, R: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def lowbit_decode_write_fwd(K, V, RK, RV, SK, SV, KQ, VQ, KS, KZ, VS, VZ, SLOT,
-                            skb, skh, srb, srs, srh, ssb, sss, ssh,
+                            skb, skh, svb, svh, srb, srs, srh, ssb, sss, ssh,
                             skqb, skqs, skqh, svqb, svqs, svqh,
                             sksb, sksg, sksh,  # key scale / zero [B, C / KG, Hkv, D]
                             svsb, svsh, svss,  # value scale / zero head-major [B, Hkv, C, NG]
@@ -71,7 +71,7 @@ def lowbit_decode_write_fwd(K, V, RK, RV, SK, SV, KQ, VQ, KS, KZ, VS, VZ, SLOT,
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     k = tl.load(K + b * skb + h * skh + d, mask=dm, other=0.0)
-    v = tl.load(V + b * skb + h * skh + d, mask=dm, other=0.0)
+    v = tl.load(V + b * svb + h * svh + d, mask=dm, other=0.0)
     ring = b * srb + (slot % RING) * srs + h * srh + d
     tl.store(RK + ring, k, mask=dm)
     tl.store(RV + ring, v, mask=dm)

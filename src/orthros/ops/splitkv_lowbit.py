@@ -242,7 +242,7 @@ def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv
     lse = torch.empty(B, NB + P2, M, H, device=q.device, dtype=torch.float32)
     qr = bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                     length, key_bits, value_bits, key_group, o, lse, window, scale, window_rows, rotation, block_n,
-                    num_warps, num_stages, maxnreg)
+                    num_warps, num_stages, maxnreg, splits=NB)
     kernel, grid, args, meta = gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc,
                                             bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
                                             scale, row0, P2, split0=NB)
@@ -264,13 +264,14 @@ def bf16_splits(rk, key_group: int) -> int:
 
 def bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, length,
                key_bits, value_bits, key_group, o, lse, window=None, scale=None, window_rows=None, rotation=None,
-               block_n=64, num_warps=None, num_stages=None, maxnreg=None) -> torch.Tensor:
+               block_n=64, num_warps=None, num_stages=None, maxnreg=None, splits=None) -> torch.Tensor:
     """The Gluon path's bf16 splits: the bf16 slots (sinks, ring) by the Triton kernel, its packed loop
-    skipped, into o / lse at splits 0 .. `bf16_splits(rk, key_group)` - 1 (split 0: the sinks and the ring's first
-    run; split i: the ring's i-th run of its slots from the bound on). -> q R (q if unrotated; made by
-    that kernel), what the packed kernel reads."""
+    skipped, into o / lse at splits 0 .. splits - 1 (default `bf16_splits(rk, key_group)`; split 0: the
+    sinks and the ring's first run; split i: the ring's i-th run of its slots from the bound on).
+    -> q R (q if unrotated; made by that kernel), what the packed kernel reads."""
+    splits = bf16_splits(rk, key_group) if splits is None else splits
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
-                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, bf16_splits(rk, key_group),
+                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, splits,
                        block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     return plan.args[1]
@@ -316,8 +317,8 @@ def gluon_splits(q, Hkv: int, length: int, num_splits=None) -> int:
 def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bound, o, lse, sinks, length,
                  key_bits, value_bits, key_group, scale, row0, splits, maxnreg=None, pipe=None, split0=1):
     """The Gluon kernel's launch (kernel, grid, args, meta) over o / lse splits split0 .. split0 + splits - 1
-    (after the bf16 splits), for q R
-    (or q, unrotated) qr [B, M, H, D]: what `_gluon_attention` runs, and what a benchmark times alone."""
+    (after the bf16 splits), for q R (or q, unrotated) qr [B, M, H, D]: what `_gluon_attention` runs, and
+    what a benchmark times alone."""
     import triton
 
     from . import splitkv_lowbit_gluon as gk
