@@ -22,6 +22,7 @@ COMMANDS = {
     "convert": "orthros.convert.cli",
     "eval-harness": "orthros.eval.lm_eval_cli",
     "train": "orthros.train.cli",
+    "distill": "orthros.train.distill_cli",
     "bench": "orthros.bench.cli",
     "eval": "orthros.eval.cli",
     "experiment": "orthros.experiments.cli",

@@ -7,16 +7,16 @@ the quality:
 
     so          the SO vectors only (4 x hidden per layer)
     so+norms    SO and the RMSNorm weights
-    lora+so     LoRA (peft) on every projection, plus SO and norms
+    lora+so     LoRA on every projection, plus SO and norms
 
     model = OrthrosForCausalLM.from_pretrained("runs/smollm2-orthros")
-    model = make_trainable(model, "lora+so", rank=8)    # a peft model for "lora+so"
+    model = make_trainable(model, "lora+so", rank=8)    # projections wrapped in LoRALinear
     ... train ...
     save_adapter(model, "adapters/smollm2-w128")         # adapter.safetensors + adapter.json
     apply_adapter(base, "adapters/smollm2-w128")         # LoRA merged into the weights, SO / norms set
 
 The adapter file holds the trained tensors' values (SO, norms) and the LoRA
-factors; applying it needs no peft.
+factors (`q_proj.lora_A` [r, in], `q_proj.lora_B` [out, r], scale alpha / r).
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 MODES = ("all", "so", "so+norms", "lora+so")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,8 +44,40 @@ def _is_norm(name: str) -> bool:
     return len(parts) >= 2 and "norm" in parts[-2]
 
 
-def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, dropout: float = 0.0):
-    """Freeze all but the `mode`'s parameters; for "lora+so" return a peft model."""
+class LoRALinear(nn.Module):
+    """`nn.Linear` plus a trainable low-rank delta: y = x W^T + (x A^T) B^T * alpha / r.
+
+    Keeps the wrapped layer's `weight` / `bias` under their own names, so a state dict
+    holds `q_proj.weight` beside `q_proj.lora_A` [r, in] and `q_proj.lora_B` [out, r]:
+    the names an adapter file uses. B starts at zero (the model is unchanged at step 0)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
+        nn.init.kaiming_uniform_(self.lora_A, a=5 ** 0.5)  # as nn.Linear initialises a weight
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        return y + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        return self.weight + (self.lora_B.float() @ self.lora_A.float() * self.scale).to(self.weight.dtype)
+
+
+def lora_modules(model) -> dict[str, LoRALinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None):
+    """Freeze all but the `mode`'s parameters (in place; returns the model).
+
+    "lora+so" wraps every projection (`LORA_TARGETS`) in a `LoRALinear` first; the
+    wrapped model's forward is the merged model's."""
     if mode not in MODES:
         raise ValueError(f"trainable mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "all":
@@ -53,54 +87,90 @@ def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, 
     if not getattr(model.config, "scale_offset", False) or model.config.attention != "orthros":
         raise ValueError(f"trainable mode {mode!r} needs an Orthros model with scale-offset")
     if mode == "lora+so":
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError:
-            raise ValueError("LoRA training needs peft: pip install peft") from None
-        cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
-                         target_modules=list(LORA_TARGETS), bias="none")
-        model = get_peft_model(model, cfg)
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        alpha = float(alpha if alpha is not None else 2 * rank)
+        for name, mod in list(model.named_modules()):
+            for child, sub in list(mod.named_children()):
+                if child in LORA_TARGETS and isinstance(sub, nn.Linear):
+                    setattr(mod, child, LoRALinear(sub, rank, alpha))
     for name, p in model.named_parameters():
-        if "lora_" in name:
-            continue  # peft set these trainable
-        p.requires_grad_(_is_so(name) or (mode != "so" and _is_norm(name)))
+        p.requires_grad_(".lora_" in name or _is_so(name) or (mode != "so" and _is_norm(name)))
     return model
 
 
-def _clean(name: str) -> str:
-    """A peft parameter name -> the base model's (base_model.model.X.base_layer.weight -> X.weight)."""
-    name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+def merged_state_dict(model, state: dict | None = None) -> dict:
+    """The plain model's state dict: every LoRA delta merged into its weight, no lora_* keys.
+    `state`: a full state dict to merge (e.g. gathered from FSDP shards); default the model's."""
+    state = dict(model.state_dict() if state is None else state)
+    for name, m in lora_modules(model).items():
+        a, b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
+        w = state[f"{name}.weight"]
+        state[f"{name}.weight"] = w + (b.float() @ a.float() * m.scale).to(w.dtype)
+    return state
 
 
-def save_adapter(model, out: str | Path, meta: dict | None = None, lora_dtype=torch.bfloat16) -> Path:
+@torch.no_grad()
+def merge_lora(model):
+    """Replace every `LoRALinear` by a plain `nn.Linear` holding the merged weight (in place)."""
+    for name, m in lora_modules(model).items():
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
+                        dtype=m.weight.dtype)
+        lin.weight.copy_(m.merged_weight())
+        if m.bias is not None:
+            lin.bias.copy_(m.bias)
+        lin.weight.requires_grad_(m.weight.requires_grad)
+        setattr(parent, name.rsplit(".", 1)[-1], lin)
+    return model
+
+
+def adapter_tensors(model, lora_dtype=torch.float32, state: dict | None = None) -> dict:
+    """The trainable delta as {name: tensor}: SO / norm vectors in fp32, LoRA factors in
+    `lora_dtype`. `state`: full tensors (e.g. gathered from FSDP shards); default the model's."""
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    state = model.state_dict() if state is None else state
+    out = {}
+    for name in sorted(trainable):
+        t = state[name].detach()
+        out[name] = (t.to(lora_dtype) if ".lora_" in name else t.float()).cpu().contiguous()
+    return out
+
+
+def save_adapter(model, out: str | Path, meta: dict | None = None, lora_dtype=torch.bfloat16,
+                 state: dict | None = None) -> Path:
     """Write the trained delta: adapter.safetensors (+ adapter.json), atomically.
 
     SO / norm vectors are kept in fp32 (they are small); LoRA factors in `lora_dtype`
     (bf16 halves the file; the merged weights are fp32 or bf16 anyway)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tensors, lora = {}, {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if "lora_" in name:  # ...q_proj.lora_A.default.weight -> q_proj.lora_A
-            mod, kind = name.split(".lora_")
-            key = f"{_clean(mod)}.lora_{kind.split('.')[0]}"
-            tensors[key] = p.detach().to(lora_dtype).cpu().contiguous()
-            lora[_clean(mod)] = True
-        else:
-            tensors[_clean(name)] = p.detach().float().cpu().contiguous()
+    tensors = adapter_tensors(model, lora_dtype, state)
     if not tensors:
         raise ValueError("the model has no trainable parameters to save as an adapter")
     info = {"format": "orthros-adapter", "version": 1, "tensors": len(tensors),
             "parameters": sum(t.numel() for t in tensors.values()), **(meta or {})}
-    peft_cfg = getattr(model, "peft_config", None)
-    if peft_cfg:
-        c = next(iter(peft_cfg.values()))
-        info["lora"] = {"rank": c.r, "alpha": c.lora_alpha, "modules": sorted(lora)}
+    mods = lora_modules(model)
+    if mods:
+        m = next(iter(mods.values()))
+        info["lora"] = {"rank": m.rank, "alpha": m.alpha, "modules": sorted(mods)}
     _write(out, tensors, info)
     return out
+
+
+@torch.no_grad()
+def load_trainable(model, path: str | Path) -> None:
+    """Set a `make_trainable` model's trainable tensors from a saved adapter, unmerged
+    (exact resume: LoRA factors stay factors). Every trainable tensor must be in the file."""
+    f = Path(path) / "adapter.safetensors" if Path(path).is_dir() else Path(path)
+    tensors = load_file(str(f))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(tensors) != set(params):
+        missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+        raise ValueError(f"{f}: does not hold this model's trainable tensors (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]})")
+    for n, p in params.items():
+        p.copy_(tensors[n].to(p.device, p.dtype))
 
 
 def _write(out: Path, tensors: dict, info: dict) -> None:

@@ -142,7 +142,7 @@ def save(root: Path, step: int, model, optimizer, scheduler, loader, tokenizer, 
             shutil.rmtree(old, ignore_errors=True)
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         tmp.mkdir()
-        model.save_pretrained(tmp, state_dict=weights)
+        save_weights(model, tmp, weights)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
         pause = os.environ.get(PAUSE_ENV, "").split(":")
@@ -162,6 +162,21 @@ def save(root: Path, step: int, model, optimizer, scheduler, loader, tokenizer, 
             shutil.rmtree(old, ignore_errors=True)
     D.barrier(d)
     return final
+
+
+def save_weights(model, out: Path, weights: dict | None) -> None:
+    """The model as `save_pretrained` writes it; a model training a light delta (frozen
+    parameters: SO, norms, LoRA) is written merged, with the delta unmerged beside it in
+    adapter.safetensors (what a resume restores exactly). `weights`: gathered full tensors."""
+    from ..models.adapter import lora_modules, merged_state_dict, save_adapter
+
+    if all(p.requires_grad for p in model.parameters()):
+        model.save_pretrained(out, state_dict=weights)
+        return
+    full = model.state_dict() if weights is None else weights
+    merged = merged_state_dict(model, full) if lora_modules(model) else full
+    model.save_pretrained(out, state_dict=merged)
+    save_adapter(model, out, {"window": model.config.window_size}, lora_dtype=torch.float32, state=full)
 
 
 def load_train_state(ckpt: Path, model, optimizer, scheduler, loader, d: D.Dist) -> int:

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=doc.replace("%", "%%") + shown.replace("%", "%%"))
 
 
-def run(args) -> int:
+def run(args, need_teacher: bool = False) -> int:
+    from ..errors import UserError
     from .config import build_config
     from .trainer import NonFiniteLossError, train
 
@@ -41,9 +42,12 @@ def run(args) -> int:
     if args.resume is not None:
         overrides["checkpoint.resume"] = args.resume
     cfg = build_config(args.config or args.config_opt, overrides)
+    if need_teacher and cfg.distill.teacher is None:
+        raise UserError("orthros distill needs a teacher: set distill.teacher (a model directory) in the config "
+                        "or with --distill.teacher")
     try:
         train(cfg)
     except NonFiniteLossError as e:
-        print(f"orthros train: error: {e}", file=sys.stderr)
+        print(f"orthros {'distill' if need_teacher else 'train'}: error: {e}", file=sys.stderr)
         return 3
     return 0

@@ -42,6 +42,12 @@ class ModelArgs:
     """vocabulary size of a model from scratch; default: the tokenizer's, rounded up to a multiple of 64"""
     overrides: dict = field(default_factory=dict)
     """other OrthrosConfig fields of a model from scratch, e.g. {num_hidden_layers: 4}"""
+    trainable: str = "all"
+    """what trains: all, so (scale-offsets), so+norms, or lora+so (LoRA on every projection + SO + norms)"""
+    lora_rank: int = 8
+    """LoRA rank (trainable: lora+so)"""
+    lora_alpha: float | None = None
+    """LoRA scale numerator (the delta is B A * alpha / rank); default 2 * lora_rank"""
 
 
 @dataclass
@@ -86,6 +92,30 @@ class OptimArgs:
     """AdamW epsilon"""
     grad_clip: float = 1.0
     """clip the global gradient norm to this (0 = off)"""
+    vector_lr: float | None = None
+    """peak learning rate of the vectors (norms, biases, scale-offsets); default optim.lr"""
+    lora_lr: float | None = None
+    """peak learning rate of the LoRA factors; default optim.lr"""
+
+
+@dataclass
+class DistillArgs:
+    teacher: str | None = None
+    """frozen teacher: a Llama / Qwen3 directory or GGUF (run as its Transformer) or an Orthros directory; null = no distillation"""
+    teacher_attention: str | None = None
+    """run an Orthros teacher as orthros, full or swa (full: a converted model as its source Transformer)"""
+    kl: float = 1.0
+    """weight of KL(teacher || student) on every output position"""
+    temperature: float = 1.0
+    """softmax temperature of the KL term (the term is scaled by temperature^2)"""
+    ce: float = 0.0
+    """weight of the next-token cross-entropy on the data's labels"""
+    align: float = 0.0
+    """weight of the per-layer alignment MSE (each layer's error over the teacher's mean square)"""
+    align_on: str = "kv"
+    """what the alignment compares: kv (key / value projections), hidden (each layer's input) or kv+hidden"""
+    align_steps: int | None = None
+    """apply the alignment term in the first align_steps steps only (a warm-up phase); null = every step"""
 
 
 @dataclass
@@ -145,6 +175,7 @@ class TrainConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
+    distill: DistillArgs = field(default_factory=DistillArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     log: LogArgs = field(default_factory=LogArgs)
@@ -154,7 +185,7 @@ class TrainConfig:
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(TrainConfig) if f.name != "out_dir"}
-_SECTION_CLASSES = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "train": TrainArgs,
+_SECTION_CLASSES = {"model": ModelArgs, "data": DataArgs, "optim": OptimArgs, "distill": DistillArgs, "train": TrainArgs,
                     "checkpoint": CheckpointArgs, "log": LogArgs}
 
 
@@ -295,6 +326,25 @@ def validate(cfg: TrainConfig) -> None:
     need(t.dtype in ("auto", "bf16", "fp32"), "train.dtype", f"must be auto, bf16 or fp32, got {t.dtype!r}")
     need(d.format in ("auto", "text", "sft"), "data.format", f"must be auto, text or sft, got {d.format!r}")
     need(len(d.train) > 0, "data.train", "needs at least one source")
+    m, ds = cfg.model, cfg.distill
+    need(m.trainable in ("all", "so", "so+norms", "lora+so"), "model.trainable",
+         f"must be all, so, so+norms or lora+so, got {m.trainable!r}")
+    need(m.lora_rank >= 1, "model.lora_rank", f"must be >= 1, got {m.lora_rank}")
+    need(m.trainable == "all" or m.init_from is not None, "model.trainable",
+         f"{m.trainable!r} trains a delta on an existing model: set model.init_from")
+    for key, v in (("optim.vector_lr", o.vector_lr), ("optim.lora_lr", o.lora_lr)):
+        need(v is None or v > 0, key, f"must be > 0 or null, got {v}")
+    for key, v in (("distill.kl", ds.kl), ("distill.ce", ds.ce), ("distill.align", ds.align)):
+        need(v >= 0, key, f"must be >= 0, got {v}")
+    need(ds.temperature > 0, "distill.temperature", f"must be > 0, got {ds.temperature}")
+    need(ds.align_on in ("kv", "hidden", "kv+hidden"), "distill.align_on",
+         f"must be kv, hidden or kv+hidden, got {ds.align_on!r}")
+    need(ds.align_steps is None or ds.align_steps >= 0, "distill.align_steps",
+         f"must be >= 0 or null, got {ds.align_steps}")
+    need(ds.teacher_attention in (None, "orthros", "full", "swa"), "distill.teacher_attention",
+         f"must be orthros, full or swa, got {ds.teacher_attention!r}")
+    if ds.teacher is not None:
+        need(ds.kl + ds.ce + ds.align > 0, "distill", "weights kl, ce and align are all 0: nothing to train on")
     if cfg.model.attention is not None:
         need(cfg.model.attention in ("orthros", "full", "swa"), "model.attention",
              f"must be orthros, full or swa, got {cfg.model.attention!r}")

@@ -33,6 +33,7 @@ from ..models import OrthrosConfig, OrthrosForCausalLM
 from . import checkpoint as C
 from . import dist as D
 from .config import TrainConfig, dump
+from .distill import distill_loss
 from .metrics import MetricsLog, plot_runs
 
 
@@ -86,21 +87,38 @@ def model_config(cfg: TrainConfig, resume: Path | None) -> OrthrosConfig:
 
 
 def build_model(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None) -> OrthrosForCausalLM:
+    """The model to train, its trainable set chosen (`model.trainable`).
+
+    A light set (SO, norms, LoRA) trains a delta on `model.init_from`: a checkpoint of
+    such a run holds the merged model (to use) and the delta unmerged in
+    adapter.safetensors (to resume exactly), so a resume rebuilds init_from + delta."""
+    from ..models.adapter import load_trainable, make_trainable
+
+    m = cfg.model
+    if m.trainable != "all":
+        model = load_model(m.init_from, dtype=torch.float32, config=mc, new_scale_offset=True)
+        torch.manual_seed(cfg.train.seed)  # LoRA's A factors: the same on every process and every run
+        model = make_trainable(model, m.trainable, rank=m.lora_rank, alpha=m.lora_alpha)
+        if resume is not None:
+            load_trainable(model, resume / "adapter.safetensors")
+        return model
     if resume is not None:
         return load_model(resume, dtype=torch.float32, config=mc)
-    if cfg.model.init_from is not None:  # attention / SO may change on purpose: SO vectors may come or go
-        return load_model(cfg.model.init_from, dtype=torch.float32, config=mc, new_scale_offset=True)
+    if m.init_from is not None:  # attention / SO may change on purpose: SO vectors may come or go
+        return load_model(m.init_from, dtype=torch.float32, config=mc, new_scale_offset=True)
     torch.manual_seed(cfg.train.seed)  # every process builds the same initial weights
     return OrthrosForCausalLM(mc)
 
 
-def param_groups(model, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings; not norms, biases or the SO vectors."""
-    decay, no_decay = [], []
-    for p in model.parameters():
+def param_groups(model, o) -> list[dict]:
+    """Matrices and embeddings decay at optim.lr; vectors (norms, biases, SO) at optim.vector_lr
+    and LoRA factors at optim.lora_lr, without decay. Frozen parameters are left out."""
+    groups = {"decay": [], "vec": [], "lora": []}
+    for name, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            groups["lora" if ".lora_" in name else ("decay" if p.dim() >= 2 else "vec")].append(p)
+    spec = {"decay": (o.lr, o.weight_decay), "vec": (o.vector_lr or o.lr, 0.0), "lora": (o.lora_lr or o.lr, 0.0)}
+    return [{"params": ps, "lr": spec[g][0], "weight_decay": spec[g][1]} for g, ps in groups.items() if ps]
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -109,6 +127,28 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def setup_teacher(cfg: TrainConfig, model, tok, d: D.Dist, out: Path):
+    """(frozen teacher or None, loss weights) for `distill.*`; the teacher's vocabulary checked."""
+    from .distill import LossWeights, check_vocab, load_teacher
+
+    ds = cfg.distill
+    if ds.teacher is None:
+        return None, None
+    # Process 0 first: a Llama / Qwen3 teacher is converted once into out_dir/teacher, which the others then read.
+    if not d.main:
+        D.barrier(d)
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and d.device.type == "cuda")
+    teacher = load_teacher(ds.teacher, d.device, torch.bfloat16 if bf16 else torch.float32, ds.teacher_attention,
+                           out / "teacher")
+    if d.main:
+        D.barrier(d)
+    check_vocab(model, teacher, tok, ds.teacher if Path(ds.teacher).is_dir() else None)
+    log(d, f"teacher: {ds.teacher} ({teacher.config.attention}, {teacher.config.num_hidden_layers} layers); "
+           f"loss = {ds.ce} CE + {ds.kl} KL(T={ds.temperature}) + {ds.align} {ds.align_on} alignment"
+           + (f" (first {ds.align_steps} steps)" if ds.align and ds.align_steps is not None else ""))
+    return teacher, LossWeights(ds.ce, ds.kl, ds.temperature, ds.align, ds.align_on)
 
 
 # -------------------------------------------------------------------- data
@@ -256,7 +296,8 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
     if d.on:
         D.shard(model, d)
     o = cfg.optim
-    opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    teacher, weights = setup_teacher(cfg, model, tok, d, out)
+    opt = torch.optim.AdamW(param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, o.warmup_steps, tc.steps, o.min_lr_ratio))
     start = 0
@@ -269,7 +310,7 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
     metrics = MetricsLog(out, d.main, resume_step=start if resume is not None else None,
                          tensorboard=cfg.log.tensorboard)
     cfg_yaml = dump(cfg)
-    params = [p for p in model.parameters()]
+    params = [p for p in model.parameters() if p.requires_grad]
     tokens_per_step = loader.G * cfg.data.seq_len
     last_ckpt = resume
     summary = {"steps": start, "loss": None, "eval_loss": None, "checkpoint": None}
@@ -301,14 +342,23 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
             micro, n_local = loader.next()
             n_glob = int(D.all_sum(d, torch.tensor([n_local], device=d.device)).item())
             loss_sum = torch.zeros((), device=d.device)
+            parts_sum: dict[str, torch.Tensor] = {}
+            align = teacher is not None and (cfg.distill.align_steps is None or step < cfg.distill.align_steps)
             for i, mb in enumerate(micro):
                 mb = {k: v.to(d.device, non_blocking=True) for k, v in mb.items()}
                 D.set_grad_sync(model, d, i == len(micro) - 1)
                 with amp:
-                    loss = model(**mb, num_items_in_batch=max(n_glob, 1)).loss
+                    if teacher is None:
+                        loss = model(**mb, num_items_in_batch=max(n_glob, 1)).loss
+                    else:
+                        loss, parts = distill_loss(model, teacher, mb, max(n_glob, 1), weights, align)
+                        for k, v in parts.items():
+                            parts_sum[k] = parts_sum.get(k, 0.0) + v
                 (loss * d.world).backward()  # FSDP averages gradients over processes; undo it: we want the sum
                 loss_sum += loss.detach().float()
             loss_val = D.all_sum(d, loss_sum).item()
+            for k, v in parts_sum.items():
+                win[k] = win.get(k, 0.0) + D.all_sum(d, v.reshape(1).float()).item()
             gnorm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
             if o.grad_clip > 0:
@@ -340,6 +390,7 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
             last = done == tc.steps or stop_early
             if done % tc.log_every == 0 or last:
                 rec = {"step": done, "loss": win["loss"] / win["n"], "lr": lr, "grad_norm": gnorm,
+                       **{f"loss_{k}": win[k] / win["n"] for k in ("ce", "kl", "align") if k in win},
                        "tokens": done * tokens_per_step, "tok_per_s": win["n"] * tokens_per_step / win["t"],
                        "step_s": win["t"] / win["n"], "data_wait_s": win["wait"] / win["n"],
                        "data_wait_frac": win["wait"] / win["t"], "elapsed_s": time.perf_counter() - t_train}

@@ -1,0 +1,213 @@
+"""Distillation: train a converted model against a frozen teacher in the same step.
+
+    loss = ce * CE(labels) + kl * T^2 KL(teacher_T || student_T) + align * alignment
+
+* KL is taken on every output position (the positions whose next label counts:
+  every position in pre-training, the response tokens in SFT), at temperature T.
+* The alignment term compares, layer by layer, what the student's base stream
+  computes with what the teacher computes at the same positions: the key and
+  value projections (`kv`: what the output stream reads; if they matched the
+  source's everywhere, an Orthros model would reproduce the source exactly) and /
+  or each layer's input hidden state (`hidden`). Each layer's squared error is
+  divided by the teacher's mean square there, so every layer weighs alike.
+* Every term is a sum over tokens divided by the global batch's target count
+  (`num_items`), like the trainer's cross-entropy: gradient accumulation and data
+  parallelism reproduce one big batch.
+
+The teacher is a Llama / Qwen3 Hugging Face directory or GGUF file (converted
+once and run as the same-code full-attention Transformer, which computes
+transformers' logits) or an Orthros directory (optionally run as `full`: a
+converted model then is its source Transformer). Its vocabulary must be the
+student's.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import UserError
+
+IGNORE_INDEX = -100
+ALIGN_KINDS = ("kv", "hidden", "kv+hidden")
+KL_CHUNK = 2048  # rows of [rows, vocab] fp32 made at once (a 49K vocabulary: 400 MB)
+
+
+@dataclass
+class LossWeights:
+    ce: float = 0.0
+    kl: float = 1.0
+    temperature: float = 1.0
+    align: float = 0.0
+    align_on: str = "kv"
+
+
+# ------------------------------------------------------------------ teacher
+def load_teacher(path: str | Path, device, dtype=torch.bfloat16, attention: str | None = None,
+                 cache_dir: str | Path | None = None):
+    """A frozen teacher in eval mode, always as an Orthros model (one forward, one set of
+    layer names, packed documents separated exactly as the student separates them).
+
+    path: an Orthros directory, or a Llama / Qwen3 Hugging Face directory or GGUF file,
+    converted once into `cache_dir` and run as `full` attention: exactly the source
+    Transformer (the converted model's logits at W >= T are transformers').
+    attention: run an Orthros directory as orthros / full / swa instead of its own."""
+    from ..loading import load_model, read_config
+
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"distill.teacher: {str(p)!r} does not exist")
+    kind = "gguf" if p.is_file() else None
+    if kind is None:
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise UserError(f"distill.teacher: {str(p)!r} is not a model directory (no config.json)")
+        kind = json.loads(cfg_file.read_text()).get("model_type")
+    if kind in ("llama", "qwen3", "gguf"):
+        if attention not in (None, "full"):
+            raise UserError(f"distill.teacher_attention={attention!r}: a {kind} source runs as the Transformer it is")
+        if cache_dir is None:
+            raise UserError(f"distill.teacher: a {kind} source needs a directory to convert it into")
+        from ..convert.hf import convert_checkpoint
+
+        conv = Path(cache_dir)
+        if not (conv / "config.json").exists():
+            convert_checkpoint(p, conv, window_size=1, scale_offset=False, dtype="fp32", progress=False)
+        p, attention = conv, "full"
+    elif kind != "orthros":
+        raise UserError(f"distill.teacher: {p} is a {kind!r} model; a teacher is a Llama / Qwen3 checkpoint or an "
+                        "Orthros model")
+    config = read_config(p)
+    if attention is not None:
+        config.attention = attention
+        config.validate()
+    model = load_model(p, dtype=dtype, config=config, new_scale_offset=attention is not None)
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def check_vocab(student, teacher, student_tok=None, teacher_dir: str | Path | None = None) -> None:
+    """The teacher predicts over the student's token ids: same size, same tokens."""
+    sv, tv = student.config.vocab_size, teacher.config.vocab_size
+    if sv != tv:
+        raise UserError(f"the teacher's vocabulary ({tv:,} ids) differs from the student's ({sv:,}): distillation "
+                        "compares their predictions id by id, so both need the same tokenizer")
+    if student_tok is None or teacher_dir is None or not hasattr(student_tok, "get_vocab"):
+        return
+    from ..data.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+    if not any((Path(teacher_dir) / f).exists() for f in TOKENIZER_FILES):
+        return  # nothing to compare with: the sizes agree
+    t_tok = load_tokenizer(teacher_dir)
+    a, b = student_tok.get_vocab(), t_tok.get_vocab()
+    if a != b:
+        diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:3]
+        raise UserError(f"the teacher's tokenizer ({teacher_dir}) differs from the student's: "
+                        f"{len(set(a.items()) ^ set(b.items()))} (token, id) pairs differ, e.g. {diff}")
+
+
+# ------------------------------------------------------------------ capture
+def _layers(model):
+    inner = getattr(model, "model", model)
+    return inner.layers
+
+
+@contextmanager
+def capture(model, on: str | None):
+    """Record, per layer, the K/V projections' outputs [B, T, Hkv*D] and / or the layer's
+    input [B, T, C] during one forward: yields {("k"|"v"|"h", layer): tensor}.
+
+    A hook overwrites its entry: the recompute of an activation-checkpointed block in the
+    backward pass stores the same values again, after the loss has used them."""
+    got: dict = {}
+    handles = []
+    if on:
+        for i, layer in enumerate(_layers(model)):
+            if "kv" in on:
+                attn = layer.self_attn
+                for name in ("k", "v"):
+                    handles.append(getattr(attn, f"{name}_proj").register_forward_hook(
+                        lambda m, args, out, key=(name, i): got.__setitem__(key, out)))
+            if "hidden" in on and i > 0:  # layer 0's input is the embeddings: equal by construction
+                def pre(m, args, kwargs, key=("h", i)):
+                    got[key] = args[0] if args else kwargs["hidden_states"]
+                handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ------------------------------------------------------------------- losses
+def _kl_rows(s: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
+    """sum over rows of KL(softmax(t/T) || softmax(s/T)) * T^2; s, t: [M, V]."""
+    s = F.log_softmax(s.float() / temperature, -1)
+    t = F.log_softmax(t.float() / temperature, -1)
+    return (t.exp() * (t - s)).sum() * temperature ** 2
+
+
+def kl_sum(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Summed KL over rows [M, V], in chunks that are recomputed in the backward pass
+    (the [M, V] fp32 softmaxes are never held at once)."""
+    total = student.new_zeros((), dtype=torch.float32)
+    for i in range(0, student.shape[0], KL_CHUNK):
+        s, t = student[i : i + KL_CHUNK], teacher[i : i + KL_CHUNK]
+        total = total + (checkpoint(_kl_rows, s, t, temperature, use_reentrant=False)
+                         if s.requires_grad else _kl_rows(s, t, temperature))
+    return total
+
+
+def align_sum(student: dict, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
+    """Sum over layers and masked tokens of ||s - t||^2 / (D * mean(t^2)); mask: [B, T] bool."""
+    keys = sorted(k for k in teacher if k in student)
+    if not keys:
+        raise RuntimeError("alignment asked for but no layer output was captured")
+    total = mask.new_zeros((), dtype=torch.float32)
+    for k in keys:
+        s, t = student[k][mask].float(), teacher[k][mask].float()
+        scale = t.pow(2).mean().clamp_min(1e-6)
+        total = total + (s - t).pow(2).sum() / (s.shape[-1] * scale)
+    return total / len(keys)
+
+
+def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, align: bool = True):
+    """One micro-batch's loss (a tensor with a graph) and its parts {name: float tensor}.
+
+    batch: input_ids [B, T], labels [B, T] (-100: no loss), optionally attention_mask /
+    position_ids, as the trainer's rows carry them."""
+    on = w.align_on if (align and w.align > 0) else None
+    with capture(student, on) as s_cap:
+        out = student(**batch, num_items_in_batch=num_items)
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad(), capture(teacher, on) as t_cap:
+        t_logits = teacher(**inputs, use_cache=False).logits  # [B, T, V]
+    if t_logits.shape[-1] != out.logits.shape[-1]:
+        raise UserError(f"the teacher predicts over {t_logits.shape[-1]:,} ids, the student over "
+                        f"{out.logits.shape[-1]:,}: distillation needs one vocabulary")
+    labels = batch["labels"]
+    T = labels.shape[1]
+    pos = out.output_positions  # [B, N], -1 = no output row
+    nxt = (pos + 1).clamp(0, T - 1)
+    keep = (pos >= 0) & (pos + 1 < T) & (labels.gather(1, nxt) != IGNORE_INDEX)
+    rows = t_logits.gather(1, pos.clamp_min(0)[..., None].expand(-1, -1, t_logits.shape[-1]))
+    n = max(int(num_items), 1)
+    parts = {"ce": out.loss.detach().float()}
+    loss = out.loss * w.ce if w.ce else out.loss.new_zeros(())
+    if w.kl:
+        kl = kl_sum(out.logits[keep], rows[keep], w.temperature) / n
+        loss = loss + w.kl * kl
+        parts["kl"] = kl.detach()
+    if on:
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask.bool()
+        al = align_sum(s_cap, t_cap, mask) / n
+        loss = loss + w.align * al
+        parts["align"] = al.detach()
+    return loss, parts
