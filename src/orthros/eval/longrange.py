@@ -24,6 +24,8 @@ import random
 import torch
 import torch.nn.functional as F
 
+from ..data.retrieval import eval_key
+
 
 CHUNK = 256  # prompt piece fed through a cache (kv_dtype given)
 
@@ -156,7 +158,7 @@ def chat_passkey(model, tok, lengths: list[int], depths: list[float], samples: i
     eos = tok.eos_token_id
     for L in lengths:
         for d in depths:
-            keys = [str(rng.randrange(10_000, 100_000)) for _ in range(samples)]
+            keys = [eval_key(rng) for _ in range(samples)]  # never a training sample's key
             prompts = [passkey_prompt(tok, L, d, k) for k in keys]
             hits = 0
             for s in range(0, samples, batch_size):

@@ -2,7 +2,7 @@
 
     orthros experiment recall --preset cpu            # full / swa / orthros / orthros w/o SO, <= 10 min CPU
     orthros experiment recall --preset gpu --device cuda --jobs 4
-    orthros experiment cpt --preset smollm2-h200 --device cuda --jobs 8   # SmolLM2 converted + CPT, 8 arms
+    orthros experiment cpt --preset smollm2-kd-h200 --device cuda --jobs 6   # SmolLM2 converted, CPT and distilled
     orthros experiment cpt --preset smollm2-cpu-smoke                    # the same pipeline, minutes on a CPU
 
 Writes results.json, table.md (the paper's layout) and plots to --out.
@@ -69,7 +69,7 @@ def run(args) -> int:
 
 def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
-    from .cpt import ARMS, merge_runs, run_cpt
+    from .cpt import DEFAULT_ARMS, merge_runs, run_cpt
 
     from ..errors import check_output_dir
 
@@ -82,7 +82,7 @@ def run_cpt_command(args) -> int:
         print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
         return 0
     source = args.source or smollm2_gguf()
-    res = run_cpt(preset, source, out, args.archs or list(ARMS), args.device, args.jobs, args.steps,
+    res = run_cpt(preset, source, out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, args.steps,
                   args.lm_eval_limit)
     print()
     print(res["table"])

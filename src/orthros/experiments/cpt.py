@@ -1,25 +1,34 @@
-"""The paper's conversion result at small scale: a real model, converted, continued-pretrained.
+"""The paper's conversion result at small scale: a real model, converted, then trained.
 
-    orthros experiment cpt --preset smollm2-h200 --device cuda --jobs 8
+    orthros experiment cpt --preset smollm2-kd-h200 --device cuda --jobs 6
     orthros experiment cpt --preset smollm2-cpu-smoke            # the whole pipeline in minutes on a CPU
 
-The source is SmolLM2-135M-Instruct (`orthros download`); every arm starts from
-its weights and, where it trains, sees the same token rows in the same order
-under the same schedule:
+The source is SmolLM2-135M-Instruct (`orthros download`); every trained arm
+starts from its weights and sees the same token rows (seed 0: in the same
+order) under the same schedule:
 
-    source          the source model, untouched (the same-code full attention)
-    orthros-0shot   converted to Orthros (window W), no training
-    orthros-cpt     Orthros after CPT (every weight)
-    full-cpt        the source architecture after the same CPT (the paper's control)
-    swa-cpt         sliding window only after the same CPT (no output stream)
-    orthros-noso    Orthros without scale-offset after the same CPT
-    orthros-so      light CPT: SO vectors + norms only (an adapter of ~0.1M parameters)
-    orthros-lora    light CPT: LoRA (peft) on every projection + SO + norms
+    source            the source model, untouched (the same-code full attention)
+    orthros-0shot     converted to Orthros (window W), no training
+    orthros-cpt       Orthros after CE CPT (every weight)
+    full-cpt          the source architecture after the same CE CPT (the paper's control)
+    swa-cpt           sliding window only after the same CPT (no output stream)
+    orthros-noso      Orthros without scale-offset after the same CPT
+    orthros-so        light CPT: SO vectors + norms only
+    orthros-lora      light CPT: LoRA on every projection + SO + norms
+    orthros-kd        Orthros distilled from the source (KL, K/V alignment warm-up; `train.distill`)
+    orthros-kd-d      Orthros distilled from full-cpt, the same-data teacher (trained first)
+    orthros-kd-d-lora the light (LoRA + SO) version of orthros-kd-d
+    ...-w256/-w512, -nomix, -s1   the window sweep, without retrieval data, a second seed
 
-Each arm is evaluated on held-out code and prose (`cpt_data`): perplexity at
-2K and 8K tokens, the loss by position, the long-range copy probe and pass-key
-retrieval through the chat template (`eval.longrange`). Light arms save their
-adapter (`models.adapter`). Results: results.json, table.md, plots in --out.
+Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
+`retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone,
+as before. Each arm is evaluated on held-out code, prose and package docs
+(`cpt_data`): perplexity at 2K and 8K tokens, the loss by position, the copy
+probe and pass-key retrieval through the chat template (`eval.longrange`), the
+local lm-eval task. Light arms save their adapter (`models.adapter`); arms that
+teach another save their weights. An arm whose arm-NAME.json exists is not run
+again: a run cut by a time limit continues where it stopped. Results:
+results.json, table.md, plots in --out.
 """
 
 from __future__ import annotations
@@ -37,16 +46,52 @@ from tqdm import tqdm
 
 from .jobs import run_jobs
 
-ARMS = {  # name -> (label, config changes, trainable mode or None)
-    "source": ("Source model (full attention)", dict(attention="full"), None),
-    "orthros-0shot": ("Orthros, zero-shot", dict(attention="orthros"), None),
-    "orthros-cpt": ("Orthros + CPT", dict(attention="orthros"), "all"),
-    "full-cpt": ("Source arch. + CPT", dict(attention="full"), "all"),
-    "swa-cpt": ("SWA + CPT", dict(attention="swa"), "all"),
-    "orthros-noso": ("Orthros w/o SO + CPT", dict(attention="orthros", scale_offset=False), "all"),
-    "orthros-so": ("Orthros + light CPT (SO + norms)", dict(attention="orthros"), "so+norms"),
-    "orthros-lora": ("Orthros + light CPT (LoRA + SO)", dict(attention="orthros"), "lora+so"),
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    changes: dict
+    mode: str | None = None
+    """trainable set (models.adapter.MODES) or None (not trained)"""
+    teacher: str | None = None
+    """"source" or the name of an arm whose trained weights teach this one"""
+    window: int | None = None
+    """the base stream's window; default the preset's"""
+    seed: int = 0
+    """seed of the row order (0: the corpus order) and of initialisation"""
+    mix: bool = False
+    """rows mixed with retrieval samples (preset.retrieval_share of them)"""
+
+
+def _kd(label, teacher, mode="all", **kw):
+    return Arm(label, dict(attention="orthros"), mode, teacher, mix=True, **kw)
+
+
+ARMS = {
+    "source": Arm("Source model (full attention)", dict(attention="full")),
+    "orthros-0shot": Arm("Orthros, zero-shot", dict(attention="orthros")),
+    "orthros-cpt": Arm("Orthros + CPT", dict(attention="orthros"), "all"),
+    "full-cpt": Arm("Source arch. + CPT", dict(attention="full"), "all"),
+    "swa-cpt": Arm("SWA + CPT", dict(attention="swa"), "all"),
+    "orthros-noso": Arm("Orthros w/o SO + CPT", dict(attention="orthros", scale_offset=False), "all"),
+    "orthros-so": Arm("Orthros + light CPT (SO + norms)", dict(attention="orthros"), "so+norms"),
+    "orthros-lora": Arm("Orthros + light CPT (LoRA + SO)", dict(attention="orthros"), "lora+so"),
+    "orthros-kd": _kd("Orthros distilled from the source", "source"),
+    "orthros-kd-d": _kd("Orthros distilled from (d)", "full-cpt"),
+    "orthros-kd-d-lora": _kd("Orthros distilled from (d), LoRA + SO", "full-cpt", "lora+so"),
+    "orthros-kd-lora": _kd("Orthros distilled from the source, LoRA + SO", "source", "lora+so"),
+    "orthros-kd-d-nomix": Arm("Orthros distilled from (d), no retrieval data", dict(attention="orthros"), "all",
+                              "full-cpt"),
+    "orthros-kd-d-w256": _kd("Orthros distilled from (d), W=256", "full-cpt", window=256),
+    "orthros-kd-d-w512": _kd("Orthros distilled from (d), W=512", "full-cpt", window=512),
+    "orthros-kd-d-s1": _kd("Orthros distilled from (d), seed 1", "full-cpt", seed=1),
+    "orthros-cpt-s1": Arm("Orthros + CPT, seed 1", dict(attention="orthros"), "all", seed=1),
+    "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
 }
+
+# what `orthros experiment cpt` runs unless --arms says otherwise: (a)-(g) of the comparison
+DEFAULT_ARMS = ("source", "orthros-0shot", "orthros-cpt", "full-cpt", "orthros-kd", "orthros-kd-d",
+                "orthros-kd-d-lora")
 
 
 @dataclass
@@ -71,11 +116,26 @@ class CPTPreset:
     copy_samples: int = 32
     passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 7680])
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
-    passkey_samples: int = 4
+    passkey_samples: int = 10
+    """samples per length and depth (5 depths x 10 = 50 a length: a 95% interval of about +-14 points)"""
     eval_batch: int = 2
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze"])
     """local lm-evaluation-harness tasks (configs/lm_eval; run from the repository root)"""
     lm_eval_limit: int | None = None
+    retrieval_share: float = 0.3
+    """share of the rows of a -mix arm that start with a retrieval sample (data.retrieval)"""
+    retrieval_lengths: tuple = (1024, 8192)
+    kl: float = 1.0
+    """distilled arms: weight of KL(teacher || student) on every output position"""
+    temperature: float = 1.0
+    ce: float = 0.0
+    """distilled arms: weight of the cross-entropy on the labels"""
+    align: float = 1.0
+    """distilled arms: weight of the per-layer K/V alignment, in the first align_frac of the steps"""
+    align_on: str = "kv"
+    align_frac: float = 0.25
+    save_teachers: bool = True
+    """arms that teach another save their trained weights (under out/models)"""
 
     @property
     def train_tokens(self) -> int:
@@ -84,12 +144,14 @@ class CPTPreset:
 
 PRESETS = {
     # One H200, all arms side by side (--jobs 8): 16K tokens a step.
-    "smollm2-h200": CPTPreset(),
+    "smollm2-h200": CPTPreset(passkey_samples=4, retrieval_share=0.0),  # the 2026-12-01 table's preset
+    # Distillation and the controls, 16K tokens a step, up to 6 arms side by side on one H200.
+    "smollm2-kd-h200": CPTPreset(),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
                                    passkey_depths=[0.5], passkey_samples=1, gradient_checkpointing=False,
-                                   lm_eval_limit=4),
+                                   lm_eval_limit=4, retrieval_lengths=(96, 200)),
 }
 
 
@@ -100,10 +162,10 @@ def load_arm(orthros_dir: str | Path, arm: str, window: int, device, dtype=torch
 
     from ..models import OrthrosConfig, OrthrosForCausalLM
 
-    _, changes, _ = ARMS[arm]
+    spec = ARMS[arm]
     cfg = OrthrosConfig.from_pretrained(str(orthros_dir))
-    cfg.window_size = window
-    for k, v in changes.items():
+    cfg.window_size = spec.window or window
+    for k, v in spec.changes.items():
         setattr(cfg, k, v)
     cfg.validate()
     model = OrthrosForCausalLM(cfg)  # initialised, then every weight overwritten
@@ -128,15 +190,19 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
 
 
-def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, desc: str, position: int = 0):
-    """CPT of one arm on `rows` [steps * batch, seq_len] (the same rows, in order, for every arm)."""
+def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, desc: str, position: int = 0,
+              mask: np.ndarray | None = None, teacher=None):
+    """Training of one arm on `rows` [steps * batch, seq_len] (the same rows, in order, for every
+    arm) with target masks `mask` (default: every token). With a `teacher`, the loss is
+    `train.distill`'s (KL, the K/V alignment in the first align_frac of the steps, CE) on the
+    same output positions the CE would use."""
     from ..models.adapter import make_trainable
     from ..models.compat import set_checkpointing
+    from ..train.distill import LossWeights, distill_loss
 
     model = make_trainable(model, mode, rank=preset.lora_rank)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if preset.gradient_checkpointing:
-        set_checkpointing(base, True)
+        set_checkpointing(model, True)
     groups = {"decay": [], "vec": [], "lora": []}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -146,8 +212,10 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     param_groups = [{"params": groups[g], "lr": lr, "weight_decay": wd, "peak": lr} for g, lr, wd in spec if groups[g]]
     cuda = torch.device(device).type == "cuda"
     opt = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
+    weights = LossWeights(preset.ce, preset.kl, preset.temperature, preset.align, preset.align_on)
+    align_steps = round(preset.align_frac * preset.steps)
     model.train()
-    losses, synced, t0 = [], [], time.time()
+    losses, parts_log, synced, t0 = [], [], [], time.time()
     bar = tqdm(total=preset.steps, desc=desc, unit="step", leave=False, position=position)
     B = preset.batch_size
     for step in range(preset.steps):
@@ -155,23 +223,33 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
         for g in opt.param_groups:
             g["lr"] = g["peak"] * f
         x = torch.from_numpy(rows[step * B : (step + 1) * B].astype(np.int64)).to(device)
+        labels = x if mask is None else torch.where(torch.from_numpy(mask[step * B : (step + 1) * B]).to(device), x, -100)
+        n = int((labels[:, 1:] != -100).sum())
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            if teacher is None:
+                loss = model(input_ids=x, labels=labels, use_cache=False).loss
+                parts = {}
+            else:
+                loss, parts = distill_loss(model, teacher, {"input_ids": x, "labels": labels}, n, weights,
+                                           align=step < align_steps)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in param_groups for p in g["params"]], 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        parts_log.append(parts)
         bar.update(1)
         if step % 10 == 0 or not cuda:  # .item() syncs: the times below are exact there
             bar.set_postfix_str(f"loss {loss.item():.3f}")
             synced.append((step + 1, time.time() - t0))
     bar.close()
     if preset.gradient_checkpointing:
-        set_checkpointing(base, False)
+        set_checkpointing(model, False)
     curve = torch.stack(losses).float().cpu().tolist() if losses else []
+    part_curves = {k: [float(p[k]) for p in parts_log if k in p] for k in ("ce", "kl", "align")}
     return model.eval(), {"steps": preset.steps, "tokens": preset.train_tokens, "seconds": time.time() - t0,
                           "loss_curve": curve, "synced": synced,
+                          **({"part_curves": {k: v for k, v in part_curves.items() if v}} if teacher else {}),
                           "trainable": sum(p.numel() for g in param_groups for p in g["params"])}
 
 
@@ -209,15 +287,40 @@ def lm_eval_scores(model, tok, preset: CPTPreset) -> dict:
     return {t: res["results"][t].get("acc,none") for t in preset.lm_eval_tasks}
 
 
-def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: str, position: int = 0) -> dict:
-    """One arm: load, train (if it trains), save its adapter, evaluate. A worker's job."""
-    from ..data.tokenizer import load_tokenizer
-    from ..models.adapter import save_adapter
+def arm_rows(work: Path, spec: Arm, preset: CPTPreset):
+    """(rows, mask or None) an arm trains on: the corpus rows, or with retrieval rows spliced in
+    (every k-th row, so that the mix is even over the run); permuted by a seed > 0."""
+    rows = np.load(work / "train_rows.npy", mmap_mode="r")
+    mask = None
+    if spec.mix and preset.retrieval_share > 0:
+        rrows, rmask = np.load(work / "retrieval_rows.npy"), np.load(work / "retrieval_mask.npy")
+        rows = np.array(rows)
+        mask = np.ones(rows.shape, bool)
+        at = retrieval_slots(len(rows), len(rrows))
+        rows[at], mask[at] = rrows, rmask
+    if spec.seed:
+        order = np.random.default_rng(spec.seed).permutation(len(rows))
+        rows = np.asarray(rows)[order]
+        mask = None if mask is None else mask[order]
+    return rows, mask
 
-    torch.manual_seed(0)
+
+def retrieval_slots(n_rows: int, n_retrieval: int) -> np.ndarray:
+    return np.linspace(0, n_rows - 1, n_retrieval).round().astype(np.int64) if n_retrieval else np.zeros(0, np.int64)
+
+
+def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: str, position: int = 0) -> dict:
+    """One arm: load, train (if it trains; from its teacher, if it has one), save its adapter
+    (and its weights, if it teaches another arm), evaluate. A worker's job."""
+    from ..data.tokenizer import load_tokenizer
+    from ..models.adapter import merge_lora, save_adapter
+    from ..train.distill import load_teacher
+
+    spec = ARMS[arm]
+    torch.manual_seed(spec.seed)
     work = Path(work)
     tok = load_tokenizer(orthros_dir)
-    label, _, mode = ARMS[arm]
+    mode = spec.mode
     model = load_arm(orthros_dir, arm, preset.window, device)
     stats = None
     saved = work / "adapters" / arm
@@ -230,27 +333,40 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
                                       "steps": None, "seconds": None, "loss_curve": []}
         mode = None
     if mode is not None:
-        rows = np.load(work / "train_rows.npy", mmap_mode="r")
-        model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position)
+        teacher = None
+        if spec.teacher == "source":
+            teacher = load_teacher(orthros_dir, device, torch.float32, attention="full")
+        elif spec.teacher is not None:
+            teacher = load_teacher(work / "models" / spec.teacher, device, torch.float32)
+        rows, mask = arm_rows(work, spec, preset)
+        model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position, mask, teacher)
+        del teacher
         if mode != "all":
-            save_adapter(model, saved, {"arm": arm, "mode": mode, "window": preset.window,
-                                        "tokens": preset.train_tokens,
+            save_adapter(model, saved, {"arm": arm, "mode": mode, "window": model.config.window_size,
+                                        "tokens": preset.train_tokens, "teacher": spec.teacher,
                                         "train": {k: v for k, v in stats.items() if k != "synced"}})
-            if hasattr(model, "merge_and_unload"):
-                model = model.merge_and_unload()
-    heldout = {k: np.load(work / f"heldout_{k}.npy") for k in ("code", "prose")}
+            merge_lora(model)
+        if preset.save_teachers and any(a.teacher == arm for a in ARMS.values()):
+            model.save_pretrained(work / "models" / arm)
+    heldout = {k: np.load(work / f"heldout_{k}.npy") for k in HELDOUT}
     stream = torch.from_numpy(np.load(work / "copy_stream.npy").astype(np.int64))
     t = time.time()
     ev = evaluate_arm(model, tok, preset, heldout, stream)
-    res = {"arm": arm, "label": label, "train": stats, "eval": ev, "eval_seconds": time.time() - t}
+    res = {"arm": arm, "label": spec.label, "teacher": spec.teacher, "window": model.config.window_size,
+           "seed": spec.seed, "retrieval_share": preset.retrieval_share if spec.mix else 0.0,
+           "train": stats, "eval": ev, "eval_seconds": time.time() - t}
     (work / f"arm-{arm}.json").write_text(json.dumps(res, indent=2))
     return res
 
 
 # ------------------------------------------------------------------ the run
-def prepare(source: str | Path, work: Path, preset: CPTPreset) -> Path:
+HELDOUT = ("code", "prose", "docs")
+
+
+def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: bool = True) -> Path:
     """Source (a HF dir or a GGUF) -> the converted Orthros dir; tokenized data under `work`."""
     from ..convert.hf import convert_checkpoint
+    from ..data.retrieval import retrieval_rows
     from ..data.tokenizer import load_tokenizer
     from .cpt_data import heldout_sets, train_stream
 
@@ -260,12 +376,20 @@ def prepare(source: str | Path, work: Path, preset: CPTPreset) -> Path:
         convert_checkpoint(source, conv, window_size=preset.window, dtype="fp32", progress=False)
     tok = load_tokenizer(conv)
     n = preset.steps * preset.batch_size
-    if not (work / "train_rows.npy").exists():
-        stream = train_stream(tok, n * preset.seq_len, work / "cache")
-        if len(stream) < n * preset.seq_len:
-            raise ValueError(f"only {len(stream):,} training tokens on this machine; the preset needs "
-                             f"{n * preset.seq_len:,}")
-        np.save(work / "train_rows.npy", stream.reshape(n, preset.seq_len).astype(np.int32))
+    n_ret = round(preset.retrieval_share * n) if need_retrieval else 0
+    # the corpus rows, then text the retrieval samples' haystacks are cut from (never the rows' own text)
+    need = n * preset.seq_len + (4 * n_ret * preset.seq_len if n_ret else 0)
+    if not (work / "train_rows.npy").exists() or (n_ret and not (work / "retrieval_rows.npy").exists()):
+        stream = train_stream(tok, need, work / "cache")
+        if len(stream) < need:
+            raise ValueError(f"only {len(stream):,} training tokens on this machine; the preset needs {need:,}")
+        np.save(work / "train_rows.npy", stream[: n * preset.seq_len].reshape(n, preset.seq_len).astype(np.int32))
+        if n_ret:
+            hay = stream[n * preset.seq_len :]
+            rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
+                                          tuple(preset.retrieval_lengths))
+            np.save(work / "retrieval_rows.npy", rrows)
+            np.save(work / "retrieval_mask.npy", rmask)
     held = heldout_sets(tok, preset.seq_len, preset.eval_rows, work / "cache")
     for k, v in held.items():
         np.save(work / f"heldout_{k}.npy", v)
@@ -276,6 +400,13 @@ def prepare(source: str | Path, work: Path, preset: CPTPreset) -> Path:
         stream = np.concatenate([stream, held["prose"].ravel()])
     np.save(work / "copy_stream.npy", stream)
     return conv
+
+
+def stages(arms) -> list[list[str]]:
+    """The arms in the order they can run: arms whose teacher is another arm after it."""
+    first = [a for a in arms if ARMS[a].teacher in (None, "source")]
+    later = [a for a in arms if a not in first]
+    return [first, later] if later else [first]
 
 
 def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(ARMS), device: str = "cpu",
@@ -291,15 +422,26 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
     if lm_eval_limit is not None:
         preset = dataclasses.replace(preset, lm_eval_limit=lm_eval_limit)
     out = Path(out)
+    for a in arms:  # a teacher arm trained by an earlier run must have left its weights
+        t = ARMS[a].teacher
+        if t not in (None, "source") and t not in arms and not (out / "models" / t / "config.json").exists():
+            raise ValueError(f"arm {a} learns from arm {t}: run {t} too (its weights are not under {out}/models)")
     t0 = time.time()
-    conv = prepare(source, out, preset)
+    conv = prepare(source, out, preset, any(ARMS[a].mix for a in arms))
     print(f"prepared {conv} and data in {time.time() - t0:.0f}s", flush=True)
-    done = run_jobs(run_arm, [(a, str(conv), str(out), preset, device, i) for i, a in enumerate(arms)], jobs)
-    results = {r["arm"]: r for r in done}
+    results = {}
+    for a in arms:
+        f = out / f"arm-{a}.json"
+        if f.exists():  # finished by an earlier (cut) run
+            results[a] = json.loads(f.read_text())
+    todo = [a for a in arms if a not in results]
+    for stage in stages(todo):
+        done = run_jobs(run_arm, [(a, str(conv), str(out), preset, device, i) for i, a in enumerate(stage)], jobs)
+        results.update({r["arm"]: r for r in done})
     meta = {"preset": preset_name, "config": dataclasses.asdict(preset), "train_tokens": preset.train_tokens,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "seed": 0, "seconds": time.time() - t0}
+            "torch": torch.__version__, "seconds": time.time() - t0}
     return write_report(results, preset, meta, out)
 
 
@@ -331,5 +473,6 @@ def merge_runs(files: list[str | Path], out: str | Path, name: str = "results.js
         raise ValueError("--from-json needs at least one results.json (it carries the preset)")
     meta = dict(metas[-1], merged_from=[str(f) for f in files], runs=[m.get("date") for m in metas])
     cfg = dict(meta["config"])
-    preset = CPTPreset(**cfg)
+    fields = {f.name for f in dataclasses.fields(CPTPreset)}
+    preset = CPTPreset(**{k: v for k, v in cfg.items() if k in fields})
     return write_report(results, preset, meta, out, name)

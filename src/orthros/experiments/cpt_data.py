@@ -4,6 +4,9 @@
                    of the installed site-packages: code and English prose
     heldout-code   the standard library's own sources (never in `train`)
     heldout-prose  Python's reference documentation (`pydoc_data.topics`, English prose)
+    heldout-docs   third-party packages' documentation (.md / .rst / .txt files of the
+                   site-packages whose path hash falls in the held-out bucket, left out of
+                   `train`): prose about other software, not Python's own manual
 
 The held-out sets are disjoint from training by construction (the standard
 library is not in site-packages; packages that vendor stdlib modules are left
@@ -39,8 +42,17 @@ def _key(p: Path) -> str:
     return hashlib.sha1(p.as_posix().encode()).hexdigest()
 
 
-def train_files() -> list[Path]:
-    """Text files of the installed packages, in a stable shuffled order."""
+DOC_SUFFIXES = (".md", ".rst", ".txt")
+
+
+def heldout_doc(p: Path) -> bool:
+    """A documentation file of the held-out bucket (1 in 16 by path hash): never trained on."""
+    return p.suffix in DOC_SUFFIXES and _key(p)[0] == "0"
+
+
+def train_files(heldout: bool = False) -> list[Path]:
+    """Text files of the installed packages, in a stable shuffled order (heldout: the held-out
+    documentation files instead)."""
     files = []
     for root in site_packages():
         for p in root.rglob("*"):
@@ -49,6 +61,8 @@ def train_files() -> list[Path]:
                 continue
             if p.name == "METADATA" or p.suffix in TRAIN_SUFFIXES:
                 if "/tests/" in p.as_posix() or p.name.startswith("test_"):
+                    continue
+                if heldout_doc(p) != heldout:
                     continue
                 try:
                     if p.is_file() and 200 < p.stat().st_size <= MAX_FILE_CHARS:
@@ -141,7 +155,7 @@ def train_stream(tok, tokens: int, cache: str | Path) -> np.ndarray:
 
 
 def heldout_sets(tok, seq_len: int, rows: int, cache: str | Path) -> dict[str, np.ndarray]:
-    """{"code": [n, seq_len], "prose": [n, seq_len]} held-out rows.
+    """{"code": [n, seq_len], "prose": [n, seq_len], "docs": [n, seq_len]} held-out rows.
 
     code: the first `seq_len` tokens of each standard-library file that long (one
     document per row, so the loss by position shows long-range use inside a file);
@@ -164,8 +178,23 @@ def heldout_sets(tok, seq_len: int, rows: int, cache: str | Path) -> dict[str, n
         n = min(rows, len(ids) // seq_len)
         return ids[: n * seq_len].reshape(n, seq_len)
 
+    def make_docs():
+        texts = []
+        for p in train_files(heldout=True):
+            try:
+                t = p.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            letters = sum(c.isalpha() or c.isspace() for c in t[:20000])
+            if t.strip() and letters > 0.8 * min(len(t), 20000):  # prose, not tables or code listings
+                texts.append(t)
+        ids = encode_docs(tok, texts, tok.eos_token_id)
+        n = min(rows, len(ids) // seq_len)
+        return ids[: n * seq_len].reshape(n, seq_len)
+
     return {"code": cached_stream(cache, tok, f"code{seq_len}", rows, make_code),
-            "prose": cached_stream(cache, tok, f"prose{seq_len}", rows, make_prose)}
+            "prose": cached_stream(cache, tok, f"prose{seq_len}", rows, make_prose),
+            "docs": cached_stream(cache, tok, f"docs{seq_len}", rows, make_docs)}
 
 
 def cloze_items(n: int = 200, context_chars: int = 3000, seed: int = 0) -> list[dict]:

@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 COLORS = {"source": "black", "orthros-0shot": "tab:gray", "orthros-cpt": "tab:blue", "full-cpt": "tab:orange",
-          "swa-cpt": "tab:green", "orthros-noso": "tab:purple", "orthros-so": "tab:cyan", "orthros-lora": "tab:red"}
+          "swa-cpt": "tab:green", "orthros-noso": "tab:purple", "orthros-so": "tab:cyan", "orthros-lora": "tab:red",
+          "orthros-kd": "tab:brown", "orthros-kd-d": "tab:pink", "orthros-kd-d-lora": "tab:olive",
+          "orthros-kd-lora": "gold", "orthros-kd-d-nomix": "navy", "orthros-kd-d-w256": "salmon",
+          "orthros-kd-d-w512": "teal", "orthros-kd-d-s1": "violet", "orthros-cpt-s1": "lightblue",
+          "full-cpt-s1": "wheat"}
+DOMAINS = ("code", "prose", "docs")
 
 
 def _k(n: int) -> str:
@@ -16,14 +21,15 @@ def format_table(results: dict, preset) -> str:
     L, S = _k(preset.seq_len), _k(preset.short_len)
     gaps = [str(g) for g in preset.copy_gaps]
     lens = [str(n) for n in preset.passkey_lengths]
-    head = (["arm", "trained params", f"code ppl {S}", f"code ppl {L}", f"prose ppl {S}", f"prose ppl {L}"]
+    doms = [d for d in DOMAINS if all(d in r["eval"] for r in results.values())]
+    head = (["arm", "trained params"] + [f"{d} ppl {n}" for d in doms for n in (S, L)]
             + [f"copy loss @{_k(int(g))}" for g in gaps] + [f"passkey {_k(int(n))}" for n in lens]
             + [f"lm-eval {t}" for t in preset.lm_eval_tasks])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, r in results.items():
         ev, tr = r["eval"], r["train"]
         cells = [r["label"], "-" if tr is None else f"{tr['trainable'] / 1e6:.2f}M"]
-        for dom in ("code", "prose"):
+        for dom in doms:
             cells += [f"{ev[dom]['short']['ppl']:.3f}", f"{ev[dom]['long']['ppl']:.3f}"]
         cells += [f"{ev['copy']['by_gap'][g]['second']:.3f}" for g in gaps]
         cells += [f"{100 * ev['passkey']['by_length'][n]:.0f}%" for n in lens]
@@ -47,8 +53,9 @@ def plot_all(results: dict, preset, out: Path) -> list[Path]:
 
     out = Path(out)
     saved = []
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
-    for ax, dom in zip(axes[:2], ("code", "prose")):
+    doms = [d for d in DOMAINS if all(d in r["eval"] for r in results.values())]
+    fig, axes = plt.subplots(1, len(doms) + 1, figsize=(5.7 * (len(doms) + 1), 4.6))
+    for ax, dom in zip(axes[:-1], doms):
         for arm, r in results.items():
             bp = r["eval"][dom]["long"]["by_position"]
             mid = [(a + b) / 2 for a, b in zip(bp["start"], bp["end"])]
@@ -58,7 +65,7 @@ def plot_all(results: dict, preset, out: Path) -> list[Path]:
         ax.set_ylabel("loss (nats)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    ax = axes[2]
+    ax = axes[-1]
     gaps = [str(g) for g in preset.copy_gaps]
     w = 0.8 / max(1, len(results))
     for i, (arm, r) in enumerate(results.items()):
