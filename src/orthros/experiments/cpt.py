@@ -260,6 +260,8 @@ def evaluate_arm(model, tok, preset: CPTPreset, heldout: dict, stream: torch.Ten
     out = {}
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=next(model.parameters()).is_cuda):
         for dom, rows in heldout.items():
+            if len(rows) == 0:  # a domain this machine has no text for
+                continue
             rows = torch.from_numpy(rows.astype(np.int64))
             long = token_losses(model, rows, preset.eval_batch)
             short_rows = rows[:, : preset.short_len]
@@ -267,7 +269,7 @@ def evaluate_arm(model, tok, preset: CPTPreset, heldout: dict, stream: torch.Ten
             out[dom] = {"long": loss_summary(long), "short": loss_summary(short)}
         out["copy"] = copy_probe(model, stream, preset.copy_gaps, preset.copy_samples, batch_size=preset.eval_batch)
         out["passkey"] = chat_passkey(model, tok, preset.passkey_lengths, preset.passkey_depths,
-                                      preset.passkey_samples, batch_size=preset.eval_batch * 2)
+                                      preset.passkey_samples, batch_size=preset.eval_batch * 8)
         if preset.lm_eval_tasks:
             out["lm_eval"] = lm_eval_scores(model, tok, preset)
     return out
@@ -366,15 +368,23 @@ HELDOUT = ("code", "prose", "docs")
 def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: bool = True) -> Path:
     """Source (a HF dir or a GGUF) -> the converted Orthros dir; tokenized data under `work`."""
     from ..convert.hf import convert_checkpoint
-    from ..data.retrieval import retrieval_rows
     from ..data.tokenizer import load_tokenizer
-    from .cpt_data import heldout_sets, train_stream
 
     work.mkdir(parents=True, exist_ok=True)
     conv = work / "orthros"
     if not (conv / "config.json").exists():
         convert_checkpoint(source, conv, window_size=preset.window, dtype="fp32", progress=False)
-    tok = load_tokenizer(conv)
+    prepare_data(load_tokenizer(conv), work, preset, need_retrieval)
+    return conv
+
+
+def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True) -> None:
+    """The token rows under `work` (cached: a later call finds them): training rows, retrieval
+    rows, held-out rows, the copy probe's text. Needs only the tokenizer."""
+    from ..data.retrieval import retrieval_rows
+    from .cpt_data import heldout_sets, train_stream
+
+    work.mkdir(parents=True, exist_ok=True)
     n = preset.steps * preset.batch_size
     n_ret = round(preset.retrieval_share * n) if need_retrieval else 0
     # the corpus rows, then text the retrieval samples' haystacks are cut from (never the rows' own text)
@@ -399,7 +409,6 @@ def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: b
     if len(stream) < max(preset.copy_gaps) + 1000:
         stream = np.concatenate([stream, held["prose"].ravel()])
     np.save(work / "copy_stream.npy", stream)
-    return conv
 
 
 def stages(arms) -> list[list[str]]:
