@@ -146,7 +146,7 @@ PRESETS = {
     # One H200, all arms side by side (--jobs 8): 16K tokens a step.
     "smollm2-h200": CPTPreset(passkey_samples=4, retrieval_share=0.0),  # the 2026-12-01 table's preset
     # Distillation and the controls, 16K tokens a step, up to 6 arms side by side on one H200.
-    "smollm2-kd-h200": CPTPreset(),
+    "smollm2-kd-h200": CPTPreset(steps=320),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
@@ -389,7 +389,8 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     n_ret = round(preset.retrieval_share * n) if need_retrieval else 0
     # the corpus rows, then text the retrieval samples' haystacks are cut from (never the rows' own text)
     need = n * preset.seq_len + (4 * n_ret * preset.seq_len if n_ret else 0)
-    if not (work / "train_rows.npy").exists() or (n_ret and not (work / "retrieval_rows.npy").exists()):
+    have = np.load(work / "train_rows.npy", mmap_mode="r").shape if (work / "train_rows.npy").exists() else None
+    if have != (n, preset.seq_len) or (n_ret and not (work / "retrieval_rows.npy").exists()):
         stream = train_stream(tok, need, work / "cache")
         if len(stream) < need:
             raise ValueError(f"only {len(stream):,} training tokens on this machine; the preset needs {need:,}")
