@@ -58,8 +58,11 @@ def test_kl_and_alignment_vanish_when_the_student_is_the_teacher(source):
     w = LossWeights(ce=0.0, kl=1.0, align=1.0, align_on="kv+hidden")
     _, same = distill_loss(wide, teacher, b, SEQ * 2, w)
     _, diff = distill_loss(narrow, teacher, b, SEQ * 2, w)
-    assert same["kl"].item() < 1e-9 and same["align"].item() < 1e-9
     assert diff["kl"].item() > 1e-3 and diff["align"].item() > 1e-3
+    # rounding only (GPU kernels differ between the two attentions' code paths): far below the W = 4 terms
+    tol = 1e-9 if DEVICE == "cpu" else 1e-6
+    assert same["kl"].item() < max(tol, 1e-4 * diff["kl"].item())
+    assert same["align"].item() < max(tol, 1e-4 * diff["align"].item())
 
 
 def test_kl_matches_its_definition_with_temperature():
