@@ -134,8 +134,9 @@ class CPTPreset:
     """distilled arms: weight of the per-layer K/V alignment, in the first align_frac of the steps"""
     align_on: str = "kv"
     align_frac: float = 0.25
-    save_teachers: bool = True
-    """arms that teach another save their trained weights (under out/models)"""
+    save_weights: bool = True
+    """every trained arm saves its weights under out/models before its evaluation: an arm that
+    teaches another needs them, and a run cut during an evaluation resumes there"""
 
     @property
     def train_tokens(self) -> int:
@@ -326,7 +327,14 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     model = load_arm(orthros_dir, arm, preset.window, device)
     stats = None
     saved = work / "adapters" / arm
-    if mode not in (None, "all") and (saved / "adapter.json").exists():  # trained by an earlier, cut run
+    trained = work / "models" / arm
+    if mode is not None and (trained / "config.json").exists():  # trained by an earlier run, cut before its end
+        from ..loading import load_model
+
+        model = load_model(trained, dtype=torch.float32).to(device)
+        info = json.loads((trained / "train_stats.json").read_text())
+        stats, mode = info, None
+    elif mode not in (None, "all") and (saved / "adapter.json").exists():  # trained by an earlier, cut run
         from ..models.adapter import apply_adapter
 
         apply_adapter(model, saved)
@@ -348,8 +356,9 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
                                         "tokens": preset.train_tokens, "teacher": spec.teacher,
                                         "train": {k: v for k, v in stats.items() if k != "synced"}})
             merge_lora(model)
-        if preset.save_teachers and any(a.teacher == arm for a in ARMS.values()):
-            model.save_pretrained(work / "models" / arm)
+        if preset.save_weights or any(a.teacher == arm for a in ARMS.values()):
+            model.save_pretrained(trained)
+            (trained / "train_stats.json").write_text(json.dumps(stats))
     heldout = {k: np.load(work / f"heldout_{k}.npy") for k in HELDOUT}
     stream = torch.from_numpy(np.load(work / "copy_stream.npy").astype(np.int64))
     t = time.time()
