@@ -2,10 +2,10 @@
 
 One run = one GPU count (the torchrun world); a report merges the runs:
 
-    torchrun --nproc-per-node 8 benchmarks/cp_prefill.py --out benchmarks/results/cp_prefill.jsonl
-    torchrun --nproc-per-node 4 benchmarks/cp_prefill.py --out benchmarks/results/cp_prefill.jsonl
+    torchrun --nproc-per-node 8 benchmarks/cp_prefill.py --out benchmarks/results/cp_prefill/cp_prefill.jsonl
+    torchrun --nproc-per-node 4 benchmarks/cp_prefill.py --out benchmarks/results/cp_prefill/cp_prefill.jsonl
     ...                                        (and 2, 1: `python benchmarks/cp_prefill.py ...`)
-    python benchmarks/cp_prefill.py --report benchmarks/results/cp_prefill.jsonl --plot docs/cp_prefill.png
+    python benchmarks/cp_prefill.py --report benchmarks/results/cp_prefill/cp_prefill.jsonl --plot benchmarks/results/cp_prefill/cp_prefill.png
 
 Each measurement times `orthros.parallel.cp_prefill` of a random prompt of T
 tokens (batch 1) on random weights with the shapes of `--preset`
@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--crossover", type=float, default=23000.0,
                    help="full-attention sharding: the position at which a token's causal attention costs "
                         "as much as its linear layers (23K: Llama-3.1-8B on an H200, SPEC section 6)")
-    p.add_argument("--out", default="benchmarks/results/cp_prefill.jsonl", help="JSON lines, appended")
+    p.add_argument("--out", default="benchmarks/results/cp_prefill/cp_prefill.jsonl", help="JSON lines, appended")
     p.add_argument("--report", nargs="*", default=None, metavar="JSONL",
                    help="do not run: merge result files into a markdown table")
     p.add_argument("--plot", default=None, help="with --report: write a PNG of seconds and efficiency")

@@ -92,7 +92,7 @@ def main():
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_attention.json"))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "ops" / "cpu_attention.json"))
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

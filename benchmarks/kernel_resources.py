@@ -5,7 +5,7 @@ loop (bit planes with values folded into p or dequantized / interleaving), warps
 compiler, not timings: spills and shared memory are what the speed sweep
 (benchmarks/splitkv_sweep.py, on the GPU) then explains.
 
-    python benchmarks/kernel_resources.py --blocks 16 32 64 128 --plot docs/kernel-resources.png \
+    python benchmarks/kernel_resources.py --blocks 16 32 64 128 --plot benchmarks/results/long_context/kernel-resources.png \
         --out benchmarks/results/long_context/kernel-resources.json --docs docs/long_context.md
 """
 

@@ -19,7 +19,7 @@ dtype, and each scored position reads the past as a decode step there would
     agreement    greedy generation with the bf16 cache; the same tokens teacher-forced through
                  each cache: top-1 agreement of the next-token argmax
 
-Prints a Markdown table, writes benchmarks/results/kv_quant_quality.json and .md, and
+Prints a Markdown table, writes benchmarks/results/kv_quant/kv_quant_quality.json and .md, and
 splices the table into docs/long_context.md (between its kv-quality-table marks).
 """
 
@@ -240,7 +240,7 @@ def main(argv=None):
     p.add_argument("--int4-key-layers", type=int, default=None,
                    help="layers whose keys int2 keeps in int4, chosen by calibration (default: an eighth; 0: none)")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default="benchmarks/results/kv_quant_quality.json")
+    p.add_argument("--out", default="benchmarks/results/kv_quant/kv_quant_quality.json")
     p.add_argument("--resume", action="store_true", help="keep the cells already in --out")
     p.add_argument("--table-only", action="store_true", help="print (and write, splice) the table of --out and stop")
     p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")

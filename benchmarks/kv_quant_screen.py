@@ -225,7 +225,7 @@ def main(argv=None):
     p.add_argument("--layers", nargs="*", type=int, default=None, help="quantize only these layers (sensitivity)")
     p.add_argument("--key4-layers", nargs="*", type=int, default=None,
                    help="these layers' keys in int4 (min / max, the cache's format), the others' as the format says")
-    p.add_argument("--out", default="benchmarks/results/kv_quant_screen.jsonl", help="records are appended")
+    p.add_argument("--out", default="benchmarks/results/kv_quant/kv_quant_screen.jsonl", help="records are appended")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(FORMATS))

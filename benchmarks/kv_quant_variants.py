@@ -11,7 +11,7 @@ converted at W = 128 + the shipped CPT adapter; loss on the second copy of a
 constructor arguments; bits per element are the packed slots' (scales included;
 the bf16 sinks and recent slots are a fixed count, not a per-element cost).
 
-Writes benchmarks/results/kv_quant_variants.json and .md, and splices the table
+Writes benchmarks/results/kv_quant/kv_quant_variants.json and .md, and splices the table
 into docs/long_context.md (between its kv-variants-table marks).
 """
 
@@ -94,7 +94,7 @@ def main(argv=None):
     p.add_argument("--gaps", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--adapter", default="adapters/smollm2-135m-w128-lora")
-    p.add_argument("--out", default="benchmarks/results/kv_quant_variants.json")
+    p.add_argument("--out", default="benchmarks/results/kv_quant/kv_quant_variants.json")
     p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")
     p.add_argument("--table-only", action="store_true", help="print (and write, splice) the table of --out and stop")
     args = p.parse_args(argv)

@@ -56,7 +56,7 @@ def bench(fn, backward=False):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="ops_bench.json")
+    ap.add_argument("--out", default="benchmarks/results/ops/ops_bench.json")
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
     args = ap.parse_args()
     rows = []

@@ -3,7 +3,7 @@
 launch settings against the bandwidth they reach.
 
     python benchmarks/splitkv_sweep.py [--contexts 131072 1048576] [--dtypes bf16 fp8 int4 int2] [--out results.json]
-    python benchmarks/splitkv_sweep.py --dtypes bf16 fp8 int4 int2 k4v2 --out benchmarks/results/splitkv_sweep.json \
+    python benchmarks/splitkv_sweep.py --dtypes bf16 fp8 int4 int2 k4v2 --out benchmarks/results/long_context/splitkv-sweep.json \
         --docs docs/long_context.md   # + a Markdown table (default launch / best) between its splitkv-sweep-table marks
     python benchmarks/splitkv_sweep.py --dtypes int4 int2 k4v2 --no-rotate --docs docs/long_context.md \
         --tag splitkv-sweep-unrotated   # the rotation's cost: the same kernel over unrotated caches

@@ -176,7 +176,7 @@ def build_misc(w: Path) -> None:
     (w / "bench_wrong.json").write_text('{"hello": "world"}')
     (w / "bench_decode.json").write_text(json.dumps({"rows": [], "env": {"date": "d"},
                                                      "command": "orthros bench decode --model tiny"}))
-    (w / "cwd").mkdir()  # the commands run here: default output paths (runs/, docs/) land inside the tree
+    (w / "cwd").mkdir()  # the commands run here: default output paths (runs/, benchmarks/results/) land inside the tree
 
 
 def build_world(w: Path) -> Path:

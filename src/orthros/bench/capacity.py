@@ -48,7 +48,7 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--tag", default="capacity", help="output files <tag>.json / .md / .png")
-    p.add_argument("--out-dir", default="docs")
+    p.add_argument("--out-dir", default="benchmarks/results/capacity")
     p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between markers)")
     p.add_argument("--from-json", nargs="+", default=None, help="only re-render from saved JSON")
 

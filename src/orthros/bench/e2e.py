@@ -70,8 +70,8 @@ def add_arguments(p):
                    help="--kv-dtype (default fp8) vs a full-precision cache on one model: prompt/new from the first setting")
     p.add_argument("--checkpoint", default=None, help="--agreement: a saved Orthros model directory (default: random weights)")
     p.add_argument("--tag", default="e2e", help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
-    p.add_argument("--out-dir", default="docs")
-    p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers)")
+    p.add_argument("--out-dir", default="benchmarks/results/e2e")
+    p.add_argument("--docs", default="docs/performance.md", help="splice the table into this file (between markers)")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved JSON (several: one table)")
 

@@ -60,8 +60,8 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--profile", type=parse_len, default=None, help="also break the Orthros prefill down by kernel at this length")
-    p.add_argument("--out-dir", default="docs", help="where prefill.json / prefill.png / prefill.md go")
-    p.add_argument("--docs", default="docs/benchmarks.md", help="splice the table into this file (between markers), if it exists")
+    p.add_argument("--out-dir", default="benchmarks/results/prefill", help="where prefill.json / prefill.png / prefill.md go")
+    p.add_argument("--docs", default="docs/performance.md", help="splice the table into this file (between markers), if it exists")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved prefill.json (several: one table)")
 

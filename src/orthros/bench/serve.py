@@ -102,8 +102,8 @@ def add_arguments(p):
     p.add_argument("--step-log-dir", default=None,
                    help="each started server logs its engine steps to DIR/<attention>-budget<N>.jsonl (--step-log)")
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
-    p.add_argument("--out-dir", default="benchmarks/results", help="where serve-<scenario>.json / .md go")
-    p.add_argument("--plot-dir", default="docs", help="where serve-<scenario>.png goes")
+    p.add_argument("--out-dir", default="benchmarks/results/serve", help="where serve-<scenario>.json / .md go")
+    p.add_argument("--plot-dir", default="benchmarks/results/serve", help="where serve-<scenario>.png goes")
     p.add_argument("--docs", default="docs/serving.md", help="splice the table into this file (between markers)")
     p.add_argument("--tag", default=None, help="output files <tag>.json / .md / .png and the table's marks "
                    "(default: serve-<scenario>)")

@@ -38,7 +38,7 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU for MFU (H100/H200 bf16: 989)")
     p.add_argument("--device", default=None)
-    p.add_argument("--out-dir", default="docs", help="where train_bench.json / train_bench.md go")
+    p.add_argument("--out-dir", default="benchmarks/results/train", help="where train_bench.json / train_bench.md go")
 
 
 def step_flops(cfg: OrthrosConfig, B: int, T: int) -> float:

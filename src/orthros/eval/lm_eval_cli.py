@@ -4,7 +4,7 @@
     orthros eval-harness runs/demo --tasks my_task --include-path my_tasks/ --limit 50
 
 Tasks are lm-eval's own (their data sets come from the Hugging Face hub) or
-local YAML tasks under --include-path; see docs/evaluation.md for the
+local YAML tasks under --include-path; see docs/training.md for the
 paper's suites. Prints lm-eval's results table; --output writes the JSON.
 """
 

@@ -5,7 +5,7 @@ no padding) and no window:
     sdpa_causal        — queries at slots 0..M-1 (the `attention="full"`
         baseline's base stream, the Orthros output stream in pre-training):
         keys M.. are invisible and the problem is a square causal SDPA, for
-        which cuDNN's kernel is the fastest on Hopper (docs/benchmarks.md).
+        which cuDNN's kernel is the fastest on Hopper (docs/kernels.md).
     sdpa_causal_offset — queries at slots s..s+M-1 (a later chunk of a
         chunked prefill): SDPA's `is_causal` aligns the diagonal top-left, so
         the chunk is two calls — every query over the past keys 0..s-1, and

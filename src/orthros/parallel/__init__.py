@@ -5,7 +5,7 @@
     logits, cache = cp_prefill(model, ids)     # ids: the whole prompt on every rank
     logits = cp_decode_one_token(model, tok, cache)
 
-See docs/context_parallel.md.
+See docs/long_context.md.
 """
 
 from ..ops.lse import lse_merge
