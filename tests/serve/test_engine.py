@@ -128,8 +128,10 @@ def test_last_prompt_token_runs_as_a_decode(attention):
     assert eng.graphs.calls and not chunks_with_output
     for i, p in enumerate(prompts):
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
-    # off (the CPU default): a prompt's last chunk carries its output position
-    eng2 = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, chunk_align=4))
+    # off wherever graphs are (the CPU default; graphs, on by default on CUDA, turn it on there, hence
+    # pinned off): a prompt's last chunk carries its output position
+    eng2 = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, chunk_align=4,
+                                      cuda_graphs=False))
     chunk, chunk2 = eng.scheduler.chunk, eng2.scheduler.chunk
     assert not eng2.decode_last_token and chunk2(5, 9) == 5 and chunk(5, 9) == 4 and chunk(1, 9) == 1
 
@@ -176,7 +178,10 @@ def test_split_step_logits_go_back_to_the_segments_order():
 
 
 def test_chunks_cut_by_the_budget_are_aligned():
-    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128))
+    """The alignment of budget-cut chunks, with a prompt's last token left in its last chunk (pinned:
+    decode graphs, on by default on CUDA, would leave it to a decode and cut (100, 8191) to 99)."""
+    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128,
+                                                     decode_last_prompt_token=False))
     cases = ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300), (1000, 100))
     assert [eng.scheduler.chunk(left, budget) for left, budget in cases] == [8192, 7168, 100, 256, 100]
 
