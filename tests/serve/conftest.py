@@ -65,5 +65,12 @@ def decoding_engine(model, **engine):
         eng.step()
     assert len(eng.running) == 3 and all(len(r.tokens) - r.computed == 1 for r in eng.running)  # all decoding
     for r in eng.running:
-        assert eng._grow(r, len(r.tokens))
+        assert eng.scheduler.grow(r, len(r.tokens))
     return eng, [Segment([r.tokens[-1]], r.computed, r.table.blocks, True) for r in eng.running]
+
+
+def decode_graphs(eng):
+    """`serve.graphs.DecodeGraphs` over an engine's model and pool, sized by its config."""
+    from orthros.serve.graphs import DecodeGraphs
+
+    return DecodeGraphs(eng.model, eng.pool, eng.scratch_block, eng.max_model_len, eng.cfg.max_num_seqs)

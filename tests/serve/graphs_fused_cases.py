@@ -6,10 +6,8 @@ import torch
 
 import orthros.layers.fused as fused
 from orthros.ops import rowwise
-from orthros.serve.graphs import DecodeGraphs
-
 from ..conftest import make_model
-from .conftest import decoding_engine
+from .conftest import decode_graphs, decoding_engine
 
 
 def main():
@@ -17,8 +15,8 @@ def main():
         model = make_model(attention, window=6, initializer_range=0.3)
         eng, segments = decoding_engine(model, max_num_seqs=4)
         with torch.inference_mode():
-            eager = eng._forward(segments)
-            graphs = DecodeGraphs(eng)
+            eager = eng.runner.forward(segments)
+            graphs = decode_graphs(eng)
             graphs.fuse = True
             graphs._fill(segments, 4)
             calls, heads = [], []

@@ -9,9 +9,10 @@ import torch
 
 from orthros.generate import generate
 from orthros.serve.engine import Engine, EngineConfig, QueueFull, SamplingParams
+from orthros.serve.runner import ModelRunner
 
 from ..conftest import DEVICE, make_model, rel_err
-from .conftest import decoding_engine
+from .conftest import decode_graphs, decoding_engine
 
 
 def _workload(seed=0):
@@ -72,15 +73,15 @@ class _EagerGraphs:
     """Stands in for `serve.graphs.DecodeGraphs` on CPU: runs the decodes it is given eagerly
     (their own forward) and counts the steps it saw mixed with prompt chunks."""
 
-    def __init__(self, eng):
-        self.eng, self.calls = eng, []
+    def __init__(self, runner):
+        self.runner, self.calls = runner, []
 
     def fits(self, segments):
         return True
 
     def run(self, segments):
         self.calls.append(len(segments))
-        return self.eng._eager_forward(segments)
+        return self.runner.eager_forward(segments)
 
 
 @pytest.mark.parametrize("attention", ["orthros", "full"])
@@ -91,9 +92,10 @@ def test_mixed_steps_split_into_decodes_and_chunks_equal_alone(attention):
     prompts, max_tokens = _workload(1)
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
                                      chunk_align=4, cuda_graphs=False))
-    eng.graphs = _EagerGraphs(eng)
+    eng.runner.graphs = _EagerGraphs(eng.runner)
     mixed = []  # steps split into the decodes' forward and the chunks'
-    eng._merge = lambda segs, dec, rest: (mixed.append((len(dec), len(rest))), Engine._merge(segs, dec, rest))[1]
+    eng.runner.merge = lambda segs, dec, rest: (mixed.append((len(dec), len(rest))),
+                                                ModelRunner.merge(segs, dec, rest))[1]
     out = Collector()
     for i, p in enumerate(prompts):
         eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
@@ -113,10 +115,10 @@ def test_last_prompt_token_runs_as_a_decode(attention):
     prompts, max_tokens = _workload(3)
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
                                      chunk_align=4, cuda_graphs=False, decode_last_prompt_token=True))
-    eng.graphs = _EagerGraphs(eng)
+    eng.runner.graphs = _EagerGraphs(eng.runner)
     chunks_with_output = []
-    forward = eng._run
-    eng._run = lambda cache: (chunks_with_output.extend(
+    forward = eng.runner.run
+    eng.runner.run = lambda cache: (chunks_with_output.extend(
         d.r1 - d.r0 for d in cache._dense if d.r1 - 1 in cache.layout.out_idx[0].tolist()), forward(cache))[1]
     out = Collector()
     for i, p in enumerate(prompts):
@@ -126,9 +128,12 @@ def test_last_prompt_token_runs_as_a_decode(attention):
     assert eng.graphs.calls and not chunks_with_output
     for i, p in enumerate(prompts):
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
-    # off (the CPU default): a prompt's last chunk carries its output position
-    eng2 = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, chunk_align=4))
-    assert not eng2.decode_last_token and eng2._chunk(5, 9) == 5 and eng._chunk(5, 9) == 4 and eng._chunk(1, 9) == 1
+    # off wherever graphs are (the CPU default; graphs, on by default on CUDA, turn it on there, hence
+    # pinned off): a prompt's last chunk carries its output position
+    eng2 = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, chunk_align=4,
+                                      cuda_graphs=False))
+    chunk, chunk2 = eng.scheduler.chunk, eng2.scheduler.chunk
+    assert not eng2.decode_last_token and chunk2(5, 9) == 5 and chunk(5, 9) == 4 and chunk(1, 9) == 1
 
 
 def test_chunks_padded_to_the_compiled_lengths_change_no_output():
@@ -169,13 +174,16 @@ def test_split_step_logits_go_back_to_the_segments_order():
             Segment([4, 5, 6], 0, [], True), Segment([7], 0, [], True)]
     dec = torch.tensor([[0.0], [2.0], [4.0]])  # the single-token outputs: segments 0, 2, 4
     rest = torch.tensor([[3.0]])  # segment 3's output
-    assert Engine._merge(segs, dec, rest).flatten().tolist() == [0.0, 2.0, 3.0, 4.0]
+    assert ModelRunner.merge(segs, dec, rest).flatten().tolist() == [0.0, 2.0, 3.0, 4.0]
 
 
 def test_chunks_cut_by_the_budget_are_aligned():
-    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128))
-    assert [eng._chunk(left, budget) for left, budget in ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300),
-                                                          (1000, 100))] == [8192, 7168, 100, 256, 100]
+    """The alignment of budget-cut chunks, with a prompt's last token left in its last chunk (pinned:
+    decode graphs, on by default on CUDA, would leave it to a decode and cut (100, 8191) to 99)."""
+    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8, chunk_align=128,
+                                                     decode_last_prompt_token=False))
+    cases = ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300), (1000, 100))
+    assert [eng.scheduler.chunk(left, budget) for left, budget in cases] == [8192, 7168, 100, 256, 100]
 
 
 def test_preemption_recomputes_exactly():
@@ -190,14 +198,14 @@ def test_preemption_recomputes_exactly():
     for i, p in enumerate(prompts):
         eng.submit(p, SamplingParams(max_tokens=12), out.sink(i))
     preempted = 0
-    real = eng._preempt
+    real = eng.scheduler.preempt
 
     def counting(req):
         nonlocal preempted
         preempted += 1
         real(req)
 
-    eng._preempt = counting
+    eng.scheduler.preempt = counting
     eng.run_until_done()
     assert preempted > 0 and eng.blocks.num_used == 0
     for i, p in enumerate(prompts):
@@ -266,12 +274,10 @@ def test_bad_requests_and_queue_bound():
 def test_static_decode_buffers_equal_the_eager_step(attention):
     """What the CUDA graphs capture, run eagerly on CPU: a decode-only step over the static
     buffers, padded to its bucket with scratch rows, gives the eager step's logits."""
-    from orthros.serve.graphs import DecodeGraphs
-
     model = make_model(attention, window=6, initializer_range=0.3)
     eng, segments = decoding_engine(model)
-    eager = eng._forward(segments)
-    graphs = DecodeGraphs(eng)
+    eager = eng.runner.forward(segments)
+    graphs = decode_graphs(eng)
     assert graphs.buckets == [1, 2, 4, 8]
     graphs._fill(segments, 4)
     static = graphs._forward(graphs._cache(4))[:3]
@@ -292,13 +298,11 @@ def test_decode_graphs_fused_kernels_equal_the_eager_step_triton_interpreter():
 def test_bf16_decode_graphs_with_fused_kernels_match_the_eager_step(attention):
     """A bf16 model's captured decode step (fused Triton elementwise kernels) is captured, replays
     exactly what its first run computed, and stays within bf16 rounding of the eager step."""
-    from orthros.serve.graphs import DecodeGraphs
-
     model = make_model(attention, window=6, initializer_range=0.3).to(torch.bfloat16)
     eng, segments = decoding_engine(model, max_num_seqs=4, cuda_graphs=False)
     with torch.inference_mode():
-        eager = eng._forward(segments).float()
-        graphs = DecodeGraphs(eng)
+        eager = eng.runner.forward(segments).float()
+        graphs = decode_graphs(eng)
         assert graphs.fuse
         first = graphs.run(segments)  # eager, with the fused kernels; then captured
         replay = graphs.run(segments)
@@ -316,10 +320,10 @@ def test_chunk_warm_up_leaves_no_trace(kv_dtype):
     cfg = EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=300, max_num_seqs=8, chunk_align=128,
                        kv_dtype=kv_dtype)
     eng = Engine(model, cfg)
-    assert eng.chunk_lengths() == sorted({eng._chunk(10**6, b) for b in range(292, 301)}) == [256]
+    assert eng.chunk_lengths() == sorted({eng.scheduler.chunk(10**6, b) for b in range(292, 301)}) == [256]
     with torch.inference_mode():
-        eng._compile_chunks()
-        eng._warm_mixed_step()  # a last chunk beside a decode
+        eng.runner.compile_chunks(eng.blocks, eng.chunk_lengths())
+        eng.runner.warm_mixed_step(eng.blocks)  # a last chunk beside a decode
     assert eng.pool.compiled_chunks == frozenset({256}) and eng.blocks.num_used == 0
     assert not any(eng.pool.scaled) and bool((eng.pool.k_scale == 1).all())
     prompt = list(range(3, 40))
@@ -336,11 +340,10 @@ def test_static_block_table_copies_only_what_changed_and_stays_exact():
     rows grow, change hands to shorter or longer lists, and turn into padding, it equals the
     table built from scratch."""
     from orthros.models.paged_cache import Segment
-    from orthros.serve.graphs import DecodeGraphs
 
     model = make_model("orthros", window=6)
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_seqs=4, max_model_len=64))
-    graphs = DecodeGraphs(eng)
+    graphs = decode_graphs(eng)
     sc = eng.scratch_block
 
     def expect(lists, b):

@@ -188,13 +188,13 @@ def _engine_idle(engine):
 def test_disconnect_aborts_and_frees_blocks(server):
     srv, model, tok, name = server
     eng = srv.engine
-    real = eng._forward
+    real = eng.runner.forward
 
     def slow(segments):  # >= 50 ms a step: 200 tokens take >= 10 s, an abort shows within 3
         time.sleep(0.05)
         return real(segments)
 
-    eng._forward = slow
+    eng.runner.forward = slow
     try:
         body = dict(model=name, prompt="while True:", max_tokens=200, temperature=0, stream=True, ignore_eos=True)
         with httpx.stream("POST", srv.url + "/completions", json=body) as resp:
@@ -208,7 +208,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
             httpx.post(srv.url + "/completions", json={**body, "stream": False}, timeout=0.5)
         assert wait_for(lambda: _engine_idle(eng), timeout=3)
     finally:
-        eng._forward = real
+        eng.runner.forward = real
     text = httpx.get(srv.base + "/metrics").text
     aborted = next(line for line in text.splitlines() if line.startswith('orthros_requests_total{finish_reason="abort"}'))
     assert float(aborted.split()[-1]) >= 2
@@ -218,14 +218,14 @@ def test_queue_full_is_503(model_dir):
     """One seat, a queue of one: with the engine held inside a step, a third request is refused."""
     srv, model, tok, name = start_server(model_dir, max_num_seqs=1, max_queue=1)
     gate, inside = threading.Event(), threading.Event()
-    real = srv.engine._forward
+    real = srv.engine.runner.forward
 
     def held(segments):
         inside.set()
         gate.wait(30)
         return real(segments)
 
-    srv.engine._forward = held
+    srv.engine.runner.forward = held
     try:
         body = dict(model=name, prompt="a", max_tokens=4, temperature=0, stream=True)
         with httpx.stream("POST", srv.url + "/completions", json=body) as first:
@@ -252,7 +252,7 @@ def test_health_503_when_the_engine_died(model_dir):
         def broken(segments):
             raise RuntimeError("device lost")
 
-        srv.engine._forward = broken
+        srv.engine.runner.forward = broken
         c = openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0)
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model=name, prompt="x", max_tokens=3)

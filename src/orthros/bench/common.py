@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from ..models import OrthrosConfig, OrthrosForCausalLM
+from ..models import OrthrosConfig
+from ..random_model import build_model, made_on  # noqa: F401 - build_model: imported from here by the benchmarks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -44,18 +45,6 @@ def free_memory():
         torch.cuda.empty_cache()
 
 
-def _made_on(device, dtype, cls, config):
-    """`cls(config)` with its random weights drawn directly on `device` in `dtype`, in eval mode."""
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(prev)
-    return model.to(device=device, dtype=dtype).eval()
-
-
 def variant_config(args, variant: str, positions: int) -> OrthrosConfig:
     """The preset `args.model` as `variant` (window `args.window`, `args.layers` if set), long enough for `positions`."""
     over = dict(window_size=args.window, attention=variant)
@@ -64,11 +53,6 @@ def variant_config(args, variant: str, positions: int) -> OrthrosConfig:
     cfg = OrthrosConfig.from_name(args.model, **over)
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, positions)
     return cfg
-
-
-def build_model(config: OrthrosConfig, device, dtype) -> OrthrosForCausalLM:
-    """Random weights (the init's normal draws) made directly on the device in `dtype`."""
-    return _made_on(device, dtype, OrthrosForCausalLM, config)
 
 
 def build_hf_peer(config: OrthrosConfig, device, dtype):
@@ -88,7 +72,7 @@ def build_hf_peer(config: OrthrosConfig, device, dtype):
         hc = transformers.LlamaConfig(**common, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling)
         cls = transformers.LlamaForCausalLM
     hc._attn_implementation = "sdpa"
-    return _made_on(device, dtype, cls, hc)
+    return made_on(device, dtype, cls, hc)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,13 @@
 """Serving: an OpenAI-compatible HTTP server over a continuous-batching engine.
 
-    engine.py     scheduler + the engine thread (one forward per step, chunked prefill)
+    engine.py     wires scheduler, runner and sampling; the engine thread
+    request.py    requests, sampling parameters, token events, submit's errors
+    config.py     EngineConfig
+    scheduler.py  token budget, chunked prefill, admission, preemption (no model)
     kv_blocks.py  block tables, reference counts, the exact prefix cache
+    runner.py     the model and its KV pool: one forward per step, warm-up
     graphs.py     captured CUDA graphs of decode-only steps
+    sampling.py   the next token from logits, stop conditions
     api.py        FastAPI endpoints, SSE streaming, OpenAI-style errors
     protocol.py   request schemas (pydantic) and response shapes
     outputs.py    incremental detokenization, stop strings

@@ -26,10 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .engine import Engine, EngineDead, QueueFull, SamplingParams
+from .engine import Engine
 from .outputs import ChoiceOutput, decode
 from .protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, error_body,
                        new_id, now, usage)
+from .request import EngineDead, QueueFull, SamplingParams
 
 
 class ApiError(Exception):

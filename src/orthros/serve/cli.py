@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from .engine import EngineConfig
+from .config import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""Captured CUDA graphs for the engine's decode-only steps.
+"""Captured CUDA graphs for the engine's decode-only steps (run by `serve.runner`).
 
 A step whose segments are all single decode tokens has static shapes once the
 batch is padded to a bucket (1, 2, 4, ... up to `max_num_seqs`): the model
@@ -30,19 +30,20 @@ import sys
 import torch
 
 from ..layers.fused import fused_mode
-from ..models.paged_cache import PagedStepCache, Segment
+from ..models.paged_cache import PagedKVPool, PagedStepCache, Segment
 
 
 class DecodeGraphs:
-    def __init__(self, engine):
-        self.engine = engine
-        self.model = engine.model
-        pool = self.pool = engine.pool
-        self.scratch = engine.scratch_block
+    def __init__(self, model, pool: PagedKVPool, scratch_block: int, max_model_len: int, max_num_seqs: int):
+        """Graphs of `model` decoding over `pool` (whose block `scratch_block` no request owns),
+        for up to `max_num_seqs` rows of up to `max_model_len` tokens."""
+        self.model = model
+        self.pool = pool
+        self.scratch = scratch_block
         bs = pool.block_size
-        self.max_blocks = -(-engine.max_model_len // bs)
+        self.max_blocks = -(-max_model_len // bs)
         self.max_len = self.max_blocks * bs
-        n = engine.cfg.max_num_seqs
+        n = max_num_seqs
         self.buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < n] + [n]
         dev = pool.device
         B = self.buckets[-1]

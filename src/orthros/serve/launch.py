@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .engine import Engine, EngineConfig
+from .config import EngineConfig
+from .engine import Engine
 
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -33,7 +34,7 @@ def load_model(model_dir: str | None, preset: str | None, device: str, dtype: st
     if preset is not None:
         if layers is not None:
             over["num_hidden_layers"] = layers
-        from ..bench.common import build_model
+        from ..random_model import build_model
 
         cfg = OrthrosConfig.from_name(preset, **over)
         if max_model_len:

@@ -1,0 +1,163 @@
+"""The model runner: the model, its paged KV pool, the decode graphs and the warm-up.
+
+It runs a step's segments (`models.paged_cache.Segment`: tokens, start,
+blocks, whether an output position) as one forward and returns the logits
+at their output positions; which segments those are is the scheduler's
+business. On CUDA the decodes of a step run through captured graphs
+(`serve.graphs`), beside an eager forward for the step's chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.paged_cache import PagedKVPool, PagedStepCache, Segment, kv_bytes_per_token
+from .config import EngineConfig
+from .kv_blocks import BlockPool, BlockTable
+
+
+def blocks_from_memory(model, device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> int:
+    """KV blocks that fit `cfg.kv_cache_gib` (None: on CUDA 90% of the free memory, less the
+    activations of a full token budget and 2 GiB; elsewhere 1 GiB), less the scratch block."""
+    per_block = kv_bytes_per_token(model.config, dtype, cfg.kv_dtype) * cfg.block_size
+    gib = cfg.kv_cache_gib
+    if gib is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            # headroom for the activations of a full token budget (MLP rows dominate)
+            mc = model.config
+            act = cfg.max_num_batched_tokens * (3 * mc.intermediate_size + 8 * mc.hidden_size) * 4
+            act += cfg.max_num_batched_tokens * mc.vocab_size * 4 // 8
+            budget = 0.9 * free - act - (2 << 30)
+        else:
+            budget = 1 << 30
+    else:
+        budget = gib * 2**30
+    n = int(budget // per_block) - 1
+    if n < 2:
+        raise ValueError(f"no memory for the KV cache ({budget / 2**30:.2f} GiB for blocks of {per_block} bytes)")
+    return n
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, max_model_len: int):
+        self.model = model.eval()
+        cfg = config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.num_blocks = cfg.num_blocks or blocks_from_memory(model, self.device, self.dtype, cfg)
+        # one block more than the block manager hands out: a scratch block for padded rows
+        self.pool = PagedKVPool(model.config, self.num_blocks + 1, cfg.block_size, self.device, self.dtype,
+                                cfg.kv_dtype)
+        self.scratch_block = self.num_blocks
+        self.split_mixed_steps = cfg.split_mixed_steps
+        self.used_graph = False  # whether the last `forward` replayed a graph (for the step log)
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            from .graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.pool, self.scratch_block, max_model_len, cfg.max_num_seqs)
+
+    # ------------------------------------------------------------ forwards
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """The step's logits [N, V] at the segments' output positions, in their order.
+
+        Decode-only steps replay a captured graph. A step mixing decodes and prompt chunks runs,
+        where graphs are on (`EngineConfig.split_mixed_steps`), the decodes through their graph
+        and the chunks in a second, eager forward: run eagerly, a decode row costs the whole
+        model's per-layer kernel launches on the host (hundreds of small kernels for a few
+        rows), which is what running streams would wait for beside every chunk."""
+        self.used_graph = False
+        if self.graphs is not None:
+            dec = self.decodes(segments)
+            decodes = [segments[i] for i in dec]
+            if dec and (len(dec) == len(segments) or self.split_mixed_steps) and self.graphs.fits(decodes):
+                picked = set(dec)
+                rest = [s for i, s in enumerate(segments) if i not in picked]
+                # the chunks' cache first: its host-to-device copies then run while the device is
+                # idle, not queued behind the graph (a pageable copy holds the host until it is done)
+                cache = PagedStepCache(self.pool, self.model.config, rest) if rest else None
+                out = self.graphs.run(decodes)
+                if out is not None:
+                    self.used_graph = True
+                    return out if cache is None else self.merge(segments, out, self.run(cache))
+        return self.eager_forward(segments)
+
+    @staticmethod
+    def decodes(segments: list[Segment]) -> list[int]:
+        """Indices of the segments a decode graph can run: one token, an output position."""
+        return [i for i, s in enumerate(segments) if len(s.tokens) == 1 and s.output]
+
+    @staticmethod
+    def merge(segments: list[Segment], dec_logits: torch.Tensor, rest_logits: torch.Tensor) -> torch.Tensor:
+        """Interleave the decodes' logits [D, V] and the other segments' [R, V] back into the
+        segments' order: [D + R, V]."""
+        dec = set(ModelRunner.decodes(segments))
+        order, d, r = [], 0, dec_logits.shape[0]
+        for i, s in enumerate(segments):
+            if i in dec:
+                order.append(d)
+                d += 1
+            elif s.output:
+                order.append(r)
+                r += 1
+        both = torch.cat([dec_logits, rest_logits])
+        return both if order == list(range(len(order))) else both[torch.tensor(order, device=both.device)]
+
+    def eager_forward(self, segments: list[Segment]) -> torch.Tensor:
+        return self.run(PagedStepCache(self.pool, self.model.config, segments))
+
+    def run(self, cache: PagedStepCache) -> torch.Tensor:
+        """One eager forward through `cache`: logits [N, V] (fp32) at its output positions."""
+        m = self.model
+        h = m.model(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
+        return m.lm_head(h)[0].float()
+
+    # ------------------------------------------------------------- warm-up
+    def warm_up(self, blocks: BlockPool, chunk_lengths: list[int]) -> None:
+        """On CUDA, before serving, so that no step of a running stream waits for a compilation:
+        compile the windowed-chunk attention for every budget-cut chunk length (`chunk_lengths`,
+        first chunk and later ones; other lengths run the blocked op, `PagedKVPool.compiled_chunks`),
+        then run one mixed step (a prompt's last chunk beside a decode, both with an output
+        position: the eager path's kernels, which the captured decode graphs do not compile).
+        The writes go to blocks of `blocks` that are free again afterwards."""
+        if self.device.type == "cuda":
+            if self.model.config.attention != "full":
+                self.compile_chunks(blocks, chunk_lengths)
+            self.warm_mixed_step(blocks)
+            torch.cuda.synchronize(self.device)
+
+    def capture_graphs(self) -> None:
+        """Capture every decode bucket now (an fp8 pool's scales come from the first prefill:
+        its graphs are captured when first needed)."""
+        if self.graphs is not None and not self.pool.fp8:
+            self.graphs.capture_all()
+
+    def compile_chunks(self, blocks: BlockPool, chunk_lengths: list[int]) -> None:
+        lengths = [n for n in chunk_lengths if n >= 128]
+        self.pool.compiled_chunks = frozenset(lengths)
+        for n in lengths:
+            for start in (0, self.model.config.window_size):
+                self._warm_forward(blocks, [(n, start, False)])
+
+    def warm_mixed_step(self, blocks: BlockPool) -> None:
+        W = self.model.config.window_size or 16
+        self._warm_forward(blocks, [(W + 3, W, True), (1, W + 1, True)])
+
+    def _warm_forward(self, blocks: BlockPool, parts: list[tuple[int, int, bool]]) -> None:
+        """One forward over fake sequences [(tokens, start, output)] in blocks freed afterwards
+        (skipped if the pool has too few free); it chooses no fp8 scales."""
+        need = [blocks.blocks_for(start + n) for n, start, _ in parts]
+        if sum(need) > blocks.num_free:
+            return
+        tables = [blocks.allocate(k) for k in need]
+        try:
+            # eager: the graphs are captured from real steps (an fp8 pool's scales come later)
+            self.eager_forward([Segment([0] * n, start, b, out) for (n, start, out), b in zip(parts, tables)])
+        finally:
+            for b in tables:
+                blocks.release(BlockTable(blocks=b))
+        if self.pool.fp8:  # the warm-up's tokens must not choose the scales
+            self.pool.scaled = [False] * self.pool.num_layers
+            self.pool.k_scale.fill_(1.0)
+            self.pool.v_scale.fill_(1.0)
