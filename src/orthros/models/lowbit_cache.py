@@ -32,14 +32,14 @@ the sequence, not on how it was chunked):
              sinks) and its value is quantized; on the step where `bound`
              moves, the key group just below it is quantized from the ring
              (recent + 2 key_group slots: it still holds that group). One
-             Triton launch a layer on CUDA (`ops/lowbit_write.py`, the same
+             Triton launch a layer on CUDA (`ops/lowbit/write.py`, the same
              bits as the PyTorch ops); the PyTorch form (elsewhere) has no
              branch and quantizes that group again every step, the same bits
              each time.
 
 Reads: the base stream gets its window in bf16 (prefill: ring + chunk;
 decode: the ring); the output queries read all three parts through the
-split-KV kernel (`ops/splitkv_lowbit.py`, dequantizing on the fly) on CUDA, or
+split-KV kernel (`ops/splitkv/lowbit.py`, dequantizing on the fly) on CUDA, or
 the reference (dequantize the whole prefix, then `ops.attention`) elsewhere.
 """
 
@@ -49,8 +49,10 @@ import torch
 from transformers import Cache
 
 from ..ops import attention
+from ..ops.kv import LowBitKV
 from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate, rotation_matrix
-from ..ops.lowbit_write import decode_write, write_kernel_applies
+from ..ops.lowbit.write import decode_write, write_kernel_applies
+from ..ops.splitkv import splitkv_takes
 from ..ops.masks import PAD_DOC
 from .static_cache import StaticOrthrosCache
 
@@ -216,7 +218,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     def _decode_write(self, layer_idx: int, hk: torch.Tensor, hv: torch.Tensor) -> None:
         """One token per row at `slot` (tensor indices only: capturable): one Triton launch on CUDA
-        (`ops/lowbit_write.py`), PyTorch ops elsewhere; the same bits either way."""
+        (`ops/lowbit/write.py`), PyTorch ops elsewhere; the same bits either way."""
         i = layer_idx
         vs, vz = (x[i] for x in self._v_head_major)
         lowbit_decode_write(hk, hv, self.rk[i], self.rv[i], self.sk[i], self.sv[i], self.kq[i], self.vq[i],
@@ -269,12 +271,12 @@ class LowBitStaticCache(StaticOrthrosCache):
         bq = self.bound_at(q_slot + 1)
         values = torch.unique(bq).tolist()
         if values == [now] and _kernel_takes(q, self.sk[0], backend):  # the ring holds [now, L)
-            from ..ops.splitkv_lowbit import lowbit_splitkv_attention
+            from ..ops.splitkv import lowbit_splitkv_attention
 
             b = torch.full((1,), now, device=q.device, dtype=torch.long)
-            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L,
-                                            self.layer_key_bits[layer_idx],
-                                            self.value_bits, self.key_group, scale=scale, rotation=self.rotation)
+            kv = LowBitKV(*self.layer(layer_idx), b, L, self.layer_key_bits[layer_idx], self.value_bits,
+                          self.key_group, self.rotation)
+            return lowbit_splitkv_attention(q, kv, q_slot, q_doc, k_doc, scale=scale)
         b0, hk, hv = self._hi
         o = None
         for b in values:
@@ -312,14 +314,8 @@ def layer_key_bits(config, kv_dtype: str, key_bits=None) -> list[int]:
 
 
 def _kernel_takes(q, sk, backend: str) -> bool:
-    """Whether the low-bit split-KV kernel runs these queries (few rows; CUDA, or Triton's CPU
-    interpreter when the triton backend is asked for)."""
-    from ..ops import _interpreting, triton_available
-    from ..ops.splitkv import MAX_ROWS
-
-    few = (q.shape[2] // sk.shape[2]) * q.shape[1]
-    device_ok = q.is_cuda or (_interpreting() and backend == "triton")
-    return device_ok and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
+    """Whether the low-bit split-KV kernel runs these queries (`ops.splitkv.splitkv_takes`)."""
+    return splitkv_takes(q, sk.shape[2], backend)
 
 
 def quantize_key_groups(src, slots, sinks: int, bits: int, group: int, rotated: bool):
@@ -338,7 +334,7 @@ def lowbit_decode_write(hk: torch.Tensor, hv: torch.Tensor, rk: torch.Tensor, rv
                         recent: int, key_group: int, key_bits: int, value_bits: int, rotated: bool,
                         kernel: bool) -> None:
     """A decode step's write of one layer (`LowBitStaticCache._decode_write`; v_scale / v_zero
-    head-major, [B, Hkv, C, NG]): the Triton kernel (`ops.lowbit_write.decode_write`), or PyTorch ops.
+    head-major, [B, Hkv, C, NG]): the Triton kernel (`ops.lowbit.write.decode_write`), or PyTorch ops.
     Opaque to torch.compile (the ops' form compiled to a dozen kernels a layer), captured as is in
     CUDA graphs."""
     if kernel:
@@ -387,11 +383,12 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
     rows = None if window_rows < 0 else window_rows
     S = k_doc.shape[1]
     if kernel:
-        from ..ops.splitkv_lowbit import lowbit_splitkv_attention
+        from ..ops.splitkv import lowbit_splitkv_attention
 
-        return lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc,
-                                        k_doc, bound, S, key_bits, value_bits, key_group, window=win, scale=scale,
-                                        window_rows=rows, rotation=rotation).contiguous()
+        kv = LowBitKV(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
+                      key_group, rotation)
+        return lowbit_splitkv_attention(q, kv, q_slot, q_doc, k_doc, window=win, scale=scale,
+                                        window_rows=rows).contiguous()
     kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
                       key_group, rotation is not None)
     return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, window=win, scale=scale,

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import attention
-from ..ops.paged import paged_attention
+from ..ops.splitkv.paged import paged_attention
 from .layout import Layout
 from .static_cache import FP8, FP8_MARGIN, FP8_MAX, kv_storage_dtype
 

@@ -31,6 +31,7 @@ import torch
 from transformers import Cache
 
 from ..ops import attention
+from ..ops.splitkv import splitkv_takes
 from ..ops.masks import PAD_DOC
 from .cache import OrthrosCache
 
@@ -233,13 +234,8 @@ class StaticOrthrosCache(OrthrosCache):
 
 
 def _splitkv_takes(q, k, backend) -> bool:
-    """Whether `ops.attention` will run this call with the split-KV kernel (which reads fp8)."""
-    from ..ops import triton_available
-    from ..ops.splitkv import MAX_ROWS
-
-    few = (q.shape[2] // k.shape[2]) * q.shape[1]
-    return (q.is_cuda and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
-            and (backend == "triton" or few <= 64))
+    """Whether `ops.attention` runs this call with the split-KV kernel (which reads fp8 itself)."""
+    return splitkv_takes(q, k.shape[2], backend, k)
 
 
 @torch.library.custom_op("orthros::decode_attention", mutates_args=())
@@ -251,7 +247,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_slot: 
     Opaque to torch.compile (one node in the graph), captured as is in CUDA graphs."""
     win = None if window == 0 else window
     rows = None if window_rows < 0 else window_rows
-    if _splitkv_takes(q, k, "triton"):
+    if _splitkv_takes(q, k, "auto"):
         from ..ops.splitkv import splitkv_attention
 
         # Queries that all have a window read at most `window` keys: one split, no merge

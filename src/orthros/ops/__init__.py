@@ -26,49 +26,21 @@ Kernels are imported lazily: `import orthros` never needs Triton.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .chunked import chunked_attention
 from .masks import NO_QUERY_DOC, PAD_DOC, visible
 from .naive import naive_attention
+from .splitkv.common import interpreting as _interpreting  # noqa: F401  (older import path)
+from .splitkv.common import splitkv_takes, triton_available
 
 __all__ = ["attention", "naive_attention", "chunked_attention", "visible", "PAD_DOC", "NO_QUERY_DOC", "BACKENDS"]
 
 BACKENDS = ("auto", "naive", "chunked", "sdpa", "flex", "triton")
 
 
-_TRITON: bool | None = None
-
-
-def triton_available() -> bool:
-    """Whether Triton imports (checked once). A plain global, not functools.cache: this runs
-    inside compiled decode steps, where dynamo warns about every lru_cache-wrapped call."""
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON = True
-        except ImportError:
-            _TRITON = False
-    return _TRITON
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _splitkv_applies(q, k, v, backend: str) -> bool:
-    """Few queries, no autograd, Triton on CUDA (or its interpreter when asked for)."""
-    from .splitkv import MAX_ROWS
-
-    rows = (q.shape[2] // k.shape[2]) * q.shape[1]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    gpu = q.is_cuda or (_interpreting() and backend == "triton")
-    return (gpu and not needs_grad and triton_available() and rows <= MAX_ROWS
-            and ((backend == "auto" and rows <= 64) or backend == "triton"))
+    return splitkv_takes(q, k.shape[2], backend, k, v)
 
 
 def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto",
@@ -88,7 +60,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     M = q.shape[1]
     if window is not None and window_rows is not None and window_rows < M:
         if _splitkv_applies(q, k, v, backend):
-            from .splitkv import splitkv_attention
+            from .splitkv.dense import splitkv_attention
 
             return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
                                      window_rows=window_rows)
@@ -100,7 +72,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     if backend == "naive":
         return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     if _splitkv_applies(q, k, v, backend):
-        from .splitkv import splitkv_attention
+        from .splitkv.dense import splitkv_attention
 
         if dense_start is not None and window is not None:  # only the last W keys can be seen
             a = max(0, dense_start - window + 1)

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from ..generate import SamplingConfig, sample
 from ..models.layout import build_layout
-from ..ops import _interpreting, attention, triton_available
+from ..ops import _interpreting, attention
+from ..ops.splitkv import splitkv_takes
 from ..ops.lse import lse_merge
 from ..ops.naive import naive_attention
 from .comm import CPGroup, all_gather, gather_merge, halo_exchange, shard_bounds
@@ -110,11 +111,10 @@ def partial_attention(q, k, v, q_slot, q_doc, k_doc, window=None, key_chunk: int
     S = k.shape[1]
     if S == 0:
         return q.new_zeros(B, M, H, D, dtype=torch.float32), q.new_full((B, M, H), float("-inf"), dtype=torch.float32)
-    if (q.is_cuda or _interpreting()) and triton_available():  # the Triton interpreter runs it on CPU (tests)
-        from ..ops.splitkv import MAX_ROWS, splitkv_attention
+    if splitkv_takes(q, k.shape[2], "triton" if _interpreting() else "auto"):  # the interpreter runs it on CPU (tests)
+        from ..ops.splitkv import splitkv_attention
 
-        if (H // k.shape[2]) * M <= MAX_ROWS:
-            return splitkv_attention(q.contiguous(), k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
+        return splitkv_attention(q.contiguous(), k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
     os_, lses = [], []
     for s in range(0, S, key_chunk):  # the reference op on key blocks, merged like shards
         e = s + key_chunk
