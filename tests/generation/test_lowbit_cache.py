@@ -12,7 +12,7 @@ from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.generate import compiled_decode_step, decode_one_token_fast, generate, left_pad, new_static_cache, prefill
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.models.paged_cache import PagedKVPool
-from orthros.ops import lowbit
+from orthros.ops import attend, lowbit
 from orthros.ops.naive import naive_attention
 
 from ..conftest import DEVICE, make_model, rel_err
@@ -64,18 +64,18 @@ def test_windowed_queries_read_only_bf16():
     q = torch.randn(2, 1, 4, 16)
     slot, qd = torch.full((1, 1), 149), torch.zeros(2, 1, dtype=torch.long)
     cache.decoding = True
-    before = cache.attend(0, q, None, None, slot, qd, cache.doc, window=8)
+    before = attend(q, cache.read(0), slot, qd, cache.doc, window=8)
     for t in (cache.k_scale[0], cache.k_zero[0], cache.v_scale[0], cache.v_zero[0]):
         t.fill_(float("nan"))
-    after = cache.attend(0, q, None, None, slot, qd, cache.doc, window=8)
+    after = attend(q, cache.read(0), slot, qd, cache.doc, window=8)
     assert torch.isfinite(after).all() and torch.equal(before, after)
-    full = cache.attend(0, q, None, None, slot, qd, cache.doc)  # the output query does read them
+    full = attend(q, cache.read(0), slot, qd, cache.doc)  # the output query does read them
     assert torch.isnan(full).any()
     cache.decoding = False  # a prefill chunk's base rows: the window keys from `update`
     cache.append_tokens(torch.zeros(2, 3, dtype=torch.long), torch.full((2,), 153), torch.zeros(2, dtype=torch.long))
-    kw, vw = cache.update(0, torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16))
-    ob = cache.attend(0, torch.randn(2, 3, 4, 16), kw, vw, torch.arange(150, 153)[None], torch.zeros(2, 3).long(),
-                      cache.key_doc, window=8)
+    kv = cache.write(0, torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16))
+    ob = attend(torch.randn(2, 3, 4, 16), kv, torch.arange(150, 153)[None], torch.zeros(2, 3).long(), cache.key_doc,
+                window=8)
     assert torch.isfinite(ob).all()
 
 

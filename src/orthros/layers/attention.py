@@ -16,7 +16,8 @@ import functools
 import torch
 from torch import nn
 
-from ..ops import attention, naive_attention
+from ..ops import attend, naive_attention
+from ..ops.kv import DenseKV
 from .mlp import RMSNorm
 from .fused import fused_heads
 
@@ -78,6 +79,11 @@ class OrthrosAttention(nn.Module):
         k = self._heads(self.k_proj(x), cos, sin, self.n_kv, norm=self.k_norm)
         return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
+    def _write(self, cache, k, v):
+        """The new base tokens' k, v [B, T, Hkv, D] -> what attention reads: the cache's description
+        of its storage after the write (`models.kv.KVCache`), or these K/V alone."""
+        return DenseKV(k, v) if cache is None else cache.write(self.layer_idx, k, v)
+
     def _pair_so(self, T: int, R: int):
         """SO's (alpha, beta) per row of a decode pair [R, H*D]: the base stream's for the T
         base rows, the output stream's for the rest. Without autograd they are made once per
@@ -107,21 +113,19 @@ class OrthrosAttention(nn.Module):
         B, R, _ = x.shape
         T = layout.base_slot.shape[1]
         q = self.q_proj(x)
-        k, v = self.keys_values(x[:, :T], *rope_base)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
+        kv = self._write(cache, *self.keys_values(x[:, :T], *rope_base))
         so = self._pair_so(T, R) if self.scale_offset else (None, None)
         q = self._heads(q, *rope, self.n_heads, so, self.q_norm)
-        if hasattr(cache, "attend") and self.out_window is None:  # one launch (split-KV, window_rows)
+        if self.out_window is None:  # one call; one launch where the kernel takes both windows
             slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)
             doc = torch.cat([layout.base_doc, layout.out_doc], 1)
-            o = cache.attend(self.layer_idx, q, k, v, slot, doc, layout.key_doc, window=self.base_window,
-                             backend=self.backend, window_rows=T)
+            o = attend(q, kv, slot, doc, layout.key_doc, window=self.base_window, backend=self.backend,
+                       dense_start=(layout.base_dense, layout.out_dense), window_rows=T, base_rows=T)
         else:
-            ob = attention(q[:, :T], k, v, layout.base_slot, layout.base_doc, layout.key_doc, window=self.base_window,
-                           backend=self.backend, dense_start=layout.base_dense)
-            oo = attention(q[:, T:], k, v, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
-                           backend=self.backend, dense_start=layout.out_dense)
+            ob = attend(q[:, :T], kv, layout.base_slot, layout.base_doc, layout.key_doc, window=self.base_window,
+                        backend=self.backend, dense_start=layout.base_dense, base_rows=T)
+            oo = attend(q[:, T:], kv, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
+                        backend=self.backend, dense_start=layout.out_dense)
             o = torch.cat([ob, oo], 1)
         return self.o_proj(o.flatten(2))
 
@@ -133,7 +137,7 @@ class OrthrosAttention(nn.Module):
             xo: [B, N, C] normed output stream, or None.
             layout: the batch's `Layout` (slots, documents, positions).
             rope_base / rope_out: (cos, sin) at base / output positions.
-            cache: an `OrthrosCache` to append K/V to and read the past from.
+            cache: a `models.kv.KVCache` to write K/V to and read the past from.
             skip_base: compute K/V only (the last layer's base stream is never read).
             pair_rope: (cos, sin) of both streams' rows: xb then holds both streams as one
                 tensor [B, T + N, C] (base rows first), xo is None, and so is the second output.
@@ -146,28 +150,26 @@ class OrthrosAttention(nn.Module):
             return self._forward_pair(xb, layout, pair_rope, rope_base, cache), None
         B, T, _ = xb.shape
         qb, qo = rows(self.q_proj, None if skip_base else xb, xo)
-        k, v = self.keys_values(xb, *rope_base)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        attend = attention
+        kv = self._write(cache, *self.keys_values(xb, *rope_base))
+        attend_ = attend
         if probs is not None:
-            attend = functools.partial(_reference_attention, probs)
-        elif hasattr(cache, "attend"):  # a cache with its own storage format (fp8) or capturable kernels
-            attend = functools.partial(cache.attend, self.layer_idx)
+            attend_ = functools.partial(_reference_attention, probs)
         ob = oo = None
         if qb is not None:
             qb = self._queries(qb, "base", *rope_base)
-            ob = attend(qb, k, v, layout.base_slot, layout.base_doc, layout.key_doc,
-                        window=self.base_window, backend=self.backend, dense_start=layout.base_dense).flatten(2)
+            ob = attend_(qb, kv, layout.base_slot, layout.base_doc, layout.key_doc, window=self.base_window,
+                         backend=self.backend, dense_start=layout.base_dense, base_rows=qb.shape[1]).flatten(2)
         if qo is not None:
             qo = self._queries(qo, "out", *rope_out)
-            oo = attend(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
-                        window=self.out_window, backend=self.backend, dense_start=layout.out_dense).flatten(2)
+            oo = attend_(qo, kv, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
+                         backend=self.backend, dense_start=layout.out_dense).flatten(2)
         return rows(self.o_proj, ob, oo)
 
 
-def _reference_attention(probs: list, q, k, v, q_slot, q_doc, k_doc, window=None, backend=None, dense_start=None):
-    """`ops.attention`'s signature on the reference op; appends the probabilities [B, H, M, S] to `probs`."""
-    o, p = naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, return_probs=True)
+def _reference_attention(probs: list, q, kv: DenseKV, q_slot, q_doc, k_doc, window=None, backend=None,
+                         dense_start=None, base_rows=0):
+    """`ops.attend`'s signature on the reference op over dense K/V (`OrthrosCache`, or none); appends the
+    probabilities [B, H, M, S] to `probs`."""
+    o, p = naive_attention(q, kv.k, kv.v, q_slot, q_doc, k_doc, window=window, return_probs=True)
     probs.append(p)
     return o

@@ -294,7 +294,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
             cache = self.new_cache()
         flag = lambda value, name: bool(value if value is not None else getattr(self.config, name, False))
         trace = Trace(flag(output_hidden_states, "output_hidden_states"), flag(output_attentions, "output_attentions"))
-        if trace.attentions and hasattr(cache, "attend"):
+        if trace.attentions and cache is not None and not cache.reference_reads:
             raise ValueError(f"output_attentions needs an OrthrosCache or no cache, not a {type(cache).__name__} "
                              "(its kernels return no attention probabilities)")
         out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)

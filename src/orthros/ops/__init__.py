@@ -1,6 +1,8 @@
-"""Attention ops and the dispatcher that picks one per call.
+"""Attention ops and the dispatchers that pick one per call.
 
-`attention(...)` has the contract of `naive_attention` (the reference);
+`attend(q, kv, ...)` reads a cache layer's stored K/V as the cache describes it (`ops.kv`:
+dense, paged, low-bit; `attend.py`): the one place where a kernel is chosen for a cache.
+`attention(...)` is its dense case and has the contract of `naive_attention` (the reference);
 the fast paths below compute the same function:
 
     chunked — blocked SDPA (`chunked.py`, `sdpa_cpu.py`): each query chunk
@@ -13,8 +15,8 @@ the fast paths below compute the same function:
               cuDNN calls merged by log-sum-exp, `dense.sdpa_causal_offset`).
     flex    — compiled FlexAttention with a block mask built from tile
               metadata: many queries, forward and backward, any mask.
-    triton  — split-KV (flash-decoding) kernel: a few queries over a long
-              cache, inference only.
+    triton  — split-KV (flash-decoding) kernel (`ops/splitkv/`): a few queries
+              over a long cache, inference only; `splitkv_takes` says when.
 
 `backend="auto"` picks, on CUDA: split-KV for few queries without autograd,
 SDPA for a plain causal batch (a prefix, or a later chunk without autograd),
@@ -102,3 +104,8 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     from .flex import flex_attention_op
 
     return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)
+
+
+from .attend import attend  # noqa: E402  (it calls `attention`, defined above)
+
+__all__ += ["attend"]

@@ -85,7 +85,8 @@ class LowBitKV:
     """One layer of a low-bit cache (`ops/lowbit/format.py`): bf16 sinks sk / sv [B, NS, Hkv, D], packed
     kq / vq [B, C, Hkv, D * bits / 8], key scale / zero [B, C / key_group, Hkv, D], value scale / zero
     [B, C, Hkv, D / VG], bf16 ring rk / rv [B, ring, Hkv, D]; `bound` [1] int64 (first slot read from the
-    ring), `length` slots read; rotation R [D, D] fp32 of a rotated cache, else None.
+    ring), `length` slots read; rotation R [D, D] fp32 of a rotated cache, else None; capturable: a
+    decode step's read (one opaque custom op).
 
     window: the base stream's bf16 keys (`DenseKV`), which windowed queries read instead.
     high: (b0, hk, hv) the bf16 K/V of slots [b0, length) of a prefill chunk, for queries of that
@@ -107,6 +108,7 @@ class LowBitKV:
     value_bits: int
     key_group: int
     rotation: torch.Tensor | None = None
+    recent: int = 0  # slots kept in bf16 at least: bound(L) = (L - recent) // key_group * key_group
     window: DenseKV | None = None
     high: tuple | None = None
     capturable: bool = False

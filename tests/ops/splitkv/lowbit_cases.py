@@ -15,7 +15,9 @@ import sys
 import torch
 
 from orthros import OrthrosConfig
-from orthros.models.lowbit_cache import LowBitStaticCache, _kernel_takes
+from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.ops import attend
+from orthros.ops.splitkv import splitkv_takes
 from orthros.ops.naive import naive_attention
 from orthros.ops.splitkv.study import lowbit_splitkv_attention
 
@@ -126,10 +128,9 @@ def mixed_key_bits(device="cpu", dtype=torch.float32):
     cache.decoding = True  # the last token as a decode step: written, then read at its slot
     q = torch.randn(B, 1, 4, 16).to(device, dtype)
     slot, qd = torch.full((B, 1), T - 1, device=device), torch.zeros(B, 1, dtype=torch.long, device=device)
-    assert _kernel_takes(q, cache.sk[0], "triton")  # the kernel, not the reference read, answers `attend`
+    assert splitkv_takes(q, 2, "triton")  # the kernel, not the reference read, answers `attend`
     for i in range(2):
-        cache.update(i, k[i, :, T - 1:], v[i, :, T - 1:])
-        out = cache.attend(i, q, None, None, slot, qd, cache.doc, backend="triton")
+        out = attend(q, cache.write(i, k[i, :, T - 1:], v[i, :, T - 1:]), slot, qd, cache.doc, backend="triton")
         kr, vr = cache.dense(i, T, cache.bound_at(T))
         ref = naive_attention(q.float(), kr, vr, slot, qd, cache.doc[:, :T])
         err = ((out.float() - ref).norm() / ref.norm()).item()
