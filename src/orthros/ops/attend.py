@@ -14,7 +14,7 @@ Shapes: q [B, M, H, D], q_slot [1 or B, M], q_doc [B, M], k_doc [B, S] -> [B, M,
 `base_rows`: how many leading rows are base-stream rows (a paged read plans each stream's rows).
 `window_rows`: only the first `window_rows` rows use `window` (both streams of decodes in one call);
 `dense_start` may then be a pair (the base rows' hint, the output rows' hint), used where the two
-groups run as two calls.
+groups run as two calls; so may `q_slot` and `q_doc` (concatenated only where one call takes both).
 """
 
 from __future__ import annotations
@@ -29,15 +29,32 @@ from .splitkv.common import splitkv_takes
 
 def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto", dense_start=None,
            window_rows=None, base_rows: int = 0):
+    if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
+        from .paged_read import paged_attend
+
+        return paged_attend(q, kv, window, scale, backend, window_rows, base_rows)
     if isinstance(kv, DenseKV):
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
     if isinstance(kv, LowBitKV):
         return _lowbit(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
-    if isinstance(kv, PagedKV):
-        from .paged_read import paged_attend
-
-        return paged_attend(q, kv, window, scale, backend, window_rows, base_rows)
     raise TypeError(f"attend reads DenseKV, LowBitKV or PagedKV, got {type(kv).__name__}")
+
+
+def _joined(q_slot, q_doc, B: int):
+    """Slots and documents given per group (tuples) -> one [B, M] tensor each."""
+    if isinstance(q_slot, tuple):
+        q_slot = torch.cat([s if s.shape[0] == B else s.expand(B, s.shape[1]) for s in q_slot], 1)
+    if isinstance(q_doc, tuple):
+        q_doc = torch.cat(q_doc, 1)
+    return q_slot, q_doc
+
+
+def _groups(q_slot, q_doc, r: int, B: int, M: int):
+    """(slots, documents) of rows [0, r) and [r, M), from tuples or from whole tensors."""
+    if isinstance(q_slot, tuple):
+        return (q_slot[0], q_doc[0]), (q_slot[1], q_doc[1])
+    slot = q_slot.expand(B, M)
+    return (slot[:, :r], q_doc[:, :r]), (slot[:, r:], q_doc[:, r:])
 
 
 def _per_head(s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -52,12 +69,13 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
     if pair and not kv.capturable and not splitkv_takes(q, k.shape[2], backend, k, v):
         # windowed rows, then the others: one call each (the split-KV kernel takes both in one launch)
         r, (da, db) = window_rows, dense_start if isinstance(dense_start, tuple) else (None, None)
-        slot = q_slot.expand(q.shape[0], M)
-        a = _dense(q[:, :r], kv, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend, da, None)
-        b = _dense(q[:, r:], kv, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend, db, None)
+        (sa, qa), (sb, qb) = _groups(q_slot, q_doc, r, q.shape[0], M)
+        a = _dense(q[:, :r], kv, sa, qa, k_doc, window, scale, backend, da, None)
+        b = _dense(q[:, r:], kv, sb, qb, k_doc, None, scale, backend, db, None)
         return torch.cat([a, b], 1)
     if isinstance(dense_start, tuple):  # per-group hints: the rows run as one call
         dense_start = None
+    q_slot, q_doc = _joined(q_slot, q_doc, q.shape[0])
     if kv.k_scale is not None:  # fp8: q . (s k) = (s q) . k per head
         q = q * _per_head(kv.k_scale, q)
     if kv.capturable:
@@ -86,16 +104,18 @@ def _lowbit(q, kv: LowBitKV, q_slot, q_doc, k_doc, window, scale, backend, dense
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kernel = splitkv_takes(q, kv.sk.shape[2], backend)
     if kv.capturable:
+        q_slot, q_doc = _joined(q_slot, q_doc, q.shape[0])
         return lowbit_decode_attention(q, *kv.parts(), q_slot.expand(q.shape[0], -1), q_doc, k_doc, kv.bound,
                                        0 if window is None else int(window), scale,
                                        -1 if window_rows is None else int(window_rows), kv.key_bits, kv.value_bits,
                                        kv.key_group, kv.rotation, kernel)
     if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
         r = window_rows
-        slot = q_slot.expand(q.shape[0], -1)
-        a = _lowbit(q[:, :r], kv, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend, None, None)
-        b = _lowbit(q[:, r:], kv, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend, None, None)
+        (sa, qa), (sb, qb) = _groups(q_slot, q_doc, r, q.shape[0], q.shape[1])
+        a = _lowbit(q[:, :r], kv, sa, qa, k_doc, window, scale, backend, None, None)
+        b = _lowbit(q[:, r:], kv, sb, qb, k_doc, None, scale, backend, None, None)
         return torch.cat([a, b], 1)
+    q_slot, q_doc = _joined(q_slot, q_doc, q.shape[0])
     if window is not None:  # the base stream reads only its bf16 window
         return _dense(q, kv.window, q_slot, q_doc, k_doc, window, scale, backend, dense_start, None)
     return _lowbit_outputs(q, kv, q_slot.expand(q.shape[0], -1), q_doc, k_doc, scale, backend, kernel)
