@@ -60,6 +60,11 @@ class PagedChunk:
     q_doc: torch.Tensor  # [1, rows] zeros
     k_doc: torch.Tensor  # [1, S] zeros
 
+    @property
+    def rows(self) -> int:
+        """Queries the attention call runs: r1 - r0, or more, padded to a compiled length."""
+        return self.q_slot.shape[1]
+
 
 @dataclass
 class PagedKV:
