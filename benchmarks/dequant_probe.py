@@ -57,7 +57,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from orthros.ops.cross_compile import build, main_loop_sass, ptxas_report
-from orthros.ops.splitkv_lowbit_kernel import LEVELS4_PTX, _levels
+from orthros.ops.splitkv.lowbit_kernel import LEVELS4_PTX, _levels
 
 MODES = ("fp32-trick", "fp16-magic", "fp16-offset", "lop3-asm", "gluon-lop3")
 
@@ -320,8 +320,8 @@ def value_counts(mode: str, warps: int) -> tuple[int, dict]:
 def tile_counts(warps: int = 4) -> dict[str, tuple[tuple[int, dict], dict]]:
     """The whole packed tile: the low-bit kernel's own loop (Triton, int4, 64-key tiles) and the
     Gluon probe of the same work -> {name: ((loop instructions, opcodes), ptxas report)}."""
-    from orthros.ops.lowbit_launches import lowbit_launch, loop_options
-    from orthros.ops.splitkv_lowbit import MAXNREG, _kernel
+    from orthros.bench.lowbit_launches import lowbit_launch, loop_options
+    from orthros.ops.splitkv.lowbit import MAXNREG, _kernel
 
     plan = lowbit_launch("int4", block_n=64, num_warps=warps, num_stages=3, **loop_options("planar-f16"))
     u8, f16, i32 = torch.uint8, torch.float16, torch.int32

@@ -20,8 +20,8 @@ import time
 
 from orthros.bench.common import save_figure, splice_marks, subplots
 from orthros.ops.cross_compile import compile_for
-from orthros.ops.lowbit_launches import LOOPS, lowbit_launch, loop_options
-from orthros.ops.splitkv_lowbit import _kernel
+from orthros.bench.lowbit_launches import LOOPS, lowbit_launch, loop_options
+from orthros.ops.splitkv.lowbit import _kernel
 
 
 def main():

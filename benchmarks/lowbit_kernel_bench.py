@@ -1,5 +1,5 @@
 """The low-bit split-KV read at a long context, kernel by kernel: the Gluon packed kernel alone
-(`ops/splitkv_lowbit_gluon.py`, for its launch settings), the whole read through it (bf16 split +
+(`ops/splitkv/lowbit_gluon.py`, for its launch settings), the whole read through it (bf16 split +
 packed kernel + merge) and through the Triton kernel, and the fp8 kernel as the baseline, in
 interleaved rounds (each timing a CUDA-graph replay, median over its repetitions; the table gives
 the median over rounds and the spread). Llama-3.1-8B attention shape, one decode step's two rows
@@ -28,8 +28,8 @@ from orthros import OrthrosConfig
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.ops.splitkv import splitkv_attention
-from orthros.ops.splitkv_lowbit import (bf16_split, bf16_splits, finish, gluon_launch, gluon_splits,
-                                        lowbit_splitkv_attention, packed_rows)
+from orthros.ops.splitkv.lowbit import bf16_split, bf16_splits, finish, gluon_launch, gluon_splits, packed_rows
+from orthros.ops.splitkv.study import from_environment, lowbit_splitkv_attention
 
 H, HKV, D, W = 32, 8, 128, 128
 
@@ -46,6 +46,7 @@ def main():
     p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    from_environment()  # ORTHROS_LOWBIT_KERNEL / ORTHROS_FP8_DOTS: study switches
     dev, S = torch.device("cuda"), args.context
     q = torch.randn(1, 2, H, D, device=dev, dtype=torch.bfloat16)
     slot = torch.full((1, 2), S - 1, device=dev)

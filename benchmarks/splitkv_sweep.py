@@ -30,9 +30,8 @@ from orthros import OrthrosConfig
 from orthros.bench.common import splice_marks
 from orthros.bench.decode import fill_random
 from orthros.models.lowbit_cache import LowBitStaticCache
-from orthros.ops.lowbit_launches import LOOPS, loop_options
 from orthros.ops.splitkv import _num_sms, splitkv_attention
-from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
+from orthros.ops.splitkv.study import LOOPS, from_environment, loop_options, lowbit_splitkv_attention
 
 H, HKV, D, W = 32, 8, 128, 128
 
@@ -66,6 +65,7 @@ def main():
     p.add_argument("--docs", default=None, help="splice the summary table into this file (between marks)")
     p.add_argument("--tag", default="splitkv-sweep", help="the marks: <!-- <tag>-table:begin / end -->")
     args = p.parse_args()
+    from_environment()  # ORTHROS_LOWBIT_KERNEL / ORTHROS_FP8_DOTS: study switches
     B, dev = args.batch, torch.device("cuda")
     rows = []
     sms = _num_sms(dev)

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from .convert.hf import PICKLE_SUFFIXES
 from .errors import UserError, one_line, read_json
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SO_NAMES = ("so_alpha", "so_beta", "so_alpha_out", "so_beta_out")  # scale-offset vectors: identity when absent
 
 

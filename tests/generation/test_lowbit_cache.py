@@ -12,50 +12,13 @@ from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.generate import compiled_decode_step, decode_one_token_fast, generate, left_pad, new_static_cache, prefill
 from orthros.models.lowbit_cache import LowBitStaticCache
 from orthros.models.paged_cache import PagedKVPool
-from orthros.ops import lowbit
+from orthros.ops import attend, lowbit
 from orthros.ops.naive import naive_attention
 
-from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
-
-from ..conftest import DEVICE, make_model, rel_err, run_triton_interpreted
-from .splitkv_lowbit_cases import filled_cache
+from ..conftest import DEVICE, make_model, rel_err
+from ..ops.splitkv.lowbit_cases import filled_cache
 
 LOWBIT = ["int4", "int2", "k4v2"]
-
-
-@pytest.mark.parametrize("bits", [4, 2])
-def test_quantize_pack_roundtrip_and_error_bound(bits):
-    torch.manual_seed(0)
-    n = torch.randint(0, 2**bits, (3, 5, 2, 32), dtype=torch.uint8)
-    assert torch.equal(lowbit.unpack(lowbit.pack(n, bits), bits), n)
-    assert lowbit.pack(n, bits).shape[-1] == 32 * bits // 8
-    x = 3 * torch.randn(2, 128, 2, 32) + 5  # off-centre: the zero point matters
-    for deq, s in ((lowbit.dequantize_keys(*lowbit.quantize_keys(x, bits, 16), bits, 16), None),
-                   (lowbit.dequantize_values(*lowbit.quantize_values(x, bits, 8), bits), None)):
-        # every element within half a step (+ fp16 rounding of the scale) of its value
-        lo_hi = x.amax() - x.amin()
-        assert (deq - x).abs().max() <= 0.5 * lo_hi / (2**bits - 1) * 1.01
-        assert not torch.equal(deq, x)
-    # a group with one value (zero range) comes back exactly
-    c = torch.full((1, 16, 1, 8), 0.7)
-    assert torch.allclose(lowbit.dequantize_keys(*lowbit.quantize_keys(c, bits, 16), bits, 16), c.half().float())
-
-
-@pytest.mark.parametrize("D", [16, 64, 24])
-def test_rotation_is_an_exact_involution(D):
-    """R (block-Hadamard, blocks of the largest power of two dividing D) is orthonormal and its
-    own inverse; `rotate` is x @ R and gives a slot the same bits whatever batch it is in (so
-    the stored cache does not depend on chunking)."""
-    R = lowbit.rotation_matrix(D)
-    b = D & -D
-    assert torch.allclose(R @ R, torch.eye(D), atol=1e-6) and torch.equal(R, R.T)
-    assert torch.count_nonzero(R) == D * b and torch.allclose(R.abs()[R != 0], torch.tensor(b**-0.5))
-    x = torch.randn(3, 40, 2, D)
-    assert torch.allclose(lowbit.rotate(x), x @ R, atol=1e-5)
-    assert torch.equal(lowbit.rotate(x)[1:2, 7:20], lowbit.rotate(x[1:2, 7:20]))
-    # an outlier channel is spread over its block: the rotated vector's range shrinks
-    spike = torch.zeros(D).index_fill_(0, torch.tensor([3]), 10.0) + 0.1 * torch.randn(D)
-    assert lowbit.rotate(spike).abs().max() < 0.5 * spike.abs().max()
 
 
 def _raw(length, D=16, Hkv=2, seed=0):
@@ -101,18 +64,18 @@ def test_windowed_queries_read_only_bf16():
     q = torch.randn(2, 1, 4, 16)
     slot, qd = torch.full((1, 1), 149), torch.zeros(2, 1, dtype=torch.long)
     cache.decoding = True
-    before = cache.attend(0, q, None, None, slot, qd, cache.doc, window=8)
+    before = attend(q, cache.read(0), slot, qd, cache.doc, window=8)
     for t in (cache.k_scale[0], cache.k_zero[0], cache.v_scale[0], cache.v_zero[0]):
         t.fill_(float("nan"))
-    after = cache.attend(0, q, None, None, slot, qd, cache.doc, window=8)
+    after = attend(q, cache.read(0), slot, qd, cache.doc, window=8)
     assert torch.isfinite(after).all() and torch.equal(before, after)
-    full = cache.attend(0, q, None, None, slot, qd, cache.doc)  # the output query does read them
+    full = attend(q, cache.read(0), slot, qd, cache.doc)  # the output query does read them
     assert torch.isnan(full).any()
     cache.decoding = False  # a prefill chunk's base rows: the window keys from `update`
     cache.append_tokens(torch.zeros(2, 3, dtype=torch.long), torch.full((2,), 153), torch.zeros(2, dtype=torch.long))
-    kw, vw = cache.update(0, torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16))
-    ob = cache.attend(0, torch.randn(2, 3, 4, 16), kw, vw, torch.arange(150, 153)[None], torch.zeros(2, 3).long(),
-                      cache.key_doc, window=8)
+    kv = cache.write(0, torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16))
+    ob = attend(torch.randn(2, 3, 4, 16), kv, torch.arange(150, 153)[None], torch.zeros(2, 3).long(), cache.key_doc,
+                window=8)
     assert torch.isfinite(ob).all()
 
 
@@ -289,72 +252,6 @@ def test_user_errors():
         generate(make_model(), [[1, 2]], fast=True, kv_dtype="int3")
     with pytest.raises(ValueError, match="low-bit cache"):
         PagedKVPool(cfg, 4, 16, "cpu", torch.float32, "int4")
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the kernel cases (CI runs them interpreted)")
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
-def test_kernel_matches_reference_on_gpu(kv_dtype):
-    from .splitkv_lowbit_cases import main
-
-    main("all", "cuda", kvs=(kv_dtype,))
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon has no interpreter: its kernel cases need a GPU")
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
-def test_gluon_kernel_matches_reference_on_gpu(kv_dtype):
-    from .splitkv_lowbit_cases import gluon_cases
-
-    gluon_cases("cuda", (kv_dtype,))
-
-
-def test_kernel_against_reference_triton_interpreter():
-    """The kernel against dequantize-then-attend on cache states written by the cache itself
-    (every case of splitkv_lowbit_cases.py), under TRITON_INTERPRET=1 on CPU."""
-    r = run_triton_interpreted("-m", "tests.generation.splitkv_lowbit_cases", timeout=600)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
-
-
-def test_decode_write_kernel_triton_interpreter():
-    """The decode write's Triton launch (`ops/lowbit_write.py`) stores the bits its PyTorch form stores
-    (every case of lowbit_write_cases.py), under TRITON_INTERPRET=1 on CPU."""
-    r = run_triton_interpreted("-m", "tests.generation.lowbit_write_cases", timeout=600)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the write cases (CI runs them interpreted)")
-def test_decode_write_kernel_on_gpu():
-    from .lowbit_write_cases import main
-
-    main("cuda")
-
-
-def test_gluon_merge_triton_interpreter():
-    """The Gluon path's merge of its splits (`ops.splitkv_lowbit.finish`: bf16 split, packed splits from
-    the first non-windowed row on, R) against the same sums in PyTorch, under TRITON_INTERPRET=1 (the
-    Gluon kernel itself has no interpreter: its cases run on a GPU, `gluon_cases`)."""
-    r = run_triton_interpreted("-m", "tests.generation.splitkv_lowbit_cases", "finish", timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
-
-
-def test_gluon_kernel_refuses_what_it_cannot_read():
-    """The Gluon packed kernel is never asked for where it cannot run; asking for it says why."""
-    from orthros.ops.splitkv_lowbit import gluon_applies, gluon_refusal
-
-    cache = filled_cache("int4", 4, 2, 64, 300, 4, [300], 0, 0, key_group=64, value_group=64)
-    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
-    why = gluon_refusal(q, cache.k_scale[0], cache.v_scale[0], 64, 4, 4, 0)
-    assert "CUDA" in why and not gluon_applies(q, cache.k_scale[0], cache.v_scale[0], 64, 4, 4, 0)
-    with pytest.raises(ValueError, match="Gluon packed kernel does not apply: it needs a CUDA GPU"):
-        lowbit_splitkv_attention(q, *cache.layer(0), torch.full((2, 1), 299), torch.zeros(2, 1, dtype=torch.long),
-                                 cache.doc, torch.tensor([cache.bound_at(300)]), 300, 4, 4, 64,
-                                 rotation=cache.rotation, packed_kernel="gluon")
-    with pytest.raises(ValueError, match="packed_kernel must be"):
-        lowbit_splitkv_attention(q, *cache.layer(0), torch.full((2, 1), 299), torch.zeros(2, 1, dtype=torch.long),
-                                 cache.doc, torch.tensor([cache.bound_at(300)]), 300, 4, 4, 64,
-                                 rotation=cache.rotation, packed_kernel="cuda")
-    with mock.patch.dict(os.environ, {"ORTHROS_LOWBIT_KERNEL": "trition"}):
-        with pytest.raises(ValueError, match="ORTHROS_LOWBIT_KERNEL must be 'gluon' or 'triton'"):
-            gluon_applies(q, cache.k_scale[0], cache.v_scale[0], 64, 4, 4, 0)
 
 
 def test_generate_command_kv_dtype(tmp_path, capsys):

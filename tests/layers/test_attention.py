@@ -82,17 +82,17 @@ def test_qk_norm_model_runs_and_differs():
 
 @torch.no_grad()
 def test_decode_pair_so_rows_are_kept_per_shape_and_follow_the_parameters():
-    """The decode pair's per-row SO ([T base rows | R - T output rows]) is made once per shape and
+    """A two-stream group's per-row SO ([T base rows | R - T output rows]) is made once per shape and
     reused, and a change of the SO parameters (in place) is seen at the next call."""
     attn = make_model("orthros", window=6).model.layers[0].self_attn
     attn.so_alpha.uniform_(0.5, 1.5)
     attn.so_alpha_out.uniform_(0.5, 1.5)
-    a, b = attn._pair_so(3, 5)
+    a, b = attn._so_rows(3, 5)
     assert torch.equal(a, torch.cat([attn.so_alpha.expand(3, -1), attn.so_alpha_out.expand(2, -1)]))
     assert torch.equal(b, torch.cat([attn.so_beta.expand(3, -1), attn.so_beta_out.expand(2, -1)]))
-    assert attn._pair_so(3, 5)[0] is a  # kept
+    assert attn._so_rows(3, 5)[0] is a  # kept
     attn.so_beta_out.add_(1.0)
-    a2, b2 = attn._pair_so(3, 5)
+    a2, b2 = attn._so_rows(3, 5)
     assert torch.equal(b2[3:], attn.so_beta_out.expand(2, -1)) and torch.equal(a2, a)
     with torch.enable_grad():
-        assert attn._pair_so(3, 5)[0] is not a2  # with autograd: made afresh (gradients reach the parameters)
+        assert attn._so_rows(3, 5)[0] is not a2  # with autograd: made afresh (gradients reach the parameters)

@@ -7,8 +7,8 @@ import torch
 pytest.importorskip("triton")
 
 from orthros.ops.cross_compile import OPTIONS, compile_for, signature  # noqa: E402
-from orthros.ops.lowbit_launches import lowbit_launch  # noqa: E402
-from orthros.ops.splitkv_lowbit import _kernel  # noqa: E402
+from orthros.bench.lowbit_launches import lowbit_launch  # noqa: E402
+from orthros.ops.splitkv.lowbit import _kernel  # noqa: E402
 
 H200_SHARED = 227 * 1024
 
@@ -83,7 +83,7 @@ def test_every_kernel_builds_for_sm90():
     """Each Triton kernel, as its op launches it (bf16; fp8 keys for split-KV and the paged pool):
     split-KV and its merge, paged attention, the row-wise kernels and their backward kernels."""
     from orthros.ops import rowwise, rowwise_grad
-    from orthros.ops.paged import paged_attention_kernel
+    from orthros.ops.splitkv.paged import paged_attention_kernel
     from orthros.ops.splitkv import splitkv_attention
 
     bf = dict(dtype=torch.bfloat16)
@@ -151,7 +151,7 @@ def test_gluon_packed_kernel_builds_for_sm90(kv, shape, pipe):
     group and sub-tile (32 at head size 128)."""
     pytest.importorskip("triton.experimental.gluon")
     from orthros.ops.cross_compile import build, main_loop_sass, ptxas_report
-    from orthros.ops.lowbit_launches import gluon_packed_launch
+    from orthros.bench.lowbit_launches import gluon_packed_launch
 
     H, Hkv, D = shape
     kernel, grid, args, meta = gluon_packed_launch(kv, H, Hkv, D, pipe=pipe)
@@ -172,10 +172,10 @@ def test_gluon_packed_kernel_builds_for_sm90(kv, shape, pipe):
 
 @pytest.mark.parametrize("kv, D", [("int4", 128), ("int2", 128), ("k4v2", 64)])
 def test_decode_write_kernel_builds_for_sm90(kv, D):
-    """The low-bit cache's decode write (`ops/lowbit_write.py`) as the cache launches it, for sm_90."""
+    """The low-bit cache's decode write (`ops/lowbit/write.py`) as the cache launches it, for sm_90."""
     from orthros.models import OrthrosConfig
     from orthros.models.lowbit_cache import LowBitStaticCache
-    from orthros.ops.lowbit_write import decode_write
+    from orthros.ops.lowbit.write import decode_write
 
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
                                   head_dim=D, window_size=128)
@@ -194,7 +194,7 @@ def test_gluon_path_triton_launches_build_for_sm90():
     """The Gluon path's Triton launches as it makes them: the bf16 splits (sinks and ring, q R written for
     the packed kernel) and the merge (4 bf16 splits; the packed sum rotated by the fast transform), for sm_90."""
     from orthros.ops.lowbit import rotation_matrix
-    from orthros.ops.splitkv_lowbit import bf16_split, finish
+    from orthros.ops.splitkv.lowbit import bf16_split, finish
 
     plan = lowbit_launch("int4")  # a one-layer 8B-shaped cache and its decode pair
     q, sk, sv, kq, vq, ks, kz, vs, vz, rk, rv, slot, qd, kd, bound, o, lse = (plan.args[0], *plan.args[2:18])

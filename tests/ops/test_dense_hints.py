@@ -14,31 +14,36 @@ from orthros.generate import decode_one_token, prefill
 from ..conftest import DEVICE, make_model, rel_err
 
 
+def _record(seen: list, dense_start) -> None:
+    """A call's hint, or each group's where one call takes two groups of rows (a decode pair)."""
+    seen.extend(dense_start if isinstance(dense_start, tuple) else (dense_start,))
+
+
 def hints_of(model, *args, **kwargs):
     """Run the model and record the dense_start of every attention call with queries."""
     seen = []
-    real = layer.attention
+    real = layer.attend
 
     def spy(*a, dense_start=None, **kw):
         if a[0].shape[1]:
-            seen.append(dense_start)
+            _record(seen, dense_start)
         return real(*a, dense_start=dense_start, **kw)
 
-    layer.attention = spy
+    layer.attend = spy
     try:
         out = model(*args, **kwargs)
     finally:
-        layer.attention = real
+        layer.attend = real
     return out, seen
 
 
 def without_hints(model, *args, **kwargs):
-    real = layer.attention
-    layer.attention = lambda *a, dense_start=None, **kw: real(*a, **kw)
+    real = layer.attend
+    layer.attend = lambda *a, dense_start=None, **kw: real(*a, **kw)
     try:
         return model(*args, **kwargs)
     finally:
-        layer.attention = real
+        layer.attend = real
 
 
 @pytest.mark.parametrize("case", ["pretrain", "labels", "prefill", "padded", "packed", "sft"])
@@ -91,11 +96,12 @@ def test_hints_in_chunked_prefill_and_decode():
     with torch.no_grad():
         logits, cache = prefill(model, ids)
         tok = logits.argmax(-1)
-        real = layer.attention
+        real = layer.attend
         seen = []
-        layer.attention = lambda *a, dense_start=None, **kw: seen.append(dense_start) or real(*a, dense_start=dense_start, **kw)
+        layer.attend = lambda *a, dense_start=None, **kw: _record(seen, dense_start) or real(*a, dense_start=dense_start,
+                                                                                             **kw)
         try:
             decode_one_token(model, tok, None, cache)
         finally:
-            layer.attention = real
+            layer.attend = real
     assert set(seen) == {30}

@@ -397,7 +397,7 @@ def test_a_chunk_s_attention_inputs_do_not_depend_on_the_decodes_beside_it(monke
     """A prompt chunk's attention gets the same shapes and strides whatever else runs in its step
     (compiled kernels are guarded on both: a stride that followed the step's row count made
     every new mix of decodes beside a chunk compile it again)."""
-    import orthros.models.paged_cache as paged_cache
+    import orthros.ops.paged_read as paged_cache  # where a chunk's attention is called
 
     seen = []
     real = paged_cache.attention

@@ -8,6 +8,10 @@
     orthros bench capacity  the longest prompt that prefills and decodes per KV cache dtype (bf16 / fp8 / int4 / int2)
 
 Results go to JSON, a Markdown table and (prefill) a log-log plot under --out-dir.
+
+Kernel variants for A/B studies come from the environment (`ops.splitkv.study.from_environment`):
+ORTHROS_LOWBIT_KERNEL=triton (the low-bit cache's packed slots by the Triton kernel, not Gluon),
+ORTHROS_FP8_DOTS=bf16 (bf16 dots over an fp8 cache, not fp16).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def add_arguments(parser):
 def run(args):
     from ..errors import check_output_dir
     from ..loading import resolve_device
+    from ..ops.splitkv.study import from_environment
+
+    from_environment()  # the study switches, if any (benchmarks only)
 
     if args.device is not None:
         resolve_device(args.device)

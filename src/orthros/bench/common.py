@@ -92,12 +92,12 @@ def attention_removed():
     """The linear floor: every attention op returns its queries (same shape, no work)."""
     import orthros.layers.attention as layer
 
-    real = layer.attention
-    layer.attention = lambda q, *args, **kwargs: q
+    real = layer.attend
+    layer.attend = lambda q, *args, **kwargs: q
     try:
         yield
     finally:
-        layer.attention = real
+        layer.attend = real
 
 
 def sync(device):

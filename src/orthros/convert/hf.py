@@ -26,13 +26,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import UserError, one_line, read_json
-from ..loading import PICKLE_SUFFIXES
 from ..models.config import OrthrosConfig
 from .safetensors_stream import BLOCK_BYTES, PlannedTensor, ShardWriter, TensorInfo, iter_blocks, parse_size, \
     plan_shards, read_header
 
 SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# pickled checkpoints: never loaded (unpickling runs code); a directory holding only these is refused
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
 DROPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry; Orthros recomputes them
 SO_INIT = {"so_alpha": 1.0, "so_beta": 0.0, "so_alpha_out": 1.0, "so_beta_out": 0.0}

@@ -3,10 +3,13 @@
 The base stream (every position) makes queries, keys and values and attends
 with a sliding window (`attention="orthros"` / `"swa"`) or causally
 (`"full"`). The output stream (output positions only) makes queries only and
-attends to the whole KV cache. When both streams are short (decoding: one
-base and one output row per sequence) they go through `q_proj` / `o_proj`
-as one batched GEMM; long streams are projected separately, which costs the
-same GEMM time and saves copying the base stream.
+attends to the whole KV cache. One forward for every phase: the rows arrive
+as groups, each group's leading rows base rows (`forward`). When both streams
+are short (decoding: one base and one output row per sequence) the model
+passes them as one group and every projection, SO/RoPE kernel and attention
+call runs once for the two; otherwise short groups still share one GEMM
+(`rows`), and long ones are projected apart, which costs the same GEMM time
+and saves copying the base stream.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import functools
 import torch
 from torch import nn
 
-from ..ops import attention, naive_attention
+from ..ops import attend, naive_attention
+from ..ops.kv import DenseKV
 from .mlp import RMSNorm
 from .fused import fused_heads
 
@@ -24,12 +28,12 @@ from .fused import fused_heads
 CONCAT_MAX_ROWS = 64  # above this, a concatenation's copy costs more than a second GEMM launch
 
 
-def rows(fn, a: torch.Tensor | None, b: torch.Tensor | None):
-    """Apply a row-wise `fn` to two [B, *, C] tensors; short ones in one call (concatenated on dim 1)."""
-    if a is None or b is None or a.shape[1] + b.shape[1] > CONCAT_MAX_ROWS:
-        return (None if a is None else fn(a)), (None if b is None else fn(b))
-    out = fn(torch.cat([a, b], dim=1))
-    return out[:, : a.shape[1]], out[:, a.shape[1]:]
+def rows(fn, xs: list) -> list:
+    """Apply a row-wise `fn` to [B, *, C] tensors; short ones in one call (concatenated on dim 1)."""
+    if len(xs) < 2 or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS:
+        return [fn(x) for x in xs]
+    out = fn(torch.cat(xs, dim=1))
+    return list(out.split([x.shape[1] for x in xs], dim=1))
 
 
 class OrthrosAttention(nn.Module):
@@ -56,8 +60,8 @@ class OrthrosAttention(nn.Module):
             self.so_beta = nn.Parameter(torch.zeros(n))
             self.so_alpha_out = nn.Parameter(torch.ones(n))
             self.so_beta_out = nn.Parameter(torch.zeros(n))
-        self._pair_so_rows: dict = {}  # (T, R) -> the pair path's per-row SO (_pair_so)
-        self._pair_so_params = None  # the parameters' identity those rows were made from
+        self._so_rows_kept: dict = {}  # (T, R) -> a two-stream group's per-row SO (`_so_rows`)
+        self._so_rows_params = None  # the parameters' identity those rows were made from
         self.base_window = None if c.attention == "full" else c.window_size
         self.out_window = c.window_size if c.attention == "swa" else None
 
@@ -78,13 +82,22 @@ class OrthrosAttention(nn.Module):
         k = self._heads(self.k_proj(x), cos, sin, self.n_kv, norm=self.k_norm)
         return k, self.v_proj(x).unflatten(-1, (self.n_kv, self.head_dim))
 
-    def _pair_so(self, T: int, R: int):
-        """SO's (alpha, beta) per row of a decode pair [R, H*D]: the base stream's for the T
-        base rows, the output stream's for the rest. Without autograd they are made once per
-        shape (and per parameter version) and kept: a captured decode graph then reads them
-        instead of concatenating them again at every replay (which also keeps them alive for
-        the graph)."""
+    def _write(self, cache, k, v):
+        """The new base tokens' k, v [B, T, Hkv, D] -> what attention reads: the cache's description
+        of its storage after the write (`models.kv.KVCache`), or these K/V alone."""
+        return DenseKV(k, v) if cache is None else cache.write(self.layer_idx, k, v)
+
+    def _so_rows(self, T: int, R: int):
+        """SO's (alpha, beta) per row of a group of R rows whose first T are base rows [R, H*D]:
+        the base stream's for those, the output stream's for the rest. Without autograd they are
+        made once per shape (and per parameter version) and kept: a captured decode graph then
+        reads them instead of concatenating them again at every replay (which also keeps them
+        alive for the graph)."""
         params = (self.so_alpha, self.so_alpha_out, self.so_beta, self.so_beta_out)
+        if T == 0:  # one stream: its vectors as they are
+            return params[1], params[3]
+        if T == R:
+            return params[0], params[2]
 
         def make():
             return tuple(torch.cat([p.expand(T, -1), p_out.expand(R - T, -1)])
@@ -93,81 +106,72 @@ class OrthrosAttention(nn.Module):
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(p.is_inference() for p in params):
             return make()  # (inference tensors keep no version to tell a change by)
         ident = tuple((p.data_ptr(), p.dtype, p._version) for p in params)
-        if self._pair_so_params != ident:  # changed parameters: drop every kept shape
-            self._pair_so_rows, self._pair_so_params = {}, ident
-        so = self._pair_so_rows.get((T, R))
+        if self._so_rows_params != ident:  # changed parameters: drop every kept shape
+            self._so_rows_kept, self._so_rows_params = {}, ident
+        so = self._so_rows_kept.get((T, R))
         if so is None:
-            so = self._pair_so_rows[(T, R)] = make()
+            so = self._so_rows_kept[(T, R)] = make()
         return so
 
-    def _forward_pair(self, x, layout, rope, rope_base, cache=None):
-        """Both streams as one tensor x [B, T + N, C], base rows first (a decode step): one
-        projection, one SO/RoPE kernel and, where the cache's kernel takes both windows,
-        one attention launch for the two. -> [B, T + N, C]."""
-        B, R, _ = x.shape
-        T = layout.base_slot.shape[1]
-        q = self.q_proj(x)
-        k, v = self.keys_values(x[:, :T], *rope_base)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        so = self._pair_so(T, R) if self.scale_offset else (None, None)
-        q = self._heads(q, *rope, self.n_heads, so, self.q_norm)
-        if hasattr(cache, "attend") and self.out_window is None:  # one launch (split-KV, window_rows)
-            slot = torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1)
-            doc = torch.cat([layout.base_doc, layout.out_doc], 1)
-            o = cache.attend(self.layer_idx, q, k, v, slot, doc, layout.key_doc, window=self.base_window,
-                             backend=self.backend, window_rows=T)
-        else:
-            ob = attention(q[:, :T], k, v, layout.base_slot, layout.base_doc, layout.key_doc, window=self.base_window,
-                           backend=self.backend, dense_start=layout.base_dense)
-            oo = attention(q[:, T:], k, v, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
-                           backend=self.backend, dense_start=layout.out_dense)
-            o = torch.cat([ob, oo], 1)
-        return self.o_proj(o.flatten(2))
+    def _attend_group(self, q, n_base: int, kv, layout, attend_):
+        """One group's queries q [B, R, H, D], its first n_base rows base rows -> [B, R, H, D]."""
+        B, R = q.shape[:2]
+        base = dict(backend=self.backend)
+        if n_base == 0:
+            return attend_(q, kv, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
+                           dense_start=layout.out_dense, **base)
+        if n_base == R:
+            return attend_(q, kv, layout.base_slot, layout.base_doc, layout.key_doc, window=self.base_window,
+                           dense_start=layout.base_dense, base_rows=R, **base)
+        T = n_base
+        if self.out_window is None:  # one call: one launch where the kernel takes both windows
+            # (slots, documents and hints per group: concatenated only where one launch takes both)
+            return attend_(q, kv, (layout.base_slot, layout.out_slot), (layout.base_doc, layout.out_doc),
+                           layout.key_doc, window=self.base_window, window_rows=T, base_rows=T,
+                           dense_start=(layout.base_dense, layout.out_dense), **base)
+        return torch.cat([self._attend_group(q[:, :T], T, kv, layout, attend_),
+                          self._attend_group(q[:, T:], 0, kv, layout, attend_)], 1)
 
-    def forward(self, xb, xo, layout, rope_base, rope_out, cache=None, skip_base: bool = False, pair_rope=None,
-                probs: list | None = None):
+    def forward(self, xs: list, n_base: list, layout, ropes: list, rope_base, cache=None, skip_base: bool = False,
+                probs: list | None = None) -> list:
         """
         Args:
-            xb: [B, T, C] normed base stream (always needed: it makes K/V).
-            xo: [B, N, C] normed output stream, or None.
+            xs: the forward's normed rows as groups [B, R_i, C]: group i's first n_base[i] rows are
+                base-stream rows, the rest output rows. The base rows are all in group 0: the base
+                stream [B, T, C] then the output stream [B, N, C]; or both streams as one tensor
+                [B, T + N, C] (short streams, a decode step: each projection, SO/RoPE kernel and
+                attention call then runs once for the two).
             layout: the batch's `Layout` (slots, documents, positions).
-            rope_base / rope_out: (cos, sin) at base / output positions.
-            cache: an `OrthrosCache` to append K/V to and read the past from.
-            skip_base: compute K/V only (the last layer's base stream is never read).
-            pair_rope: (cos, sin) of both streams' rows: xb then holds both streams as one
-                tensor [B, T + N, C] (base rows first), xo is None, and so is the second output.
-            probs: a list: both streams then run the reference op, which appends each
-                stream's attention probabilities [B, H, M, S] (base first, if computed).
+            ropes: (cos, sin) at each group's rows; rope_base: at the base rows (for the keys).
+            cache: a `models.kv.KVCache` to write K/V to and read the past from.
+            skip_base: compute K/V only for a group of base rows alone (the last layer's base stream
+                is never read); its output is None.
+            probs: a list: attention then runs the reference op, which appends each group's
+                attention probabilities [B, H, M, S] (base first, if computed).
         Returns:
-            (ob [B, T, C] or None, oo [B, N, C] or None)
+            one [B, R_i, C] (or None) per group
         """
-        if pair_rope is not None:
-            return self._forward_pair(xb, layout, pair_rope, rope_base, cache), None
-        B, T, _ = xb.shape
-        qb, qo = rows(self.q_proj, None if skip_base else xb, xo)
-        k, v = self.keys_values(xb, *rope_base)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)
-        attend = attention
-        if probs is not None:
-            attend = functools.partial(_reference_attention, probs)
-        elif hasattr(cache, "attend"):  # a cache with its own storage format (fp8) or capturable kernels
-            attend = functools.partial(cache.attend, self.layer_idx)
-        ob = oo = None
-        if qb is not None:
-            qb = self._queries(qb, "base", *rope_base)
-            ob = attend(qb, k, v, layout.base_slot, layout.base_doc, layout.key_doc,
-                        window=self.base_window, backend=self.backend, dense_start=layout.base_dense).flatten(2)
-        if qo is not None:
-            qo = self._queries(qo, "out", *rope_out)
-            oo = attend(qo, k, v, layout.out_slot, layout.out_doc, layout.key_doc,
-                        window=self.out_window, backend=self.backend, dense_start=layout.out_dense).flatten(2)
-        return rows(self.o_proj, ob, oo)
+        T = n_base[0]
+        live = [i for i, x in enumerate(xs) if not (skip_base and 0 < n_base[i] == x.shape[1])]
+        qs = rows(self.q_proj, [xs[i] for i in live])
+        x0 = xs[0] if T == xs[0].shape[1] else xs[0][:, :T]
+        kv = self._write(cache, *self.keys_values(x0, *rope_base))
+        attend_ = attend if probs is None else functools.partial(_reference_attention, probs)
+        os_ = []
+        for i, q in zip(live, qs):
+            so = self._so_rows(n_base[i], q.shape[1]) if self.scale_offset else (None, None)
+            q = self._heads(q, *ropes[i], self.n_heads, so, self.q_norm)
+            os_.append(self._attend_group(q, n_base[i], kv, layout, attend_).flatten(2))
+        out = [None] * len(xs)
+        for i, o in zip(live, rows(self.o_proj, os_)):
+            out[i] = o
+        return out
 
 
-def _reference_attention(probs: list, q, k, v, q_slot, q_doc, k_doc, window=None, backend=None, dense_start=None):
-    """`ops.attention`'s signature on the reference op; appends the probabilities [B, H, M, S] to `probs`."""
-    o, p = naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, return_probs=True)
+def _reference_attention(probs: list, q, kv: DenseKV, q_slot, q_doc, k_doc, window=None, backend=None,
+                         dense_start=None, base_rows=0):
+    """`ops.attend`'s signature on the reference op over dense K/V (`OrthrosCache`, or none); appends the
+    probabilities [B, H, M, S] to `probs`."""
+    o, p = naive_attention(q, kv.k, kv.v, q_slot, q_doc, k_doc, window=window, return_probs=True)
     probs.append(p)
     return o

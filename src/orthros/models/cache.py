@@ -9,8 +9,8 @@ It is a `transformers.Cache` whose `layers` are transformers' own
 `DynamicLayer`s (K/V [B, Hkv, S, D], grown by concatenation, nothing
 evicted), so transformers' generate() carries it from step to step and its
 cache utilities (crop, beam reordering, batch selection, `layers[i].keys`)
-work on it. Orthros layers call `update(layer_idx, k, v)` with [B, T, Hkv, D]
-and get the whole layer back as [B, S, Hkv, D] views.
+work on it. Orthros layers call `write(layer_idx, k, v)` with [B, T, Hkv, D]
+(the `models.kv.KVCache` contract); `update` returns the whole layer as [B, S, Hkv, D] views.
 
 Cropping is exact: a base token's K/V depend only on the tokens at or before
 it, so dropping the last k slots leaves the cache the earlier, shorter call
@@ -26,11 +26,15 @@ import torch.utils._pytree as pytree
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
+from ..ops.kv import DenseKV
 from ..ops.masks import PAD_DOC
 
 
 class OrthrosCache(Cache):
+    """Implements `models.kv.KVCache`."""
+
     is_compileable = False  # grows by concatenation
+    reference_reads = True
 
     def __init__(self, num_layers: int):
         super().__init__(layers=[DynamicLayer() for _ in range(num_layers)])
@@ -65,6 +69,10 @@ class OrthrosCache(Cache):
         layers call it.)"""
         keys, values = self.layers[layer_idx].update(k.transpose(1, 2), v.transpose(1, 2))
         return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> DenseKV:
+        """`update`, as the layers call it: the layer's whole cache as what attention reads."""
+        return DenseKV(*self.update(layer_idx, k, v))
 
     def layer_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `layer_idx`'s K/V as [B, S, Hkv, D] (None before the first forward)."""

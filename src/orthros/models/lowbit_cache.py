@@ -32,14 +32,14 @@ the sequence, not on how it was chunked):
              sinks) and its value is quantized; on the step where `bound`
              moves, the key group just below it is quantized from the ring
              (recent + 2 key_group slots: it still holds that group). One
-             Triton launch a layer on CUDA (`ops/lowbit_write.py`, the same
+             Triton launch a layer on CUDA (`ops/lowbit/write.py`, the same
              bits as the PyTorch ops); the PyTorch form (elsewhere) has no
              branch and quantizes that group again every step, the same bits
              each time.
 
 Reads: the base stream gets its window in bf16 (prefill: ring + chunk;
 decode: the ring); the output queries read all three parts through the
-split-KV kernel (`ops/splitkv_lowbit.py`, dequantizing on the fly) on CUDA, or
+split-KV kernel (`ops/splitkv/lowbit.py`, dequantizing on the fly) on CUDA, or
 the reference (dequantize the whole prefix, then `ops.attention`) elsewhere.
 """
 
@@ -48,9 +48,10 @@ from __future__ import annotations
 import torch
 from transformers import Cache
 
-from ..ops import attention
+from ..ops.attend import lowbit_decode_attention  # noqa: F401  (its older import path)
+from ..ops.kv import DenseKV, LowBitKV
 from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate, rotation_matrix
-from ..ops.lowbit_write import decode_write, write_kernel_applies
+from ..ops.lowbit.write import decode_write, write_kernel_applies
 from ..ops.masks import PAD_DOC
 from .static_cache import StaticOrthrosCache
 
@@ -216,7 +217,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     def _decode_write(self, layer_idx: int, hk: torch.Tensor, hv: torch.Tensor) -> None:
         """One token per row at `slot` (tensor indices only: capturable): one Triton launch on CUDA
-        (`ops/lowbit_write.py`), PyTorch ops elsewhere; the same bits either way."""
+        (`ops/lowbit/write.py`), PyTorch ops elsewhere; the same bits either way."""
         i = layer_idx
         vs, vz = (x[i] for x in self._v_head_major)
         lowbit_decode_write(hk, hv, self.rk[i], self.rv[i], self.sk[i], self.sv[i], self.kq[i], self.vq[i],
@@ -231,63 +232,25 @@ class LowBitStaticCache(StaticOrthrosCache):
         return dense_kv(*self.layer(layer_idx), bound, length, self.layer_key_bits[layer_idx], self.value_bits,
                         self.key_group, self.rotated)
 
-    def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
-               dense_start=None, window_rows=None):
-        """Attention over this cache: windowed queries read bf16 keys only, the others the whole
-        cache (low-bit below the bound). Decode: the graph-capturable custom op."""
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> LowBitKV:
+        """Store k, v [B, T, Hkv, D]; describe what attention reads: windowed queries the bf16 window,
+        the others the whole cache (low-bit below the bound). Decode: the whole capacity, read by one
+        capturable op (value scales head-major, as stored)."""
+        wk, wv = self.update(layer_idx, k, v)
+        return self.read(layer_idx, None if self.decoding else DenseKV(wk, wv, start=self._win_start))
+
+    def read(self, layer_idx: int, window: DenseKV | None = None) -> LowBitKV:
+        """What attention reads of layer `layer_idx` as the cache stands (`write` gives a prefill
+        chunk's base stream its `window`: the bf16 keys before the chunk and the chunk's own)."""
+        i, kb = layer_idx, self.layer_key_bits[layer_idx]
         if self.decoding:
-            bound = self.bound_at(self.slot + 1)
-            sk, sv, kq, vq, ks, kz, _, _, rk, rv = self.layer(layer_idx)
-            vs, vz = (x[layer_idx] for x in self._v_head_major)  # head-major, as stored
-            return lowbit_decode_attention(q, sk, sv, kq, vq, ks, kz, vs, vz, rk, rv, q_slot.expand(q.shape[0], -1),
-                                           q_doc, k_doc, bound, 0 if window is None else int(window), scale,
-                                           -1 if window_rows is None else int(window_rows),
-                                           self.layer_key_bits[layer_idx],
-                                           self.value_bits, self.key_group, self.rotation,
-                                           _kernel_takes(q, self.sk[0], backend))
-        if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
-            r = window_rows
-            slot = q_slot.expand(q.shape[0], -1)
-            a = self.attend(layer_idx, q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend)
-            b = self.attend(layer_idx, q[:, r:], k, v, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend)
-            return torch.cat([a, b], 1)
-        if window is not None:  # base stream: k, v are the bf16 window keys from `update`
-            w0 = self._win_start
-            return attention(q, k.to(q.dtype), v.to(q.dtype), q_slot - w0, q_doc, k_doc[:, w0: w0 + k.shape[1]],
-                             window=window, scale=scale, backend=backend,
-                             dense_start=None if dense_start is None else dense_start - w0)
-        return self._attend_outputs(layer_idx, q, q_slot.expand(q.shape[0], -1), q_doc, k_doc, scale, backend)
-
-    def _attend_outputs(self, layer_idx, q, q_slot, q_doc, k_doc, scale, backend):
-        """Prefill's output queries q [B, M, H, D] at slots q_slot [B, M]: a query at slot t reads
-        the cache as a decode step at t would (low-bit below bound(t + 1)), so its logits do not
-        depend on how the prompt was chunked. Queries are taken in groups of one bound."""
-        if q.shape[1] == 0:  # a chunk without output positions
-            return torch.zeros_like(q)
-        L, now = self.length, self.bound_at(self.length)
-        bq = self.bound_at(q_slot + 1)
-        values = torch.unique(bq).tolist()
-        if values == [now] and _kernel_takes(q, self.sk[0], backend):  # the ring holds [now, L)
-            from ..ops.splitkv_lowbit import lowbit_splitkv_attention
-
-            b = torch.full((1,), now, device=q.device, dtype=torch.long)
-            return lowbit_splitkv_attention(q, *self.layer(layer_idx), q_slot, q_doc, k_doc, b, L,
-                                            self.layer_key_bits[layer_idx],
-                                            self.value_bits, self.key_group, scale=scale, rotation=self.rotation)
-        b0, hk, hv = self._hi
-        o = None
-        for b in values:
-            kd, vd = self.dense(layer_idx, L, b)
-            kd[:, b:], vd[:, b:] = hk[:, b - b0:].float(), hv[:, b - b0:].float()  # bf16 at and above b
-            cols = (bq == b).any(0).nonzero()[:, 0]
-            ob = attention(q[:, cols], kd.to(q.dtype), vd.to(q.dtype), q_slot[:, cols], q_doc[:, cols], k_doc,
-                           scale=scale, backend=backend)
-            if o is None and len(values) == 1:
-                return ob
-            o = q.new_zeros(q.shape) if o is None else o
-            o[:, cols] = torch.where((bq[:, cols] == b)[..., None, None], ob, o[:, cols])
-        return o
+            vs, vz = (x[i] for x in self._v_head_major)
+            return LowBitKV(self.sk[i], self.sv[i], self.kq[i], self.vq[i], self.k_scale[i], self.k_zero[i], vs, vz,
+                            self.rk[i], self.rv[i], self.bound_at(self.slot + 1), self.capacity, kb, self.value_bits,
+                            self.key_group, self.rotation, self.recent, capturable=True)
+        bound = torch.full((1,), self.bound_at(self.length), device=self.doc.device, dtype=torch.long)
+        return LowBitKV(*self.layer(i), bound, self.length, kb, self.value_bits, self.key_group, self.rotation,
+                        self.recent, window=window, high=self._hi)
 
     def __repr__(self) -> str:
         return (f"LowBitStaticCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.length}/"
@@ -311,17 +274,6 @@ def layer_key_bits(config, kv_dtype: str, key_bits=None) -> list[int]:
     return key_bits
 
 
-def _kernel_takes(q, sk, backend: str) -> bool:
-    """Whether the low-bit split-KV kernel runs these queries (few rows; CUDA, or Triton's CPU
-    interpreter when the triton backend is asked for)."""
-    from ..ops import _interpreting, triton_available
-    from ..ops.splitkv import MAX_ROWS
-
-    few = (q.shape[2] // sk.shape[2]) * q.shape[1]
-    device_ok = q.is_cuda or (_interpreting() and backend == "triton")
-    return device_ok and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
-
-
 def quantize_key_groups(src, slots, sinks: int, bits: int, group: int, rotated: bool):
     """Whole key groups src [B, n * group, Hkv, D] at slots `slots` [n * group] -> (packed, scale, zero)
     (`ops.lowbit.quantize_keys`, after the rotation if the cache is rotated); sink slots do not count
@@ -338,7 +290,7 @@ def lowbit_decode_write(hk: torch.Tensor, hv: torch.Tensor, rk: torch.Tensor, rv
                         recent: int, key_group: int, key_bits: int, value_bits: int, rotated: bool,
                         kernel: bool) -> None:
     """A decode step's write of one layer (`LowBitStaticCache._decode_write`; v_scale / v_zero
-    head-major, [B, Hkv, C, NG]): the Triton kernel (`ops.lowbit_write.decode_write`), or PyTorch ops.
+    head-major, [B, Hkv, C, NG]): the Triton kernel (`ops.lowbit.write.decode_write`), or PyTorch ops.
     Opaque to torch.compile (the ops' form compiled to a dozen kernels a layer), captured as is in
     CUDA graphs."""
     if kernel:
@@ -368,37 +320,3 @@ def lowbit_decode_write(hk: torch.Tensor, hv: torch.Tensor, rk: torch.Tensor, rv
     kq.index_copy_(1, slots, pk)
     k_scale.index_copy_(1, first // g, s)
     k_zero.index_copy_(1, first // g, z)
-
-
-@torch.library.custom_op("orthros::lowbit_decode_attention", mutates_args=())
-def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, kq: torch.Tensor, vq: torch.Tensor,
-                            k_scale: torch.Tensor, k_zero: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
-                            rk: torch.Tensor, rv: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
-                            k_doc: torch.Tensor, bound: torch.Tensor, window: int, scale: float, window_rows: int,
-                            key_bits: int, value_bits: int, key_group: int, rotation: torch.Tensor | None,
-                            kernel: bool) -> torch.Tensor:
-    """A decode step's queries [B, M, H, D] over a low-bit cache (the whole capacity; the
-    kernel clips to what each query sees). window 0 = none; window_rows -1 = every row;
-    rotation: R [D, D] of a rotated cache, or None; kernel: the split-KV kernel, else
-    dequantize-then-attend; v_scale / v_zero head-major as the cache stores them, [B, Hkv, C, NG].
-    Opaque to torch.compile, captured as is in CUDA graphs."""
-    v_scale, v_zero = v_scale.transpose(1, 2), v_zero.transpose(1, 2)
-    win = None if window == 0 else window
-    rows = None if window_rows < 0 else window_rows
-    S = k_doc.shape[1]
-    if kernel:
-        from ..ops.splitkv_lowbit import lowbit_splitkv_attention
-
-        return lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc,
-                                        k_doc, bound, S, key_bits, value_bits, key_group, window=win, scale=scale,
-                                        window_rows=rows, rotation=rotation).contiguous()
-    kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
-                      key_group, rotation is not None)
-    return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, window=win, scale=scale,
-                     window_rows=rows).contiguous()
-
-
-@lowbit_decode_attention.register_fake
-def _(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, window, scale,
-      window_rows, key_bits, value_bits, key_group, rotation, kernel):
-    return torch.empty_like(q)

@@ -37,21 +37,19 @@ def repeat_row(ids: torch.Tensor, seg: int = 200, gap: int = 1000, prefix: int =
     return torch.cat([ids[:prefix], s, ids[prefix + seg: need], s])
 
 
-class _Recorder(OrthrosCache):
-    """An OrthrosCache that also keeps each layer's output-stream queries."""
-
-    def __init__(self, n):
-        super().__init__(n)
-        self.q = [None] * n
-
-    def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
-               dense_start=None, window_rows=None):
-        from ..ops import attention
-
-        if window is None:
-            self.q[layer_idx] = q[0].detach().float()
-        return attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, backend=backend,
-                         dense_start=dense_start)
+def _output_queries(model, out) -> list[torch.Tensor]:
+    """Each layer's output-stream queries [T, H, D] (fp32) of a forward `out` over one row whose every
+    position is an output (its hidden states entering each layer: norm, q_proj, SO, q-norm, RoPE)."""
+    inner = model.model
+    h = out.hidden_states
+    pos = torch.arange(h[0].shape[1], device=h[0].device)[None]
+    rope = inner.rotary(pos, h[0].dtype)
+    qs = []
+    for i, block in enumerate(inner.layers):
+        attn = block.self_attn
+        q = attn._queries(attn.q_proj(block.input_layernorm(h[i])), "out", *rope)
+        qs.append(q[0].float())
+    return qs
 
 
 def _int2_keys(k: torch.Tensor, group: int, sinks: int) -> torch.Tensor:
@@ -83,14 +81,16 @@ def key_errors(model, row: torch.Tensor, last: int = 200, key_group: int = 64, s
     """Per layer: the relative output-stream attention error of int2 keys at the last `last`
     positions of `row` (1-D ids; a `repeat_row`)."""
     n = model.config.num_hidden_layers
-    rec = _Recorder(n)
-    model(row[None].to(next(model.parameters()).device), past_key_values=rec, use_cache=True)
+    rec = OrthrosCache(n)
+    out = model(row[None].to(next(model.parameters()).device), past_key_values=rec, use_cache=True,
+                output_hidden_states=True)
+    queries = _output_queries(model, out)
     rows = slice(row.numel() - last, None)
     out = []
     for i in range(n):
         k, v = (x[0].float().cpu().to(torch.bfloat16).float() for x in rec.layer_kv(i))  # as a bf16 cache holds them
         kq = _int2_keys(k, key_group, sinks)
-        out.append(_output_error(rec.q[i].cpu(), k, v, kq, model.config.window_size, sinks, rows))
+        out.append(_output_error(queries[i].cpu(), k, v, kq, model.config.window_size, sinks, rows))
     return out
 
 

@@ -95,24 +95,33 @@ class OrthrosBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, hb, ho, layout, rope_base, rope_out, cache=None, last: bool = False, pair_rope=None,
-                probs: list | None = None):
-        """hb: [B, T, C] base stream; ho: [B, N, C] output stream or None.
-        In the last layer the base stream only makes K/V; its output is None.
-        pair_rope: hb holds both streams as one [B, T + N, C] tensor (a decode step; see
-        `OrthrosAttention`); returns (that tensor, None).
-        probs: a list that receives the attention probabilities (see `OrthrosAttention`)."""
-        if pair_rope is not None:
-            a, _ = self.self_attn(self.input_layernorm(hb), None, layout, rope_base, rope_out, cache, pair_rope=pair_rope)
-            h, x = self.post_attention_layernorm.add_norm(hb, a)
-            return h + self.mlp(x), None
-        xb = self.input_layernorm(hb)
-        xo = None if ho is None else self.input_layernorm(ho)
-        ab, ao = self.self_attn(xb, xo, layout, rope_base, rope_out, cache, skip_base=last, probs=probs)
-        hb, xb = (None, None) if last else self.post_attention_layernorm.add_norm(hb, ab)
-        ho, xo = (None, None) if ho is None else self.post_attention_layernorm.add_norm(ho, ao)
-        mb, mo = rows(self.mlp, xb, xo)
-        return (None if hb is None else hb + mb), (None if ho is None else ho + mo)
+    def forward(self, hb, ho, layout, ropes, cache=None, last: bool = False, probs: list | None = None):
+        """hb: [B, T, C] base stream; ho: [B, N, C] output stream, or None. Or both streams as one
+        group of rows, hb [B, T + N, C] (base rows first; `Ropes.joined` set), ho None.
+        In the last layer a base stream alone only makes K/V; its output is None.
+        probs: a list that receives the attention probabilities (see `OrthrosAttention`).
+        -> (hb, ho) after the layer."""
+        hs = [hb] if ho is None else [hb, ho]
+        T = ropes.base[0].shape[1]
+        n_base = [T] + [0] * (len(hs) - 1)
+        rope = [ropes.joined if ropes.joined is not None else ropes.base] + [ropes.out] * (len(hs) - 1)
+        xs = [self.input_layernorm(h) for h in hs]
+        attn = self.self_attn(xs, n_base, layout, rope, ropes.base, cache, skip_base=last, probs=probs)
+        hs = [None if a is None else self.post_attention_layernorm.add_norm(h, a) for h, a in zip(hs, attn)]
+        live = [h for h in hs if h is not None]
+        mlp = iter(rows(self.mlp, [x for _, x in live]))
+        out = [None if h is None else h[0] + next(mlp) for h in hs]
+        return out[0], (out[1] if len(out) > 1 else None)
+
+
+@dataclass
+class Ropes:
+    """(cos, sin) of a forward's rows: base positions, output positions, and, when both streams travel
+    as one group of rows (a decode step), that group's (base rows, then output rows)."""
+
+    base: tuple
+    out: tuple
+    joined: tuple | None = None
 
 
 class OrthrosPreTrainedModel(PreTrainedModel):
@@ -152,8 +161,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
         """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C].
         trace: records hidden states / attention probabilities (`OrthrosForCausalLM` fills it in)."""
         dtype = inputs_embeds.dtype
-        rope_base = self.rotary(layout.base_pos, dtype)
-        rope_out = self.rotary(layout.out_pos, dtype)
+        ropes = Ropes(self.rotary(layout.base_pos, dtype), self.rotary(layout.out_pos, dtype))
         hb = inputs_embeds
         gather = lambda h: h.gather(1, layout.out_idx[..., None].expand(-1, -1, h.shape[-1]))
         two_streams = self.config.has_output_stream
@@ -163,17 +171,15 @@ class OrthrosModel(OrthrosPreTrainedModel):
         if no_outputs:  # a prefill chunk without an output position: the base stream only (no empty-tensor ops)
             ho = None
         T = hb.shape[1]
-        if (trace is None and ho is not None and T == ho.shape[1] and (T == 1 or layout.pairs)
-                and not torch.is_grad_enabled()):
-            # A decode step: the tokens' base and output rows travel as one [B, 2T, C] tensor
-            # (T = 1, or a packed decode-only step), so each norm, residual add and projection
-            # runs once for the two. The last layer's base rows are computed too (a few rows
-            # cost what fewer do) and dropped.
-            h = torch.cat([hb, ho], 1)
-            rope = tuple(torch.cat([b, o], 1) for b, o in zip(rope_base, rope_out))
-            for block in self.layers:
-                h, _ = block(h, None, layout, rope_base, rope_out, cache, pair_rope=rope)
-            return self.norm(h[:, T:])
+        joined = (trace is None and ho is not None and T == ho.shape[1] and (T == 1 or layout.pairs)
+                  and not torch.is_grad_enabled())
+        if joined:
+            # A decode step: the tokens' base and output rows travel as one group [B, 2T, C] (T = 1,
+            # or a packed decode-only step), so each norm, residual add, projection and attention call
+            # runs once for the two. The last layer's base rows are computed too (a few rows cost what
+            # fewer do) and dropped.
+            hb, ho = torch.cat([hb, ho], 1), None
+            ropes.joined = tuple(torch.cat([b, o], 1) for b, o in zip(ropes.base, ropes.out))
         for i, block in enumerate(self.layers):
             last = i == L - 1
             if last and not two_streams:
@@ -183,10 +189,12 @@ class OrthrosModel(OrthrosPreTrainedModel):
                 trace.base_hidden.append(hb)
                 trace.out_hidden.append(ho if ho is not None else gather(hb))
             # A trace needs the last layer's base stream too (it is never read otherwise).
-            hb, ho = block(hb, ho, layout, rope_base, rope_out, cache, last and trace is None, probs=probs)
+            hb, ho = block(hb, ho, layout, ropes, cache, last and trace is None, probs=probs)
             if probs is not None:
                 trace.base_attn.append(probs[0])
                 trace.out_attn.append(probs[1] if len(probs) > 1 else _gather_rows(probs[0], layout.out_idx))
+        if joined:
+            return self.norm(hb[:, T:])
         if no_outputs:
             return inputs_embeds.new_zeros(inputs_embeds.shape[0], 0, inputs_embeds.shape[-1])
         out = self.norm(ho)
@@ -194,7 +202,6 @@ class OrthrosModel(OrthrosPreTrainedModel):
             trace.base_hidden.append(self.norm(hb))
             trace.out_hidden.append(out)
         return out
-
 
 def _gather_rows(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """p: [B, H, T, S] attention probabilities -> the rows idx [B, N]: [B, H, N, S]."""
@@ -294,7 +301,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
             cache = self.new_cache()
         flag = lambda value, name: bool(value if value is not None else getattr(self.config, name, False))
         trace = Trace(flag(output_hidden_states, "output_hidden_states"), flag(output_attentions, "output_attentions"))
-        if trace.attentions and hasattr(cache, "attend"):
+        if trace.attentions and cache is not None and not cache.reference_reads:
             raise ValueError(f"output_attentions needs an OrthrosCache or no cache, not a {type(cache).__name__} "
                              "(its kernels return no attention probabilities)")
         out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)

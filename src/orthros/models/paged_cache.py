@@ -15,20 +15,19 @@ and the cache object one mixed forward (decodes and prompt chunks) reads.
 
 A decode is a segment of one token with an output; a prompt's chunks without
 its last token have no output position and run the base stream only (SPEC
-§2). Attention goes by segment (`attend`):
+§2). `write` stores the new K/V and describes, per stream, what the rows read (`ops.kv.PagedKV`);
+`ops.attend` reads it by segment (`ops/paged_read.py`):
 
     single queries (a decode's base and output rows, a prompt's output row)
-        `ops.paged_attention`: each reads its own blocks through the block
-        table, no copy (a Triton split-KV kernel on CUDA);
+        the paged reader of the split-KV op: each reads its own blocks through
+        the block table, no copy (a Triton kernel on CUDA);
     a prompt chunk's base rows
         the chunk's visible keys (its window, or everything before it for
         `attention="full"`) gathered from the blocks into one contiguous run,
         then `ops.attention` with the dense-chunk hint (SDPA / FlexAttention,
         as in an ordinary chunked prefill).
 
-The layers call `update` / `attend` like any cache's and pass the layout's
-own slot tensors; `attend` tells the streams apart by those tensors. The
-model code needs no change and never learns about blocks.
+The layers call `write` like any cache's; the model never learns about blocks.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import attention
-from ..ops.paged import paged_attention
+from ..ops.kv import PagedChunk, PagedKV, PagedRows
 from .layout import Layout
 from .static_cache import FP8, FP8_MARGIN, FP8_MAX, kv_storage_dtype
 
@@ -116,32 +114,8 @@ class Segment:
     output: bool  # the last token is an output position (a decode, or a prompt's last chunk)
 
 
-@dataclass
-class _Dense:
-    """A prompt chunk's base rows [r0, r1) at positions start.. over the keys gathered by `slots`."""
-
-    r0: int
-    r1: int
-    dense_start: int  # slot of the first query in the gathered keys
-    slots: torch.Tensor  # [S] pool slots of the visible keys, in position order (and of any padding)
-    q_slot: torch.Tensor  # [1, rows] the queries' slots in the gathered keys (made once a step)
-    q_doc: torch.Tensor  # [1, rows] zeros
-    k_doc: torch.Tensor  # [1, S] zeros
-
-    @property
-    def rows(self) -> int:
-        """Queries the attention call runs: r1 - r0, or more, padded to a compiled length."""
-        return self.q_slot.shape[1]
-
-
-@dataclass
-class _Single:
-    """Rows of one query each: `rows` [R] into the stream's queries, `table` [R, max_blocks], `pos` [R]."""
-
-    rows: torch.Tensor
-    table: torch.Tensor
-    pos: torch.Tensor
-    max_len: int
+_Dense = PagedChunk  # a prompt chunk's base rows (`ops.kv.PagedChunk`)
+_Single = PagedRows  # rows of one query each (`ops.kv.PagedRows`)
 
 
 class PagedStepCache:
@@ -151,7 +125,10 @@ class PagedStepCache:
         input_ids: [1, T] the segments' tokens, packed.
         layout: the forward's `Layout` (RoPE positions, output rows).
         slots: [T] pool slot of every new token.
+    Implements `models.kv.KVCache`.
     """
+
+    reference_reads = False
 
     def __init__(self, pool: PagedKVPool, config, segments: list[Segment]):
         if not segments:
@@ -253,65 +230,11 @@ class PagedStepCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # every slot is addressed through the plan, not a shared key axis
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
-        """Write the new tokens' k, v [1, T, Hkv, D] to their blocks; returns the pool
-        tensors (`attend` reads them through the plan)."""
-        self.pool.write(layer_idx, self.slots, k[0], v[0])
-        return self.pool.k[layer_idx], self.pool.v[layer_idx]
-
-    def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
-               dense_start=None, window_rows=None):
-        """Attention for one stream's queries q [1, M, H, D] (packed rows) -> [1, M, H, D].
-
-        Which stream it is comes from the layout tensor passed as `q_slot`; `window_rows`
-        marks a decode pair (one sequence: base row windowed, output row not)."""
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedKV:
+        """Write the new tokens' k, v [1, T, Hkv, D] to their blocks; return what this forward's rows
+        read (`ops.attend` plans them by stream)."""
         pool = self.pool
-        H, Hkv = q.shape[2], pool.k[layer_idx].shape[1]
-        if pool.fp8:  # fold the K scale into the queries (q . (s k) = (s q) . k per head)
-            q = q * pool.k_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(q.dtype)
-        if window_rows is not None:  # the pair path: [base rows | output rows] of one decode
-            r = window_rows
-            o = q.new_empty(q.shape)  # both calls store into it: no concatenation
-            self._attend_single(layer_idx, q[:, :r], self._base_single, window, scale, out=o[:, :r])
-            self._attend_single(layer_idx, q[:, r:], self._out_single, None, scale, out=o[:, r:])
-        elif q_slot is self.layout.base_slot and not self._dense:  # every segment is one token: rows in order
-            o = self._attend_single(layer_idx, q, self._base_single, window, scale)
-        elif q_slot is self.layout.base_slot:
-            o = q.new_empty(q.shape)
-            if self._base_single.rows.numel():
-                o[:, self._base_single.rows] = self._attend_single(layer_idx, q[:, self._base_single.rows],
-                                                                   self._base_single, window, scale)
-            for d in self._dense:
-                kd, vd = pool.gather(layer_idx, d.slots, q.dtype)
-                n, m = d.r1 - d.r0, d.rows
-                # A windowed chunk's compiled kernels are specialised to its length: a length off
-                # the engine's chunk grid is padded onto it (`_padded_rows`) or, past its longest
-                # length, runs the blocked op, so no step ever waits for a compilation.
-                grid = pool.compiled_chunks
-                off_grid = m % 128 if grid is None else m not in grid
-                be = "chunked" if window is not None and q.is_cuda and off_grid else backend
-                # q[0, r0:r1][None], not q[:, r0:r1]: its batch stride is then the chunk's own, not
-                # the step's row count (compiled kernels guard on strides: every new mix of decodes
-                # beside a chunk would compile it again, 1.5 s steps on an H200)
-                qc = q[0, d.r0:d.r1]
-                if m > n:
-                    qc = torch.cat([qc, qc.new_zeros(m - n, *qc.shape[1:])])
-                oc = attention(qc[None], kd, vd, d.q_slot, d.q_doc, d.k_doc, window=window, scale=scale,
-                               backend=be, dense_start=d.dense_start)
-                o[:, d.r0:d.r1] = oc[:, :n]
-        elif q_slot is self.layout.out_slot:
-            o = self._attend_single(layer_idx, q, self._out_single, window, scale)
-        else:
-            raise ValueError("PagedStepCache.attend: q_slot must be the layout's base_slot or out_slot")
-        if pool.fp8:
-            o = o * pool.v_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(o.dtype)
-        return o
-
-    def _attend_single(self, layer_idx, q, single: _Single, window, scale, out=None):
-        """q [1, R, H, D], one query per row of `single` -> [1, R, H, D] (into `out` if given)."""
-        if q.shape[1] == 0:
-            return q if out is None else out
-        o = paged_attention(q[0], self.pool.k[layer_idx], self.pool.v[layer_idx], single.table, single.pos,
-                            self.pool.block_size, window=window, scale=scale, max_len=single.max_len,
-                            out=None if out is None else out[0])
-        return o[None]
+        pool.write(layer_idx, self.slots, k[0], v[0])
+        scales = (pool.k_scale[layer_idx], pool.v_scale[layer_idx]) if pool.fp8 else (None, None)
+        return PagedKV(pool.k[layer_idx], pool.v[layer_idx], pool.block_size, self._base_single, self._out_single,
+                       self._dense, pool.compiled_chunks, *scales)

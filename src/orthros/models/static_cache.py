@@ -15,7 +15,7 @@ and writes new slots in place:
 fp8 (`kv_dtype="fp8"`): K and V are stored as float8 e4m3 with one scale per
 (layer, KV head), taken from the absmax of the first chunk written
 (× `FP8_MARGIN`, rounded up to a power of two; later values saturate at
-±448). Attention never
+±448). Attention (`ops.attend`, given the scales by `write`) never
 materialises a dequantized cache: the K scale is folded into the queries
 (q·(s k̂) = (s q)·k̂ per head), the V scale into the output, and the kernel
 reads the fp8 values directly (the split-KV kernel casts on load).
@@ -30,7 +30,8 @@ from __future__ import annotations
 import torch
 from transformers import Cache
 
-from ..ops import attention
+from ..ops.attend import decode_attention  # noqa: F401  (its older import path)
+from ..ops.kv import DenseKV
 from ..ops.masks import PAD_DOC
 from .cache import OrthrosCache
 
@@ -56,6 +57,7 @@ class StaticOrthrosCache(OrthrosCache):
     """Fixed-capacity cache: K/V [B, capacity, Hkv, D] per layer, written in place."""
 
     is_compileable = True
+    reference_reads = False  # its reads run kernels (fp8, captured decode steps)
 
     def __init__(self, config, batch_size: int, capacity: int, device, dtype: torch.dtype,
                  kv_dtype: str = "auto"):
@@ -161,31 +163,12 @@ class StaticOrthrosCache(OrthrosCache):
         vb[:, a: a + T] = vq
         return kb[:, : self.length], vb[:, : self.length]
 
-    def attend(self, layer_idx, q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend="auto",
-               dense_start=None, window_rows=None):
-        """`ops.attention` over this cache's storage (called by the layers through the cache).
-
-        fp8: scales folded into q and the output. Decode: the graph-capturable
-        custom op (a Triton split-KV kernel on CUDA)."""
-        H, Hkv = q.shape[2], k.shape[2]
-        if self.fp8:
-            q = q * self.k_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(q.dtype)
-        if self.decoding:
-            o = decode_attention(q, k, v, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
-                                 0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale,
-                                 -1 if window_rows is None else int(window_rows))
-        else:
-            if self.fp8:
-                if dense_start is not None and window is not None:
-                    a = max(0, dense_start - window + 1)  # a windowed chunk: dequantize only what it can see
-                    k, v, k_doc, q_slot, dense_start = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a, dense_start - a
-                if not _splitkv_takes(q, k, backend):  # the split-KV kernel reads fp8 itself
-                    k, v = k.to(q.dtype), v.to(q.dtype)
-            o = attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, backend=backend,
-                          dense_start=dense_start, window_rows=window_rows)
-        if self.fp8:
-            o = o * self.v_scale[layer_idx].repeat_interleave(H // Hkv)[:, None].to(o.dtype)
-        return o
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> DenseKV:
+        """Write k, v [B, T, Hkv, D]; describe what attention reads (fp8: with the layer's scales; a
+        decode step: the whole buffer, read by one capturable op)."""
+        kb, vb = self.update(layer_idx, k, v)
+        scales = (self.k_scale[layer_idx], self.v_scale[layer_idx]) if self.fp8 else (None, None)
+        return DenseKV(kb, vb, *scales, capturable=self.decoding)
 
     @property
     def is_initialized(self) -> bool:
@@ -230,39 +213,3 @@ class StaticOrthrosCache(OrthrosCache):
     def __repr__(self) -> str:
         return (f"StaticOrthrosCache(layers={self.num_layers}, batch={self.batch_size}, slots={self.length}/"
                 f"{self.capacity}, storage={self.storage})")
-
-
-def _splitkv_takes(q, k, backend) -> bool:
-    """Whether `ops.attention` will run this call with the split-KV kernel (which reads fp8)."""
-    from ..ops import triton_available
-    from ..ops.splitkv import MAX_ROWS
-
-    few = (q.shape[2] // k.shape[2]) * q.shape[1]
-    return (q.is_cuda and backend in ("auto", "triton") and triton_available() and few <= MAX_ROWS
-            and (backend == "triton" or few <= 64))
-
-
-@torch.library.custom_op("orthros::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
-                     k_doc: torch.Tensor, window: int, scale: float, window_rows: int) -> torch.Tensor:
-    """A few queries [B, M, H, D] over a whole (possibly fp8) cache buffer; window 0 = none;
-    window_rows -1 = the window applies to every query (see `ops.attention`).
-
-    Opaque to torch.compile (one node in the graph), captured as is in CUDA graphs."""
-    win = None if window == 0 else window
-    rows = None if window_rows < 0 else window_rows
-    if _splitkv_takes(q, k, "triton"):
-        from ..ops.splitkv import splitkv_attention
-
-        # Queries that all have a window read at most `window` keys: one split, no merge
-        # kernels after it.
-        splits = 1 if win is not None and win <= 1024 and (rows is None or rows >= q.shape[1]) else None
-        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, num_splits=splits,
-                                 window_rows=rows).contiguous()
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    return attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, window_rows=rows).contiguous()
-
-
-@decode_attention.register_fake
-def _(q, k, v, q_slot, q_doc, k_doc, window, scale, window_rows):
-    return torch.empty_like(q)

@@ -1,6 +1,8 @@
-"""Attention ops and the dispatcher that picks one per call.
+"""Attention ops and the dispatchers that pick one per call.
 
-`attention(...)` has the contract of `naive_attention` (the reference);
+`attend(q, kv, ...)` reads a cache layer's stored K/V as the cache describes it (`ops.kv`:
+dense, paged, low-bit; `attend.py`): the one place where a kernel is chosen for a cache.
+`attention(...)` is its dense case and has the contract of `naive_attention` (the reference);
 the fast paths below compute the same function:
 
     chunked — blocked SDPA (`chunked.py`, `sdpa_cpu.py`): each query chunk
@@ -13,8 +15,8 @@ the fast paths below compute the same function:
               cuDNN calls merged by log-sum-exp, `dense.sdpa_causal_offset`).
     flex    — compiled FlexAttention with a block mask built from tile
               metadata: many queries, forward and backward, any mask.
-    triton  — split-KV (flash-decoding) kernel: a few queries over a long
-              cache, inference only.
+    triton  — split-KV (flash-decoding) kernel (`ops/splitkv/`): a few queries
+              over a long cache, inference only; `splitkv_takes` says when.
 
 `backend="auto"` picks, on CUDA: split-KV for few queries without autograd,
 SDPA for a plain causal batch (a prefix, or a later chunk without autograd),
@@ -26,49 +28,21 @@ Kernels are imported lazily: `import orthros` never needs Triton.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from .chunked import chunked_attention
 from .masks import NO_QUERY_DOC, PAD_DOC, visible
 from .naive import naive_attention
+from .splitkv.common import interpreting as _interpreting  # noqa: F401  (older import path)
+from .splitkv.common import splitkv_takes, triton_available
 
 __all__ = ["attention", "naive_attention", "chunked_attention", "visible", "PAD_DOC", "NO_QUERY_DOC", "BACKENDS"]
 
 BACKENDS = ("auto", "naive", "chunked", "sdpa", "flex", "triton")
 
 
-_TRITON: bool | None = None
-
-
-def triton_available() -> bool:
-    """Whether Triton imports (checked once). A plain global, not functools.cache: this runs
-    inside compiled decode steps, where dynamo warns about every lru_cache-wrapped call."""
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON = True
-        except ImportError:
-            _TRITON = False
-    return _TRITON
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _splitkv_applies(q, k, v, backend: str) -> bool:
-    """Few queries, no autograd, Triton on CUDA (or its interpreter when asked for)."""
-    from .splitkv import MAX_ROWS
-
-    rows = (q.shape[2] // k.shape[2]) * q.shape[1]
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    gpu = q.is_cuda or (_interpreting() and backend == "triton")
-    return (gpu and not needs_grad and triton_available() and rows <= MAX_ROWS
-            and ((backend == "auto" and rows <= 64) or backend == "triton"))
+    return splitkv_takes(q, k.shape[2], backend, k, v)
 
 
 def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto",
@@ -88,7 +62,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     M = q.shape[1]
     if window is not None and window_rows is not None and window_rows < M:
         if _splitkv_applies(q, k, v, backend):
-            from .splitkv import splitkv_attention
+            from .splitkv.dense import splitkv_attention
 
             return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
                                      window_rows=window_rows)
@@ -100,7 +74,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     if backend == "naive":
         return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     if _splitkv_applies(q, k, v, backend):
-        from .splitkv import splitkv_attention
+        from .splitkv.dense import splitkv_attention
 
         if dense_start is not None and window is not None:  # only the last W keys can be seen
             a = max(0, dense_start - window + 1)
@@ -130,3 +104,8 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     from .flex import flex_attention_op
 
     return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)
+
+
+from .attend import attend  # noqa: E402  (it calls `attention`, defined above)
+
+__all__ += ["attend"]

@@ -3,7 +3,7 @@ ptxas reports (registers, spills, shared memory): a kernel's build for sm_90 can
 and two variants compared, in CI. It needs only the Triton wheel (its NVIDIA backend and
 ptxas); nothing runs.
 
-    plan = launch_plan(...)                       # e.g. ops.splitkv_lowbit.launch_plan
+    plan = launch_plan(...)                       # e.g. ops.splitkv.lowbit.launch_plan
     compile_for(kernel, plan.args, plan.meta)     # {'registers': 168, 'spill_bytes': 0, 'shared_bytes': 39936}
 
     with captured_launches() as launches:         # or: the launches an op makes, on CPU tensors

@@ -37,7 +37,9 @@ import torch.distributed as dist
 
 from ..generate import SamplingConfig, sample
 from ..models.layout import build_layout
-from ..ops import _interpreting, attention, triton_available
+from ..ops import _interpreting, attention
+from ..ops.splitkv import splitkv_takes
+from ..ops.kv import DenseKV
 from ..ops.lse import lse_merge
 from ..ops.naive import naive_attention
 from .comm import CPGroup, all_gather, gather_merge, halo_exchange, shard_bounds
@@ -47,7 +49,8 @@ KEY_CHUNK = 1 << 15  # keys per reference-op call in the CPU / no-Triton path
 
 
 class ShardedCache:
-    """This rank's part of an Orthros KV cache: global slots [start, start + n).
+    """This rank's part of an Orthros KV cache: global slots [start, start + n). Implements
+    `models.kv.KVCache` (`write`).
 
     keys / values: per layer [B, n, Hkv, D]; key_doc: [B, n]. `total` counts the
     slots of all ranks; next_pos / last_doc ([B]) are the same on every rank.
@@ -76,6 +79,15 @@ class ShardedCache:
         else:
             self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
             self.values[layer] = torch.cat([self.values[layer], v], dim=1)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> DenseKV:
+        """`models.kv.KVCache.write`: append k, v [B, T, Hkv, D] (new slots live on the rank that
+        holds them: prefill, every rank its shard; decoding, the last rank); return this rank's
+        keys, whose key 0 is global slot `start`. Other ranks' keys are reached by merging
+        partial results (`gather_merge`), not by the read."""
+        if k.shape[1]:
+            self.append(layer, k, v)
+        return DenseKV(self.keys[layer], self.values[layer], start=self.start)
 
     def __repr__(self) -> str:
         return (f"ShardedCache(rank={self.cp.rank}/{self.cp.world}, slots=[{self.start}, "
@@ -110,11 +122,10 @@ def partial_attention(q, k, v, q_slot, q_doc, k_doc, window=None, key_chunk: int
     S = k.shape[1]
     if S == 0:
         return q.new_zeros(B, M, H, D, dtype=torch.float32), q.new_full((B, M, H), float("-inf"), dtype=torch.float32)
-    if (q.is_cuda or _interpreting()) and triton_available():  # the Triton interpreter runs it on CPU (tests)
-        from ..ops.splitkv import MAX_ROWS, splitkv_attention
+    if splitkv_takes(q, k.shape[2], "triton" if _interpreting() else "auto"):  # the interpreter runs it on CPU (tests)
+        from ..ops.splitkv import splitkv_attention
 
-        if (H // k.shape[2]) * M <= MAX_ROWS:
-            return splitkv_attention(q.contiguous(), k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
+        return splitkv_attention(q.contiguous(), k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
     os_, lses = [], []
     for s in range(0, S, key_chunk):  # the reference op on key blocks, merged like shards
         e = s + key_chunk
@@ -202,7 +213,7 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         attn, last = block.self_attn, i == L - 1
         xb = block.input_layernorm(hb)
         k, v = _kv(attn, xb, rope_b)
-        cache.append(i, k, v)
+        cache.write(i, k, v)
         if not last:
             qb = attn._queries(attn.q_proj(xb), "base", *rope_b)
             hk, hv = halo_exchange((k, v), cp, span)
@@ -255,9 +266,8 @@ def cp_decode_one_token(model, token: torch.Tensor, cache: ShardedCache) -> torc
         attn, last = block.self_attn, i == L - 1
         xb = block.input_layernorm(hb)
         k, v = _kv(attn, xb, rope)
-        if cp.last:
-            cache.append(i, k, v)
-        keys, values = cache.keys[i], cache.values[i]
+        kv = cache.write(i, k, v) if cp.last else cache.write(i, k[:, :0], v[:, :0])  # the new slot: last rank
+        keys, values = kv.k, kv.v
         if last and not two_streams:
             ho = hb  # baselines: the last layer at this token (replicated already)
         parts = []

@@ -92,7 +92,7 @@ def quantize(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None
     levels = 2**bits - 1
     zero = lo.half()
     # times the fp32 reciprocal, not divided: what a division by a scalar is on CUDA, so the stored bits
-    # are the same on every device (and in `ops/lowbit_write.py`'s kernel)
+    # are the same on every device (and in `ops/lowbit/write.py`'s kernel)
     scale = ((hi - lo) * (1.0 / levels)).half()
     s, z = scale.float(), zero.float()
     # fp16 rounding of (scale, zero) is part of the format: levels are computed against the stored pair

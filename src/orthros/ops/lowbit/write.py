@@ -1,6 +1,6 @@
 """A low-bit cache's decode write in one Triton launch a layer (`LowBitStaticCache`, decoding).
 
-One program a (row, KV head) does what the PyTorch write does (`ops/lowbit.py`'s format):
+One program a (row, KV head) does what the PyTorch write does (`format.py`):
 
     the token's K and V to the bf16 ring at slot % ring (and to the sinks if slot < sinks);
     its value quantized (Hadamard-rotated, per token over groups of VG channels) into the packed
@@ -11,7 +11,7 @@ One program a (row, KV head) does what the PyTorch write does (`ops/lowbit.py`'s
 The PyTorch write re-quantizes that key group on every step (no branch without a host sync); it is
 the same group with the same bits for `key_group` steps, so writing it only when it completes
 stores the same cache. The arithmetic is the PyTorch ops' own, in the same order, so the kernel
-stores the same bits (checked against them: tests/generation/lowbit_write_cases.py): the rotation
+stores the same bits (checked against them: tests/ops/lowbit/write_cases.py): the rotation
 is the same fast Walsh-Hadamard transform (adds and subtracts in butterfly order, then one scale),
 the scale is the range times the fp32 reciprocal of the level count (`quantize` computes it so, on
 every device), the level a division (IEEE, `div_rn`: Triton's plain fp32 division is approximate),
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _interpreting, triton_available
+from ..splitkv.common import interpreting as _interpreting
+from ..splitkv.common import triton_available
 
 
 def _pow2(x: int) -> bool:
@@ -36,7 +37,7 @@ def _pow2(x: int) -> bool:
 def write_kernel_applies(hv: torch.Tensor, value_group: int, key_group: int) -> bool:
     """Whether the Triton write runs this step: CUDA, power-of-two value and key groups (the tiles'
     shapes), rotation blocks of at most 256 channels. (Under the Triton interpreter the cases of
-    tests/generation/lowbit_write_cases.py ask for it on the CPU.)"""
+    tests/ops/lowbit/write_cases.py ask for it on the CPU.)"""
     D = hv.shape[-1]
     shapes_ok = _pow2(value_group) and _pow2(key_group) and key_group <= 256 and D & -D <= 256
     return hv.is_cuda and triton_available() and shapes_ok
@@ -69,6 +70,6 @@ def decode_write(hk, hv, rk, rv, sk, sv, kq, vq, k_scale, k_zero, v_scale_hm, v_
 
 
 def _kernel():
-    from .lowbit_write_kernel import lowbit_decode_write_fwd  # imports triton
+    from .write_kernel import lowbit_decode_write_fwd  # imports triton
 
     return lowbit_decode_write_fwd

@@ -1,4 +1,5 @@
-"""Run under TRITON_INTERPRET=1 (see test_lowbit_cache.py; on a GPU `main("all", "cuda")`): the low-bit split-KV kernel against
+"""Run under TRITON_INTERPRET=1, one named case a process (`python -m tests.ops.splitkv.lowbit_cases CASE`,
+as test_lowbit.py does; on a GPU `main("all", "cuda")`): the low-bit split-KV kernel against
 dequantize-then-attend (`ops.lowbit.dense_kv` + the fp32 naive op) on caches filled through
 `LowBitStaticCache`: int4 / int2, GQA (2 and 3 query heads per KV head), odd lengths, sinks or
 none, bounds below / at / past the sinks, padded rows, a decode pair (windowed base row +
@@ -14,9 +15,11 @@ import sys
 import torch
 
 from orthros import OrthrosConfig
-from orthros.models.lowbit_cache import LowBitStaticCache, _kernel_takes
+from orthros.models.lowbit_cache import LowBitStaticCache
+from orthros.ops import attend
+from orthros.ops.splitkv import splitkv_takes
 from orthros.ops.naive import naive_attention
-from orthros.ops.splitkv_lowbit import lowbit_splitkv_attention
+from orthros.ops.splitkv.study import lowbit_splitkv_attention
 
 W = 8
 
@@ -125,10 +128,9 @@ def mixed_key_bits(device="cpu", dtype=torch.float32):
     cache.decoding = True  # the last token as a decode step: written, then read at its slot
     q = torch.randn(B, 1, 4, 16).to(device, dtype)
     slot, qd = torch.full((B, 1), T - 1, device=device), torch.zeros(B, 1, dtype=torch.long, device=device)
-    assert _kernel_takes(q, cache.sk[0], "triton")  # the kernel, not the reference read, answers `attend`
+    assert splitkv_takes(q, 2, "triton")  # the kernel, not the reference read, answers `attend`
     for i in range(2):
-        cache.update(i, k[i, :, T - 1:], v[i, :, T - 1:])
-        out = cache.attend(i, q, None, None, slot, qd, cache.doc, backend="triton")
+        out = attend(q, cache.write(i, k[i, :, T - 1:], v[i, :, T - 1:]), slot, qd, cache.doc, backend="triton")
         kr, vr = cache.dense(i, T, cache.bound_at(T))
         ref = naive_attention(q.float(), kr, vr, slot, qd, cache.doc[:, :T])
         err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -136,35 +138,36 @@ def mixed_key_bits(device="cpu", dtype=torch.float32):
     assert cache.kq[1].shape[-1] == 2 * cache.kq[0].shape[-1]  # int4 keys in layer 1, int2 in layer 0
 
 
-def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
-    """which: "fast" leaves the 3-split launches out; on a GPU the 16-bit cases run in bf16;
-    kvs: the cache dtypes checked (a GPU test runs one each, in parallel)."""
+def dtype_cases(kv, device="cpu", which="all"):
+    """One cache dtype: GQA, odd lengths, sinks, bounds, one split and several, the decode pair, all rows
+    windowed, 16-bit queries; unrotated caches and a head size that is not a power of two.
+    which: "fast" leaves the 3-split launches out."""
     half = torch.float16 if device == "cpu" else torch.bfloat16  # the interpreter has no bf16 dots
     bounds = set()
-    for kv in kvs:
-        for H, Hkv, D in ((4, 2, 16), (6, 2, 32)):
-            for length, sinks, chunks in ((5, 4, [5]), (37, 4, [7, 30]), (61, 0, [64]), (201, 4, [13, 100]),
-                                          (300, 2, [1, 299])):
-                for splits in (1, None, 3):
-                    if which == "fast" and splits == 3:
-                        continue
-                    bounds.add(check(kv, H, Hkv, D, length, sinks, chunks, splits=splits, device=device))
-            check(kv, H, Hkv, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device)  # a decode pair
-            check(kv, H, Hkv, D, 150, 4, [50], window=W, M=1, device=device)  # windowed only: no packed slot read
-            check(kv, H, Hkv, D, 150, 4, [150], M=3, dtype=half, device=device)
-        for rotate in (False, True):  # unrotated; D = 24: blocks of 8, a 32-wide tile
-            D = 24 if rotate else 16
-            bounds.add(check(kv, 4, 2, D, 201, 4, [13, 100], device=device, rotate=rotate))
-            check(kv, 4, 2, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device, rotate=rotate)
-            check(kv, 4, 2, D, 150, 4, [150], M=3, dtype=half, device=device, rotate=rotate)
+    for H, Hkv, D in ((4, 2, 16), (6, 2, 32)):
+        for length, sinks, chunks in ((5, 4, [5]), (37, 4, [7, 30]), (61, 0, [64]), (201, 4, [13, 100]),
+                                      (300, 2, [1, 299])):
+            for splits in (1, None, 3):
+                if which == "fast" and splits == 3:
+                    continue
+                bounds.add(check(kv, H, Hkv, D, length, sinks, chunks, splits=splits, device=device))
+        check(kv, H, Hkv, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device)  # a decode pair
+        check(kv, H, Hkv, D, 150, 4, [50], window=W, M=1, device=device)  # windowed only: no packed slot read
+        check(kv, H, Hkv, D, 150, 4, [150], M=3, dtype=half, device=device)
+    for rotate in (False, True):  # unrotated; D = 24: blocks of 8, a 32-wide tile
+        D = 24 if rotate else 16
+        bounds.add(check(kv, 4, 2, D, 201, 4, [13, 100], device=device, rotate=rotate))
+        check(kv, 4, 2, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device, rotate=rotate)
+        check(kv, 4, 2, D, 150, 4, [150], M=3, dtype=half, device=device, rotate=rotate)
     assert bounds == {0, 16, 48, 192, 288}, bounds  # no bound, one key group, several
-    if "int2" in kvs:
-        mixed_key_bits(device)
-        mixed_key_bits(device, half)
-    # tiles at key-group edges: several tiles a group, split starts inside a group (block 16 < group 32);
-    # groups of 48 (tiles of 16, the largest power of two dividing it); block 128 > group; groups of 8
-    # (a tile spans groups: the per-slot path); head size 24 with value groups of 6 (non-power-of-two
-    # groups; int2 bytes straddle groups: the per-channel path)
+
+
+def edge_cases(device="cpu", kvs=("int4", "k4v2")):
+    """Tiles at key-group edges: several tiles a group, split starts inside a group (block 16 < group 32);
+    groups of 48 (tiles of 16, the largest power of two dividing it); block 128 > group; groups of 8
+    (a tile spans groups: the per-slot path); head size 24 with value groups of 6 (non-power-of-two
+    groups; int2 bytes straddle groups: the per-channel path)."""
+    half = torch.float16 if device == "cpu" else torch.bfloat16
     for kv in [x for x in kvs if x != "int2"]:
         check(kv, 4, 2, 16, 150, 4, [150], splits=3, key_group=32, block_n=16, device=device)
         check(kv, 4, 2, 16, 200, 4, [60], splits=2, key_group=48, device=device)
@@ -173,7 +176,35 @@ def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
         check(kv, 6, 2, 24, 100, 4, [100], splits=2, value_group=6, device=device, rotate=False)
         check(kv, 6, 2, 24, 100, 4, [40], value_group=6, key_group=8, window=W, window_rows=1, M=2, dtype=half,
               device=device, rotate=False)
+
+
+def wide_and_mixed_cases(device="cpu", kvs=("int4", "int2", "k4v2")):
+    """The 16-bit dots of real shapes, and int4 keys in some layers of an int2 cache."""
+    half = torch.float16 if device == "cpu" else torch.bfloat16
+    if "int2" in kvs:
+        mixed_key_bits(device)
+        mixed_key_bits(device, half)
     wide_cases(device, kvs, half)
+
+
+# the interpreter's cases, one process each (tests/ops/splitkv/test_lowbit.py parametrizes over them)
+CASES = {
+    "int4": lambda dev: dtype_cases("int4", dev),
+    "int2": lambda dev: dtype_cases("int2", dev),
+    "k4v2": lambda dev: dtype_cases("k4v2", dev),
+    "edges": lambda dev: edge_cases(dev),
+    "wide-and-mixed": lambda dev: wide_and_mixed_cases(dev),
+    "finish": lambda dev: (finish_case(dev), bf16_split_case(dev)),
+}
+
+
+def main(which: str, device: str = "cpu", kvs=("int4", "int2", "k4v2")):
+    """Every case but the Gluon path's merge: which "fast" leaves the 3-split launches out; on a GPU the
+    16-bit cases run in bf16; kvs: the cache dtypes checked (a GPU test runs one each, in parallel)."""
+    for kv in kvs:
+        dtype_cases(kv, device, which)
+    wide_and_mixed_cases(device, kvs)
+    edge_cases(device, kvs)
     print("ok")
 
 
@@ -227,13 +258,13 @@ def quick_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
 
 
 def finish_case(device="cpu"):
-    """The Gluon path's merge (`ops.splitkv_lowbit.finish`) against the same sums in PyTorch: the bf16 splits
+    """The Gluon path's merge (`ops.splitkv.lowbit.finish`) against the same sums in PyTorch: the bf16 splits
     (one, or four: their bf16 part; their packed part zero) for every row, the packed splits after them
     (packed part) from row0 on; the bf16 parts of the packed splits and the packed splits of the rows
     before row0 hold garbage that must not be read; splits with nothing seen (lse -inf), a bf16 one
     among them; rotated and not."""
     from orthros.ops.lowbit import rotation_matrix
-    from orthros.ops.splitkv_lowbit import finish
+    from orthros.ops.splitkv.lowbit import finish
 
     torch.manual_seed(5)
     B, P, M, H, D, row0 = 2, 300, 3, 4, 64, 1  # several of the merge's chunks of splits
@@ -262,12 +293,12 @@ def finish_case(device="cpu"):
 
 
 def bf16_split_case(device="cpu"):
-    """The Gluon path's bf16 splits (`ops.splitkv_lowbit.bf16_split`): q R made by the kernel is
+    """The Gluon path's bf16 splits (`ops.splitkv.lowbit.bf16_split`): q R made by the kernel is
     `ops.lowbit.rotate`'s, bit for bit (head sizes 64, 24: block-diagonal, padded tile), and the splits'
     outputs merged are attention over the sinks and the ring alone (the packed slots hidden from the
     reference); one split (a short ring) and two (a ring of 136 slots, 52 slots from the bound on)."""
     from orthros.ops.lowbit import rotate
-    from orthros.ops.splitkv_lowbit import bf16_split, bf16_splits
+    from orthros.ops.splitkv.lowbit import bf16_split, bf16_splits
 
     for D, dt, g, L in ((64, torch.bfloat16, 16, 300), (24, torch.float32, 16, 300), (64, torch.bfloat16, 64, 500)):
         cache = filled_cache("int4", 8, 2, D, L, 4, [L], pad=0, seed=2, device=device, key_group=g)
@@ -297,7 +328,7 @@ def bf16_split_case(device="cpu"):
 
 
 def gluon_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
-    """The Gluon packed kernel (`ops/splitkv_lowbit_gluon.py`, asked for explicitly): head sizes 128 and
+    """The Gluon packed kernel (`ops/splitkv/lowbit_gluon.py`, asked for explicitly): head sizes 128 and
     64 with 4 and 3 query heads a KV head (one output row, a decode pair, two output rows), bf16 and fp16
     queries, lengths across tiles and key groups (past the bound, a bound of 0), one split, several
     (with empty ones) and the default count, a second document hiding part of the packed slots,
@@ -339,20 +370,14 @@ def gluon_cases(device="cuda", kvs=("int4", "int2", "k4v2")):
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-    if which == "quick":
-        quick_cases(dev)
+    if which in CASES:
+        CASES[which](dev)
         print("ok")
-    elif which == "finish":
-        finish_case(dev)
-        bf16_split_case(dev)
+    elif which == "quick":
+        quick_cases(dev)
         print("ok")
     elif which == "gluon":  # optional third argument: the cache dtypes, comma-separated
         gluon_cases(dev, *([tuple(sys.argv[3].split(","))] if len(sys.argv) > 3 else []))
-        print("ok")
-    elif which == "wide":  # the 16-bit dots alone (on a GPU: bf16 and fp16 queries) and the mixed key bits
-        wide_cases(dev)
-        mixed_key_bits(dev)
-        mixed_key_bits(dev, torch.bfloat16 if dev != "cpu" else torch.float16)
         print("ok")
     else:
         main(which, dev)

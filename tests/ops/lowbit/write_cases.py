@@ -1,5 +1,5 @@
-"""Run under TRITON_INTERPRET=1 (test_lowbit_cache.py) or on a GPU (`python -m tests.generation.lowbit_write_cases
-cuda`): the low-bit cache's decode write as one Triton launch (`ops/lowbit_write.py`) against its PyTorch form,
+"""Run under TRITON_INTERPRET=1, one named case a process (test_write.py), or on a GPU (`python -m
+tests.ops.lowbit.write_cases all cuda`): the low-bit cache's decode write as one Triton launch (`ops/lowbit/write.py`) against its PyTorch form,
 bit for bit: the same prompt prefilled, then decode steps written one way and the other, over the bound's
 moves (key groups written from the ring), tokens written into the sinks, every cache dtype, rotated or not,
 head sizes 16, 24 (block-diagonal rotation, padded tiles), 32 and 64, sinks or none, int4 keys in an int2 cache."""
@@ -11,7 +11,7 @@ import torch
 
 import orthros.models.lowbit_cache as lowbit_cache
 
-from .splitkv_lowbit_cases import filled_cache
+from tests.ops.splitkv.lowbit_cases import filled_cache
 
 
 def same_cache(a, b, label):
@@ -51,17 +51,21 @@ def case(kv_dtype, D, length, sinks, chunks, device, rotate=True):
     same_cache(*caches, label)
 
 
-def main(device="cpu"):
-    n = 0
+def dtype_cases(device="cpu"):
+    """Every cache dtype, head sizes 16, 24 and 64."""
     for kv, D in (("int4", 16), ("int2", 16), ("k4v2", 16), ("int4", 24), ("k4v2", 64)):
         case(kv, D, 64, 4, [36], device)
-        n += 1
+
+
+def edge_cases(device="cpu"):
     case("int2", 16, 40, 4, [2], device)  # tokens written into the sinks by decode steps
     case("int4", 16, 40, 0, [5], device)  # no sinks
     case("int2", 64, 64, 4, [36], device, rotate=False)
     case("int4", 32, 64, 4, [1, 35], device)  # one-token prefill, then a long decode
-    n += 4
-    # int4 keys in an int2 cache (the layers of `kv_int4_key_layers`): the kernel takes the layer's key bits
+
+
+def key_bits_case(device="cpu"):
+    """int4 keys in an int2 cache (the layers of `kv_int4_key_layers`): the kernel takes the layer's key bits."""
     cfg_bits = []
     for kernel in (False, True):
         with mock.patch.object(lowbit_cache, "write_kernel_applies", lambda *a, k=kernel: k), \
@@ -69,10 +73,23 @@ def main(device="cpu"):
             cfg_bits.append(filled_cache("int2", 4, 2, 16, 64, 4, [36], pad=0, seed=1, device=device))
     assert cfg_bits[0].layer_key_bits == [4] and cfg_bits[0].kq[0].shape[-1] == 8
     same_cache(*cfg_bits, "int2 with int4 keys")
-    n += 1
-    print(f"{n} write cases bit-identical ({device})")
+
+
+# the interpreter's cases, one process each (tests/ops/lowbit/test_write.py parametrizes over them)
+CASES = {"dtypes": dtype_cases, "edges": edge_cases, "key-bits": key_bits_case}
+
+
+def main(device="cpu"):
+    for run in CASES.values():
+        run(device)
+    print(f"{len(CASES)} groups of write cases bit-identical ({device})")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    dev = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    if which == "all":
+        main(dev)
+    else:
+        CASES[which](dev)
     print("ok")

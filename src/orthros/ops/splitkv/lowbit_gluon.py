@@ -1,6 +1,6 @@
 """The packed part of a low-bit split-KV read, in Gluon (`triton.experimental.gluon`): the
 slots [sinks, bound) of a `LowBitStaticCache` layer, for the output rows of a decode step, with
-every register layout chosen. What the Triton kernel (`splitkv_lowbit_kernel.py`) spends its
+every register layout chosen. What the Triton kernel (`lowbit_kernel.py`) spends its
 instructions on there is layout traffic: levels moved between threads and through shared
 memory to reach the tensor cores' operand layouts. Here each thread loads exactly the packed
 words its operand registers hold, turns them into fp16 levels in place (inline PTX: prmt and
@@ -28,7 +28,7 @@ query rows cost 8 columns, not 16):
               (fp32, per thread, reduced once at the end).
 
 Packed words: a "unit" is the 8 channels c = 8u .. 8u + 7 of a slot (an int32 word of int4 levels,
-an int16 of int2 levels; `ops/lowbit.py` packs the lowest bits first, so plane p of a unit is
+an int16 of int2 levels; `ops/lowbit/format.py` packs the lowest bits first, so plane p of a unit is
 channel 8u + p). Keys: a thread holds 4 consecutive units of a slot (one 16-byte load for int4,
 8 bytes for int2), two units a register pair; values: a thread holds one unit of 4 slots of a
 value group, two slots a register pair.
@@ -36,7 +36,7 @@ value group, two slots a register pair.
 Outputs: the program's part of o [B, P, M, H, 2, D] (fp32; part 1 only, the packed slots' in V R
 space; part 0 belongs to the bf16 split) and lse [B, P, M, H] (natural log) at split
 `split0 + program_id(1)`, for the rows from row0 on (windowed rows are neither read nor written),
-merged with the other splits by `ops.splitkv_lowbit.finish`.
+merged with the other splits by `ops.splitkv.lowbit.finish`.
 
 Requirements (the launcher checks them): CUDA sm_80+, head size 64 or 128, value groups of 64,
 key groups a multiple of 64, 16-bit queries, at most 8 output rows a KV head.

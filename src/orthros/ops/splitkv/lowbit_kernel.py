@@ -1,4 +1,4 @@
-"""The Triton code of `ops/splitkv_lowbit.py` (the design is described there). A module of its
+"""The Triton code of `ops/splitkv/lowbit.py` (the design is described there). A module of its
 own because the kernel calls Triton helpers, which must be module globals; it imports triton
 and is itself imported on first use."""
 
@@ -7,7 +7,7 @@ import struct
 import triton
 import triton.language as tl
 
-from .lowbit_write_kernel import _rotate
+from ..lowbit.write_kernel import _rotate
 
 
 @triton.jit
@@ -225,7 +225,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
                        PTX: tl.constexpr, NO_PACKED: tl.constexpr = False, HB: tl.constexpr = 1,
                        RSCALE: tl.constexpr = 1.0):
-    # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv_lowbit.py)
+    # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv/lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
     PK: tl.constexpr = 8 // KBITS
@@ -297,7 +297,7 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     # packed [NS, bound): tiles aligned to BLOCK_Q, so (KEY_FOLD) each lies in one key group
     lo = tl.maximum(start, NS)
     hi = tl.minimum(end, bound)
-    if NO_PACKED:  # another kernel reads the packed slots (`splitkv_lowbit_gluon`): an empty loop
+    if NO_PACKED:  # another kernel reads the packed slots (`lowbit_gluon.py`): an empty loop
         hi = lo // BLOCK_Q * BLOCK_Q
     nq = tl.arange(0, BLOCK_Q)
     nq3 = nq[None, :, None]

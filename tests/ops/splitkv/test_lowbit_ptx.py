@@ -1,4 +1,4 @@
-"""The inline PTX of the low-bit kernel's level conversion (`ops/splitkv_lowbit_kernel.py`,
+"""The inline PTX of the low-bit kernel's level conversion (`ops/splitkv/lowbit_kernel.py`,
 LEVELS4_PTX / LEVELS2_PTX, made by `_levels_ptx`) against the map it stands for, by emulating each of its instructions
 on every byte value. The interpreter runs the kernel with the plain-op twin of that map, so
 this is the CPU check of the PTX itself (the GPU run of the kernel cases checks it end to end)."""
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from orthros.ops import splitkv_lowbit_kernel as K  # noqa: E402
+from orthros.ops.splitkv import lowbit_kernel as K  # noqa: E402
 
 
 def _u32(x: str, regs: dict) -> int:

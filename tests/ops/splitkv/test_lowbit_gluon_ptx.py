@@ -1,4 +1,4 @@
-"""The inline PTX of the Gluon packed kernel (`ops/splitkv_lowbit_gluon.py`: PAIR4, PAIR2) against
+"""The inline PTX of the Gluon packed kernel (`ops/splitkv/lowbit_gluon.py`: PAIR4, PAIR2) against
 the map it stands for, by emulating its instructions (the emulator of test_lowbit_ptx.py) on
 every byte value in every lane: plane p of a unit (channel 8u + p) comes out as the fp16 whose
 bit pattern is w_p * level (the subnormal w_p * level * 2^-24), lane 0 from the first unit, lane 1
@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from orthros.ops import splitkv_lowbit_gluon as GK  # noqa: E402
-from tests.ops.test_lowbit_ptx import _halves, emulate  # noqa: E402
+from orthros.ops.splitkv import lowbit_gluon as GK  # noqa: E402
+from tests.ops.splitkv.test_lowbit_ptx import _halves, emulate  # noqa: E402
 
 
 def want(units: np.ndarray, bits: int) -> np.ndarray:

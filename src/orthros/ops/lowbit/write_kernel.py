@@ -1,4 +1,4 @@
-"""The Triton kernel of `ops/lowbit_write.py` (the low-bit cache's decode write, one launch a layer)."""
+"""The Triton kernel of `ops/lowbit/write.py` (the low-bit cache's decode write, one launch a layer)."""
 
 import triton
 import triton.language as tl

@@ -8,20 +8,8 @@ import torch
 
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
-from .splitkv_lowbit import LaunchPlan, launch_plan
-
-LOOPS = ("planar-f16", "planar-dq", "planar", "interleaved")  # the packed loops, as benchmarks name them
-
-
-def loop_options(loop: str) -> dict:
-    """A packed loop's name -> `lowbit_splitkv_attention` / `launch_plan` keyword arguments:
-    bit planes with keys and values dequantized in fp16 (planar-f16, the kernel's default), with
-    the keys folded into q and the values dequantized in fp32 (planar-dq), with the value scales
-    folded into p (planar), or the interleaving loop."""
-    if loop not in LOOPS:
-        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    return dict(planar=None if loop.startswith("planar") else False,
-                dequant_values=loop in ("planar-f16", "planar-dq"), fp16_dequant=loop == "planar-f16")
+from ..ops.splitkv.lowbit import LaunchPlan, launch_plan
+from ..ops.splitkv.study import LOOPS, loop_options  # noqa: F401  (the names benchmarks import from here)
 
 
 def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: int = 128, rotate: bool = True,
@@ -43,9 +31,9 @@ def lowbit_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: i
 
 def gluon_packed_launch(kv_dtype: str, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                         dtype=torch.bfloat16, context: int = 4096, splits: int = 64, maxnreg=None, pipe=None):
-    """The Gluon packed kernel's launch (`ops.splitkv_lowbit.gluon_launch`) for a decode pair over a
+    """The Gluon packed kernel's launch (`ops.splitkv.lowbit.gluon_launch`) for a decode pair over a
     one-layer cache on the CPU: (kernel, grid, args, meta), for compile checks (nothing runs)."""
-    from .splitkv_lowbit import gluon_launch, packed_rows
+    from ..ops.splitkv.lowbit import gluon_launch, packed_rows
 
     cfg = OrthrosConfig.from_name("tiny", num_hidden_layers=1, num_attention_heads=heads,
                                   num_key_value_heads=kv_heads, head_dim=head_dim, window_size=128)

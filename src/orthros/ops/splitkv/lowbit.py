@@ -1,7 +1,7 @@
 """Split-KV attention over a low-bit cache: a few queries, int4 / int2 keys and values
-read in their packed form (the layout of `ops/lowbit.py`, the parts of `LowBitStaticCache`).
+read in their packed form (the layout of `ops/lowbit/format.py`, described to the op by `ops.kv.LowBitKV`).
 
-The structure is `ops/splitkv.py`'s: one program per (row, KV head, split),
+The structure is `dense.py`'s: one program per (row, KV head, split),
 the G * M queries of a KV head as the rows of one tile, an online softmax
 over the split's keys (clipped to what the queries can see), the same
 log-sum-exp merge. The split's keys are read in three loops, each clipped to
@@ -11,7 +11,7 @@ the split and each with plain loads of one part:
     [NS, bound)      the packed storage (where the time goes at long context)
     [bound, end)     the bf16 ring, at j % R
 
-A rotated cache (`ops/lowbit.py`: the packed slots hold K R and V R) reads
+A rotated cache (`ops/lowbit/format.py`: the packed slots hold K R and V R) reads
 the packed keys with q R (computed once per call, before the launch) and
 accumulates the packed values apart; the program writes both parts, and
 after the merge the output is o_bf16 + o_packed R (R is its own inverse).
@@ -21,7 +21,7 @@ slots in bf16), so with every row windowed the packed loop is empty.
 
 By default (`fp16_dequant`, the bit-plane loop's default) keys and values are
 dequantized in fp16 registers: every bit plane's levels come from four bytes at
-a time by inline PTX (`_levels` in the kernel module: prmt + lop3 into fp16
+a time by inline PTX (`_levels` in `lowbit_kernel.py`: prmt + lop3 into fp16
 lanes, one packed fp16 op per two levels), keys take their group's per-channel
 scale / zero, values their token's, and both dots run in fp16 (queries past
 2^14 scaled by a power of two). The packed part keeps a softmax state of its
@@ -72,7 +72,7 @@ H200 whatever the split count. Compiled for sm_90 (Llama-3.1-8B shape, int4,
 block 64, 4 warps, 2 stages) it took 121 KB of shared memory for its
 pipelined loads (238 KB at block 128: over the 227 KB limit, the
 OutOfResources) and 209 registers; this one takes 39 KB (73 KB at block 128)
-and 255 registers with <= 40 B of spill (the fp8 kernel of ops/splitkv.py: 23 KB, 234).
+and 255 registers with <= 40 B of spill (the fp8 kernel of dense.py: 23 KB, 234).
 The registers go to the value side (channel groups as the batch axis of a 3D
 dot); the sweep (benchmarks/splitkv_sweep.py) is what decides.
 
@@ -95,20 +95,20 @@ slot indices are 32-bit (caches below 2^31 slots).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from . import _interpreting
-from .splitkv import MAX_ROWS, _num_sms, launch_options, merge_splits_kernel
+from ..kv import LowBitKV
+from .common import MAX_ROWS, VARIANTS, interpreting, launch_options, merge_splits_kernel
+from .common import num_sms as _num_sms
 
 LOG2E = 1.4426950408889634
 MAXNREG = 168  # the fp16 loop's register cap at head size 128 on a GPU (3 programs an SM)
 
 
 def _kernel():
-    from .splitkv_lowbit_kernel import splitkv_lowbit_fwd  # imports triton
+    from .lowbit_kernel import splitkv_lowbit_fwd  # imports triton
 
     return splitkv_lowbit_fwd
 
@@ -122,52 +122,48 @@ def wide_tiles(D: int, VG: int, key_bits: int, value_bits: int) -> bool:
     return D // (8 // key_bits) >= 16 and VG == _pow2(VG) and VG // (8 // value_bits) >= 16
 
 
-def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
-                             bound, length: int, key_bits: int, value_bits: int, key_group: int, window=None, scale=None,
-                             window_rows: int | None = None, rotation: torch.Tensor | None = None,
-                             num_splits=None, block_n: int = 64, num_warps: int | None = None,
-                             num_stages: int | None = None, planar: bool | None = None,
-                             dequant_values: bool | None = None, fp16_dequant: bool | None = None,
-                             maxnreg: int | None = None, packed_kernel: str | None = None):
-    """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
-    cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
-    bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
-    rotated cache (`LowBitStaticCache.rotation`), None for an unrotated one. Same contract
-    as `naive_attention` over `ops.lowbit.dense_kv(..., rotated=rotation is not None)`:
-    -> [B, M, H, D] in q's dtype. num_splits / block_n (keys per tile, a power of two >= 16;
-    packed tiles are also at most the key group's power-of-two factor) / num_warps /
-    num_stages / maxnreg (registers a thread, NVIDIA): launch tuning; planar: the bit-plane
-    packed loop (None: wherever it applies; False: the interleaving one, for comparisons);
-    dequant_values: in the bit-plane loop, values dequantized in registers and read with plain
-    2-D dots (None: wherever the loop runs; the faster on an H200), or False: their scales
-    folded into p with dots batched over the channel groups (for comparisons); fp16_dequant: in
-    the dequantizing loop, keys and values dequantized in fp16 from levels made by packed-bit
-    operations, the dots in fp16 (None: wherever that loop runs), or False: keys folded into q
-    and values dequantized in fp32 (the loop before, for comparisons). packed_kernel: what reads the
-    packed slots: "gluon" (`ops/splitkv_lowbit_gluon.py`; `gluon_refusal` says where it cannot),
-    "triton" (this module's kernel, with the loop variants above), or None: the Gluon kernel wherever it
-    applies and no Triton loop variant is asked for (`gluon_applies`)."""
+def lowbit_splitkv_attention(q, kv: LowBitKV, q_slot, q_doc, k_doc, window=None, scale=None,
+                             window_rows: int | None = None):
+    """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `kv.length` slots of a low-bit
+    cache layer; q_slot / q_doc [B, M], k_doc [B, >= length]. Same contract as `naive_attention`
+    over `ops.lowbit.dense_kv` of the same storage: -> [B, M, H, D] in q's dtype.
+    window_rows: only the first `window_rows` queries use `window` (see `ops.attention`).
+    The packed slots are read by the Gluon kernel wherever it applies (`gluon_applies`), else by
+    this module's Triton kernel; launch settings are the measured defaults (their variants:
+    `ops.splitkv.study`)."""
+    return lowbit_attention_tuned(q, kv, q_slot, q_doc, k_doc, window, scale, window_rows)
+
+
+def lowbit_attention_tuned(q, kv: LowBitKV, q_slot, q_doc, k_doc, window=None, scale=None,
+                           window_rows: int | None = None, num_splits=None, block_n: int = 64,
+                           num_warps: int | None = None, num_stages: int | None = None, planar: bool | None = None,
+                           dequant_values: bool | None = None, fp16_dequant: bool | None = None,
+                           maxnreg: int | None = None, packed_kernel: str | None = None):
+    """`lowbit_splitkv_attention` with its launch settings and loop variants (for studies:
+    `ops.splitkv.study.lowbit_splitkv_attention` documents them)."""
+    parts = kv.parts()
+    kb, vb, kg, rotation = kv.key_bits, kv.value_bits, kv.key_group, kv.rotation
+    k_scale, v_scale = kv.k_scale, kv.v_scale
     row0 = packed_rows(q.shape[1], window, window_rows)
     if packed_kernel is None:  # the Triton kernel's loop variants, when asked for, are the Triton kernel's
         tuned = (planar, dequant_values, fp16_dequant) != (None, None, None)
-        gluon = not tuned and gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar)
+        gluon = not tuned and gluon_applies(q, k_scale, v_scale, kg, kb, vb, row0, planar)
         packed_kernel = "gluon" if gluon else "triton"
     elif packed_kernel == "gluon":
-        why = gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar)
+        why = gluon_refusal(q, k_scale, v_scale, kg, kb, vb, row0, planar)
         if why:
             raise ValueError(f"the Gluon packed kernel does not apply: {why}")
     if packed_kernel == "gluon":
-        return _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc,
-                                bound, length, key_bits, value_bits, key_group, window, scale, window_rows, rotation,
-                                row0, num_splits, block_n, num_warps, num_stages, maxnreg)
+        return _gluon_attention(q, *parts, q_slot, q_doc, k_doc, kv.bound, kv.length, kb, vb, kg, window, scale,
+                                window_rows, rotation, row0, num_splits, block_n, num_warps, num_stages, maxnreg)
     if packed_kernel != "triton":
         raise ValueError(f"packed_kernel must be 'gluon', 'triton' or None, got {packed_kernel!r}")
-    plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
-                       length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, num_splits,
-                       block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg)
+    plan = launch_plan(q, *parts, q_slot, q_doc, k_doc, kv.bound, kv.length, kb, vb, kg, window, scale, window_rows,
+                       rotation, num_splits, block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant,
+                       maxnreg)
     _kernel()[plan.grid](*plan.args, **plan.meta)
-    B, P, M, H, parts, D = plan.o.shape
-    if parts == 1:
+    B, P, M, H, nparts, D = plan.o.shape
+    if nparts == 1:
         return merge_splits_kernel(plan.o.view(B, P, M, H, D), plan.lse, q.dtype)
     # both parts share each split's softmax: merge them as 2H heads, then add the packed part
     # (out of V R space for a rotated cache)
@@ -193,7 +189,7 @@ def gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, pl
     """Why the Gluon packed kernel cannot read this launch's packed slots (None: it can)."""
     B, M, H, D = q.shape
     G = H // k_scale.shape[2]
-    if not q.is_cuda or _interpreting():
+    if not q.is_cuda or interpreting():
         return "it needs a CUDA GPU (no interpreter)"
     if torch.cuda.get_device_capability(q.device) < (8, 0):
         return "it needs mma.sync (sm_80 or newer)"
@@ -220,12 +216,8 @@ def gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, pl
 
 def gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar=None) -> bool:
     """Whether the packed slots are read by the Gluon kernel by default (`packed_kernel=None`): wherever
-    it can, unless the environment variable ORTHROS_LOWBIT_KERNEL=triton asks for the Triton kernel (for
-    comparisons)."""
-    asked = os.environ.get("ORTHROS_LOWBIT_KERNEL", "").strip().lower()
-    if asked not in ("", "gluon", "triton"):
-        raise ValueError(f"ORTHROS_LOWBIT_KERNEL must be 'gluon' or 'triton' (or unset), got {asked!r}")
-    if asked == "triton":
+    it can, unless a study asked for the Triton kernel (`VARIANTS.lowbit_packed = "triton"`)."""
+    if VARIANTS.lowbit_packed == "triton":
         return False
     return gluon_refusal(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, planar) is None
 
@@ -281,7 +273,7 @@ def finish(o, lse, row0: int, rotation, dtype, bf16_splits: int = 1) -> torch.Te
     """The Gluon path's outputs -> [B, M, H, D] in dtype: o [B, P, M, H, 2, D] / lse [B, P, M, H] hold
     the bf16 splits at 0 .. bf16_splits - 1 (a power of two; their packed part empty) and the packed
     splits after them, for the rows from row0 on (their bf16 part unread); see
-    `splitkv_lowbit_kernel.lowbit_finish`."""
+    `lowbit_kernel.lowbit_finish`."""
     B, P, M, H, _, D = o.shape
     out = torch.empty(B, M, H, D, device=o.device, dtype=dtype)
     if rotation is not None and (D != _pow2(D) or rotation.shape != (D, D)):
@@ -297,7 +289,7 @@ def finish(o, lse, row0: int, rotation, dtype, bf16_splits: int = 1) -> torch.Te
 
 
 def _finish_kernel():
-    from .splitkv_lowbit_kernel import lowbit_finish  # imports triton
+    from .lowbit_kernel import lowbit_finish  # imports triton
 
     return lowbit_finish
 
@@ -306,7 +298,7 @@ def gluon_splits(q, Hkv: int, length: int, num_splits=None) -> int:
     """The Gluon kernel's programs a (row, KV head): whole tiles each, none empty by construction."""
     import triton
 
-    from .splitkv_lowbit_gluon import BLOCK
+    from .lowbit_gluon import BLOCK
 
     tiles = triton.cdiv(length, BLOCK.value)
     if num_splits is None:
@@ -321,7 +313,7 @@ def gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc, bou
     what a benchmark times alone."""
     import triton
 
-    from . import splitkv_lowbit_gluon as gk
+    from . import lowbit_gluon as gk
 
     B, M, H, D = qr.shape
     Hkv = k_scale.shape[2]
@@ -359,7 +351,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
                 dequant_values=None, fp16_dequant=None, maxnreg=None, out=None, no_packed=False) -> LaunchPlan:
     """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds).
     out: (o, lse) buffers to write split p at (default: new ones of the launch's P splits);
-    no_packed: leave the packed slots to another kernel (`splitkv_lowbit_gluon`)."""
+    no_packed: leave the packed slots to another kernel (`lowbit_gluon.py`)."""
     import triton
 
     B, M, H, D = q.shape
@@ -444,7 +436,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         KEY_FOLD=key_fold, VALUE_BYTES=VG % (8 // value_bits) == 0,
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
-        F16=bool(fp16_dequant), PTX=not _interpreting(), NO_PACKED=bool(no_packed), HB=D & -D,
+        F16=bool(fp16_dequant), PTX=not interpreting(), NO_PACKED=bool(no_packed), HB=D & -D,
         RSCALE=float(D & -D) ** -0.5,
         **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )

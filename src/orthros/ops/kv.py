@@ -1,0 +1,125 @@
+"""What an attention op reads: a description of one layer's stored K/V.
+
+A cache writes new K/V and hands the op one of these (`models.kv.KVCache.read`); the op
+(`ops.attend`) picks the kernel from it. Three storages:
+
+    DenseKV   K/V [B, S, Hkv, D] on one key axis (16-bit, fp32, or fp8 e4m3 with per-head
+              scales): no cache, `OrthrosCache`, `StaticOrthrosCache`, a shard of a
+              context-parallel cache, a low-bit cache's bf16 window.
+    PagedKV   a block pool [num_blocks * block_size, Hkv, D] read through block tables
+              (`PagedStepCache`): single queries by the paged kernel, prompt chunks by
+              gathering their visible keys.
+    LowBitKV  a low-bit cache layer: bf16 sinks and ring, int4 / int2 packed slots with their
+              scales (`ops/lowbit/format.py`, `LowBitStaticCache`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DenseKV:
+    """K/V [B, S, Hkv, D] whose key j is slot `start + j` of the layer.
+
+    k_scale / v_scale: [Hkv] fp32 for fp8 storage (the stored values times these), else None.
+    capturable: a decode step's read of a whole preallocated buffer: the op then runs as one
+    opaque custom op (captured as is in CUDA graphs; the kernels clip to the filled slots)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    start: int = 0
+    capturable: bool = False
+
+
+@dataclass
+class PagedRows:
+    """Query rows of one key each: `rows` [R] into the step's queries, block `table` [R, max_blocks],
+    `pos` [R] (each query sees keys 0..pos of its sequence); `max_len` bounds every sequence."""
+
+    rows: torch.Tensor
+    table: torch.Tensor
+    pos: torch.Tensor
+    max_len: int
+
+
+@dataclass
+class PagedChunk:
+    """A prompt chunk's base rows [r0, r1) over the keys gathered by `slots` [S] (pool slots in
+    position order); its queries run `q_slot.shape[1]` rows (padded onto a compiled length)."""
+
+    r0: int
+    r1: int
+    dense_start: int  # slot of the first query in the gathered keys
+    slots: torch.Tensor
+    q_slot: torch.Tensor  # [1, rows]
+    q_doc: torch.Tensor  # [1, rows] zeros
+    k_doc: torch.Tensor  # [1, S] zeros
+
+    @property
+    def rows(self) -> int:
+        """Queries the attention call runs: r1 - r0, or more, padded to a compiled length."""
+        return self.q_slot.shape[1]
+
+
+@dataclass
+class PagedKV:
+    """One layer of a block pool k / v [num_blocks * block_size, Hkv, D] as one forward's rows read it.
+
+    base / out: the single-key rows of each stream; chunks: the prompt chunks' base rows;
+    compiled_chunks: chunk lengths whose windowed attention runs a compiled kernel (None: every
+    multiple of 128); k_scale / v_scale: fp8 scales [Hkv], or None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    block_size: int
+    base: PagedRows
+    out: PagedRows
+    chunks: list[PagedChunk] = field(default_factory=list)
+    compiled_chunks: frozenset[int] | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
+@dataclass
+class LowBitKV:
+    """One layer of a low-bit cache (`ops/lowbit/format.py`): bf16 sinks sk / sv [B, NS, Hkv, D], packed
+    kq / vq [B, C, Hkv, D * bits / 8], key scale / zero [B, C / key_group, Hkv, D], value scale / zero
+    [B, C, Hkv, D / VG], bf16 ring rk / rv [B, ring, Hkv, D]; `bound` [1] int64 (first slot read from the
+    ring), `length` slots read; rotation R [D, D] fp32 of a rotated cache, else None; capturable: a
+    decode step's read (one opaque custom op).
+
+    window: the base stream's bf16 keys (`DenseKV`), which windowed queries read instead.
+    high: (b0, hk, hv) the bf16 K/V of slots [b0, length) of a prefill chunk, for queries of that
+    chunk whose bound lies below the cache's (the reference path)."""
+
+    sk: torch.Tensor
+    sv: torch.Tensor
+    kq: torch.Tensor
+    vq: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    rk: torch.Tensor
+    rv: torch.Tensor
+    bound: torch.Tensor
+    length: int
+    key_bits: int
+    value_bits: int
+    key_group: int
+    rotation: torch.Tensor | None = None
+    recent: int = 0  # slots kept in bf16 at least: bound(L) = (L - recent) // key_group * key_group
+    window: DenseKV | None = None
+    high: tuple | None = None
+    capturable: bool = False
+
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The storage in the kernels' argument order: (sk, sv, kq, vq, k_scale, k_zero, v_scale,
+        v_zero, rk, rv)."""
+        return (self.sk, self.sv, self.kq, self.vq, self.k_scale, self.k_zero, self.v_scale, self.v_zero,
+                self.rk, self.rv)
