@@ -57,3 +57,30 @@ def test_recall_several_seeds_mean_and_range(tmp_path):
         run_experiment("smoke", ("full",), seed=[0, 1], out=tmp_path / "x", seconds=1.0)
     agg = aggregate({0: {"n": 1, "cfg": "a"}, 1: {"n": 3, "cfg": "a"}})
     assert agg["n"] == 2 and agg["range"]["n"] == [1, 3] and agg["cfg"] == "a"
+
+
+def _log(name, path):
+    import time
+    from pathlib import Path
+    with open(path, "a") as f:
+        f.write(f"start {name}\n")
+    time.sleep(0.2 if name == "teacher" else 0.05)
+    with open(path, "a") as f:
+        f.write(f"end {name}\n")
+    return name
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_job_starts_after_the_jobs_it_needs(tmp_path, workers):
+    from orthros.experiments.jobs import run_after
+
+    log = tmp_path / "log"
+    jobs = {n: (n, str(log)) for n in ("free", "student", "teacher")}
+    out = run_after(_log, jobs, {"student": ["teacher"]}, workers)
+    assert out == {n: n for n in jobs}
+    lines = log.read_text().splitlines()
+    assert lines.index("end teacher") < lines.index("start student")
+    if workers == 1:
+        assert lines[0] == "start teacher"  # the job others wait for goes first
+    with pytest.raises(ValueError, match="cycle"):
+        run_after(_log, {"a": ("a", str(log)), "b": ("b", str(log))}, {"a": ["b"], "b": ["a"]}, workers)

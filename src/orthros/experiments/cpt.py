@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .jobs import run_jobs
+from .jobs import run_after
 
 
 @dataclass(frozen=True)
@@ -421,13 +421,6 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     np.save(work / "copy_stream.npy", stream)
 
 
-def stages(arms) -> list[list[str]]:
-    """The arms in the order they can run: arms whose teacher is another arm after it."""
-    first = [a for a in arms if ARMS[a].teacher in (None, "source")]
-    later = [a for a in arms if a not in first]
-    return [first, later] if later else [first]
-
-
 def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(ARMS), device: str = "cpu",
             jobs: int = 1, steps: int | None = None, lm_eval_limit: int | None = None) -> dict:
     if preset_name not in PRESETS:
@@ -454,9 +447,10 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
         if f.exists():  # finished by an earlier (cut) run
             results[a] = json.loads(f.read_text())
     todo = [a for a in arms if a not in results]
-    for stage in stages(todo):
-        done = run_jobs(run_arm, [(a, str(conv), str(out), preset, device, i) for i, a in enumerate(stage)], jobs)
-        results.update({r["arm"]: r for r in done})
+    # an arm taught by another arm starts when that one is done; the others fill the workers meanwhile
+    needs = {a: [ARMS[a].teacher] for a in todo if ARMS[a].teacher in todo}
+    done = run_after(run_arm, {a: (a, str(conv), str(out), preset, device, i) for i, a in enumerate(todo)}, needs, jobs)
+    results.update(done)
     meta = {"preset": preset_name, "config": dataclasses.asdict(preset), "train_tokens": preset.train_tokens,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
