@@ -123,6 +123,14 @@ CASES = [
     ("convert-dst-is-file", conv("llama", dst="afile"), ["{w}/afile", "already exists"]),
     ("convert-window-0", conv("llama", "--window-size", "0"), ["--window-size", ">= 1"]),
     ("convert-bad-shard-size", conv("llama", "--max-shard-size", "lots"), ["bad size 'lots'"]),
+    # ------------------------------------------------------------- distill
+    ("distill-no-teacher", ["distill", *train()[1:], "--model.init_from", f"{W}/byte"], ["needs a teacher"]),
+    ("distill-missing-teacher", ["distill", *train()[1:], "--model.init_from", f"{W}/byte",
+                                 "--distill.teacher", f"{W}/nope"], ["{w}/nope", "does not exist"]),
+    ("distill-teacher-other-vocab", ["distill", *train()[1:], "--model.init_from", f"{W}/byte",
+                                     "--distill.teacher", f"{W}/vocab320"], ["vocabulary", "320"]),
+    ("distill-light-without-init", ["distill", *train()[1:], "--model.trainable", "lora+so",
+                                    "--distill.teacher", f"{W}/byte"], ["model.trainable", "model.init_from"]),
     # --------------------------------------------------------------- train
     ("train-missing-config", ["train", f"{W}/nope.yaml"], ["{w}/nope.yaml", "does not exist"]),
     ("train-config-bad-yaml", ["train", f"{W}/bad.yaml"], ["{w}/bad.yaml", "not valid YAML"]),

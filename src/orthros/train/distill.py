@@ -49,6 +49,32 @@ class LossWeights:
 
 
 # ------------------------------------------------------------------ teacher
+def check_teacher(path: str | Path, student_vocab: int) -> None:
+    """What can be told of a teacher before anything is loaded or written: it exists, it is a
+    model of a kind that can teach, and its vocabulary has the student's size."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"distill.teacher: {str(p)!r} does not exist")
+    if p.is_file():
+        return  # a GGUF: checked when it is converted
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise UserError(f"distill.teacher: {str(p)!r} is not a model directory (no config.json)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{cfg_file}: not valid JSON ({e})") from None
+    kind = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if kind not in ("orthros", "llama", "qwen3"):
+        raise UserError(f"distill.teacher: {p} is a {kind!r} model; a teacher is a Llama / Qwen3 checkpoint or an "
+                        "Orthros model")
+    tv = cfg.get("vocab_size")
+    if isinstance(tv, int) and tv != student_vocab:
+        raise UserError(f"the teacher's vocabulary ({tv:,} ids, {p}) differs from the student's "
+                        f"({student_vocab:,}): distillation compares their predictions id by id, so both need the "
+                        "same tokenizer")
+
+
 def load_teacher(path: str | Path, device, dtype=torch.bfloat16, attention: str | None = None,
                  cache_dir: str | Path | None = None):
     """A frozen teacher in eval mode, always as an Orthros model (one forward, one set of

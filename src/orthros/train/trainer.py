@@ -253,6 +253,10 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
     if resume is not None or cfg.model.init_from is not None:  # damaged weights fail before any data work
         check_model_dir(resume if resume is not None else cfg.model.init_from, mc,
                         new_scale_offset=resume is None)
+    if cfg.distill.teacher is not None and (resume is not None or cfg.model.init_from is not None):
+        from .distill import check_teacher
+
+        check_teacher(cfg.distill.teacher, mc.vocab_size)  # before any data work or file is written
     if cfg.data.seq_len > mc.max_position_embeddings:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
                          f"{mc.max_position_embeddings}")
