@@ -199,18 +199,18 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     same output positions the CE would use."""
     from ..models.adapter import make_trainable
     from ..models.compat import set_checkpointing
+    from ..train.config import OptimArgs
     from ..train.distill import LossWeights, distill_loss
+    from ..train.trainer import param_groups as optim_groups
 
     model = make_trainable(model, mode, rank=preset.lora_rank)
     if preset.gradient_checkpointing:
         set_checkpointing(model, True)
-    groups = {"decay": [], "vec": [], "lora": []}
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            groups["lora" if "lora_" in name else ("decay" if p.dim() >= 2 else "vec")].append(p)
     lr_vec = preset.lr if mode == "all" else preset.light_lr
-    spec = [("decay", preset.lr, preset.weight_decay), ("vec", lr_vec, 0.0), ("lora", preset.lora_lr, 0.0)]
-    param_groups = [{"params": groups[g], "lr": lr, "weight_decay": wd, "peak": lr} for g, lr, wd in spec if groups[g]]
+    param_groups = optim_groups(model, OptimArgs(lr=preset.lr, weight_decay=preset.weight_decay, vector_lr=lr_vec,
+                                                 lora_lr=preset.lora_lr))
+    for g in param_groups:
+        g["peak"] = g["lr"]
     cuda = torch.device(device).type == "cuda"
     opt = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
     weights = LossWeights(preset.ce, preset.kl, preset.temperature, preset.align, preset.align_on)

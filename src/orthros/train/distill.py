@@ -52,14 +52,13 @@ class LossWeights:
 
 
 # ------------------------------------------------------------------ teacher
-def check_teacher(path: str | Path, student_vocab: int) -> None:
-    """What can be told of a teacher before anything is loaded or written: it exists, it is a
-    model of a kind that can teach, and its vocabulary has the student's size."""
-    p = Path(path)
+def _teacher_config(p: Path) -> dict | None:
+    """A teacher's config.json as a dict (None for a GGUF file), or a one-line error: the path
+    exists, and is a model of a kind that can teach."""
     if not p.exists():
         raise UserError(f"distill.teacher: {str(p)!r} does not exist")
     if p.is_file():
-        return  # a GGUF: checked when it is converted
+        return None  # a GGUF: checked when it is converted
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise UserError(f"distill.teacher: {str(p)!r} is not a model directory (no config.json)")
@@ -71,9 +70,16 @@ def check_teacher(path: str | Path, student_vocab: int) -> None:
     if kind not in ("orthros", "llama", "qwen3"):
         raise UserError(f"distill.teacher: {p} is a {kind!r} model; a teacher is a Llama / Qwen3 checkpoint or an "
                         "Orthros model")
-    tv = cfg.get("vocab_size")
+    return cfg
+
+
+def check_teacher(path: str | Path, student_vocab: int) -> None:
+    """What can be told of a teacher before anything is loaded or written: it exists, it is a
+    model of a kind that can teach, and its vocabulary has the student's size."""
+    cfg = _teacher_config(Path(path))
+    tv = None if cfg is None else cfg.get("vocab_size")
     if isinstance(tv, int) and tv != student_vocab:
-        raise UserError(f"the teacher's vocabulary ({tv:,} ids, {p}) differs from the student's "
+        raise UserError(f"the teacher's vocabulary ({tv:,} ids, {path}) differs from the student's "
                         f"({student_vocab:,}): distillation compares their predictions id by id, so both need the "
                         "same tokenizer")
 
@@ -90,14 +96,8 @@ def load_teacher(path: str | Path, device, dtype=torch.bfloat16, attention: str 
     from ..loading import load_model, read_config
 
     p = Path(path)
-    if not p.exists():
-        raise UserError(f"distill.teacher: {str(p)!r} does not exist")
-    kind = "gguf" if p.is_file() else None
-    if kind is None:
-        cfg_file = p / "config.json"
-        if not cfg_file.is_file():
-            raise UserError(f"distill.teacher: {str(p)!r} is not a model directory (no config.json)")
-        kind = json.loads(cfg_file.read_text()).get("model_type")
+    cfg = _teacher_config(p)
+    kind = "gguf" if cfg is None else cfg["model_type"]
     if kind in ("llama", "qwen3", "gguf"):
         if attention not in (None, "full"):
             raise UserError(f"distill.teacher_attention={attention!r}: a {kind} source runs as the Transformer it is")
@@ -109,9 +109,6 @@ def load_teacher(path: str | Path, device, dtype=torch.bfloat16, attention: str 
         if not (conv / "config.json").exists():
             convert_checkpoint(p, conv, window_size=1, scale_offset=False, dtype="fp32", progress=False)
         p, attention = conv, "full"
-    elif kind != "orthros":
-        raise UserError(f"distill.teacher: {p} is a {kind!r} model; a teacher is a Llama / Qwen3 checkpoint or an "
-                        "Orthros model")
     config = read_config(p)
     if attention is not None:
         config.attention = attention
