@@ -84,3 +84,24 @@ def test_a_job_starts_after_the_jobs_it_needs(tmp_path, workers):
         assert lines[0] == "start teacher"  # the job others wait for goes first
     with pytest.raises(ValueError, match="cycle"):
         run_after(_log, {"a": ("a", str(log)), "b": ("b", str(log))}, {"a": ["b"], "b": ["a"]}, workers)
+
+
+def test_students_start_once_their_teacher_is_trained_not_evaluated(tmp_path, monkeypatch):
+    """The conversion experiment: a teacher arm is two jobs (train and save; evaluate), and the arms
+    it teaches wait only for the first."""
+    from orthros.experiments import cpt
+
+    calls = []
+
+    def fake_arm(arm, conv, out, preset, device, position=0, train_only=False):
+        calls.append((arm, train_only))
+        return {"arm": arm, "train": {}} if train_only else {"arm": arm, "eval": {}}
+
+    monkeypatch.setattr(cpt, "prepare", lambda *a, **k: tmp_path / "orthros")
+    monkeypatch.setattr(cpt, "run_arm", fake_arm)
+    monkeypatch.setattr(cpt, "write_report", lambda results, preset, meta, out: results)
+    res = cpt.run_cpt("smollm2-cpu-smoke", "unused.gguf", tmp_path, arms=("orthros-kd-d", "full-cpt", "orthros-cpt"))
+    assert calls[0] == ("full-cpt", True)  # the teacher trains first, and stops at its weights
+    assert calls.index(("orthros-kd-d", False)) > 0
+    assert ("full-cpt", False) in calls and len(calls) == 4  # then it is evaluated, as a job of its own
+    assert set(res) == {"orthros-kd-d", "full-cpt", "orthros-cpt"}

@@ -312,9 +312,12 @@ def retrieval_slots(n_rows: int, n_retrieval: int) -> np.ndarray:
     return np.linspace(0, n_rows - 1, n_retrieval).round().astype(np.int64) if n_retrieval else np.zeros(0, np.int64)
 
 
-def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: str, position: int = 0) -> dict:
+def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: str, position: int = 0,
+            train_only: bool = False) -> dict:
     """One arm: load, train (if it trains; from its teacher, if it has one), save its adapter
-    (and its weights, if it teaches another arm), evaluate. A worker's job."""
+    (and its weights, if it teaches another arm), evaluate. A worker's job. `train_only`: stop
+    once the weights are saved (a teacher's students need nothing more; its evaluation is a
+    second job, which finds the weights)."""
     from ..data.tokenizer import load_tokenizer
     from ..models.adapter import merge_lora, save_adapter
     from ..train.distill import load_teacher
@@ -356,9 +359,11 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
                                         "tokens": preset.train_tokens, "teacher": spec.teacher,
                                         "train": {k: v for k, v in stats.items() if k != "synced"}})
             merge_lora(model)
-        if preset.save_weights or any(a.teacher == arm for a in ARMS.values()):
+        if preset.save_weights or train_only or any(a.teacher == arm for a in ARMS.values()):
             model.save_pretrained(trained)
             (trained / "train_stats.json").write_text(json.dumps(stats))
+    if train_only:
+        return {"arm": arm, "train": stats}
     heldout = {k: np.load(work / f"heldout_{k}.npy") for k in HELDOUT}
     stream = torch.from_numpy(np.load(work / "copy_stream.npy").astype(np.int64))
     t = time.time()
@@ -447,10 +452,15 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
         if f.exists():  # finished by an earlier (cut) run
             results[a] = json.loads(f.read_text())
     todo = [a for a in arms if a not in results]
-    # an arm taught by another arm starts when that one is done; the others fill the workers meanwhile
-    needs = {a: [ARMS[a].teacher] for a in todo if ARMS[a].teacher in todo}
-    done = run_after(run_arm, {a: (a, str(conv), str(out), preset, device, i) for i, a in enumerate(todo)}, needs, jobs)
-    results.update(done)
+    # an arm taught by another arm starts once that one's weights are saved (its evaluation is a job
+    # of its own, beside the students'); the other arms fill the workers meanwhile
+    teachers = {ARMS[a].teacher for a in todo} & set(todo)
+    specs = {a: (a, str(conv), str(out), preset, device, i) for i, a in enumerate(todo)}
+    specs.update({f"{t}/train": (t, str(conv), str(out), preset, device, todo.index(t), True) for t in teachers})
+    needs = {a: [f"{ARMS[a].teacher}/train"] for a in todo if ARMS[a].teacher in teachers}
+    needs.update({t: [f"{t}/train"] for t in teachers})
+    done = run_after(run_arm, specs, needs, jobs)
+    results.update({a: r for a, r in done.items() if "/" not in a})
     meta = {"preset": preset_name, "config": dataclasses.asdict(preset), "train_tokens": preset.train_tokens,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
