@@ -107,7 +107,9 @@ class OrthrosBlock(GradientCheckpointingLayer):
         rope = [ropes.joined if ropes.joined is not None else ropes.base] + [ropes.out] * (len(hs) - 1)
         xs = [self.input_layernorm(h) for h in hs]
         attn = self.self_attn(xs, n_base, layout, rope, ropes.base, cache, skip_base=last, probs=probs)
+        del xs  # freed before the MLP, whose intermediate sets the peak of a long prefill
         hs = [None if a is None else self.post_attention_layernorm.add_norm(h, a) for h, a in zip(hs, attn)]
+        del attn
         live = [h for h in hs if h is not None]
         mlp = iter(rows(self.mlp, [x for _, x in live]))
         out = [None if h is None else h[0] + next(mlp) for h in hs]
