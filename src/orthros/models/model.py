@@ -112,7 +112,7 @@ class OrthrosBlock(GradientCheckpointingLayer):
         del xs  # long rows: free before the MLP's activations
         hs = [None if a is None else self.post_attention_layernorm.add_norm(h, a) for h, a in zip(hs, attn)]
         del attn
-        mlp = iter(rows(self.mlp, [h[1] for h in hs if h is not None and not _chunked(h[0])]))
+        mlp = iter(rows(self.mlp, [h[1] for h in hs if h is not None and not _chunked(h[0])], layout.shard))
         out = [None if h is None else self._mlp_chunks(*h) if _chunked(h[0]) else h[0] + next(mlp) for h in hs]
         return out[0], (out[1] if len(out) > 1 else None)
 
@@ -177,8 +177,8 @@ class OrthrosModel(OrthrosPreTrainedModel):
         """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C].
         trace: records hidden states / attention probabilities (`OrthrosForCausalLM` fills it in).
         take_outputs: the output positions' rows of a base-stream tensor, [B, T, C] -> [B, N, C]
-        (default: gathered at `layout.out_idx`). A context-parallel shard, which holds only some
-        positions, passes its own; its streams then always run as separate groups."""
+        (default: gathered at `layout.out_idx`). A context-parallel shard (`Layout.shard`), which
+        holds only some positions, passes its own."""
         dtype = inputs_embeds.dtype
         ropes = Ropes(self.rotary(layout.base_pos, dtype), self.rotary(layout.out_pos, dtype))
         hb = inputs_embeds
@@ -190,7 +190,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
         if no_outputs:  # a prefill chunk without an output position: the base stream only (no empty-tensor ops)
             ho = None
         T = hb.shape[1]
-        joined = (trace is None and take_outputs is None and ho is not None and T == ho.shape[1]
+        joined = (trace is None and not layout.shard and ho is not None and T == ho.shape[1]
                   and (T == 1 or layout.pairs) and not torch.is_grad_enabled())
         if joined:
             # A decode step: the tokens' base and output rows travel as one group [B, 2T, C] (T = 1,

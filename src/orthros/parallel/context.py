@@ -17,11 +17,26 @@ layers write to it as to any cache; `ops.attend` reads what it returns
                   merges the partials (`gather_merge`). Its residual and MLP
                   run on every rank, so the query never has to be broadcast.
 
-The shard's `Layout` is the whole prompt's (every rank holds the token ids)
-with its base rows cut to the shard; slots stay global. Rows the model takes
-at the output positions (`take_outputs`: the output stream's embedding; for the
-baselines, the last layer's input) are the last prompt token's, held by the
-last rank and broadcast from it. A long shard's MLP runs in row chunks
+What this module adds to the model is only where rows live and how ranks
+talk; no block math:
+
+    _shard_layout  the whole prompt's `Layout` (every rank holds the token
+                   ids) with its base rows cut to the shard; slots stay global.
+    _last_token    the model's `take_outputs`: rows at the output position
+                   (the output stream's embedding; for the baselines, the last
+                   layer's input) are the last prompt token's, held by the last
+                   rank and broadcast from it (one [B, 1, C] message).
+    ShardedCache   storage, halo and merge (`parallel/comm.py`), read by
+                   `ops.attend`.
+
+The halo and the merge are collectives, so every rank must read the same
+groups of rows in the same order, and the replicated output rows must come
+out bitwise alike on every rank. The shard's layout says so (`Layout.shard`)
+and the model keeps it: the same layers and groups run on every rank, a
+shard's two streams never join into one group (a one-token shard would
+otherwise compute its last layer's base row, the only rank to ask for that
+layer's halo), and never share a GEMM (the output row's rounding would then
+depend on the shard's length). A long shard's MLP runs in row chunks
 (`models.model.MLP_CHUNK`), as in any long forward without autograd.
 
 Decoding continues on the sharded cache with the model's decode step: the new
@@ -123,7 +138,8 @@ class ShardedCache:
 def _shard_layout(lay: Layout, a: int, b: int) -> Layout:
     """The whole prompt's layout with its base rows cut to the shard [a, b) (global slots)."""
     return replace(lay, base_slot=lay.base_slot[:, a:b], base_pos=lay.base_pos[:, a:b],
-                   base_doc=lay.base_doc[:, a:b], base_dense=None if lay.base_dense is None else lay.base_dense + a)
+                   base_doc=lay.base_doc[:, a:b], base_dense=None if lay.base_dense is None else lay.base_dense + a,
+                   shard=True)
 
 
 def _last_token(cp: CPGroup, h: torch.Tensor) -> torch.Tensor:
