@@ -220,9 +220,9 @@ def cp_decode_one_token(model, token: torch.Tensor, cache: ShardedCache) -> torc
     rank's shard; its base query (window W) and output query (all keys) read every shard,
     merged by lse."""
     _check_model(model)
-    B = token.shape[0]
-    if cache.next_pos is None or token.dim() != 1 or cache.batch_size != B:
+    if token.dim() != 1 or cache.next_pos is None or cache.batch_size != token.shape[0]:
         raise ValueError(f"token must be [batch] matching the cache's batch; got shape {tuple(token.shape)}")
+    B = token.shape[0]
     one = torch.zeros(B, 1, dtype=torch.long, device=token.device)
     lay = build_layout(B, 1, token.device, one, torch.ones_like(one, dtype=torch.bool), cache=cache)
     cache.append_tokens(lay.base_doc, lay.next_pos, lay.last_doc)
