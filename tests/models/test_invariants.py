@@ -187,3 +187,20 @@ def test_loss_is_mean_cross_entropy_over_output_positions():
                 targets.append(labels[b, t + 1])
     ref = torch.nn.functional.cross_entropy(torch.stack(logits), torch.stack(targets))
     assert abs(out.loss.item() - ref.item()) < 1e-5
+
+
+@pytest.mark.parametrize("attention", ["orthros", "swa"])
+def test_mlp_in_row_chunks_changes_no_logit(attention, monkeypatch):
+    """Without autograd a group longer than `MLP_CHUNK` rows runs its MLP in row chunks added in
+    place (what bounds a long context-parallel shard's activations): the logits stay the same."""
+    model = make_model(attention, window=5)
+    ids = ids_for(23, B=2, seed=3)
+    calls = []
+    model.model.layers[0].mlp.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+        one = len(calls)
+        monkeypatch.setattr("orthros.models.model.MLP_CHUNK", 4)
+        got = model(ids).logits
+    assert len(calls) - one > 2 * one  # 23 rows a group: 6 chunks each
+    assert rel_err(got, ref) < TOL

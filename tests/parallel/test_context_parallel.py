@@ -38,6 +38,8 @@ CASES = {
     "w4-orthros-window-1": dict(world=4, attention="orthros", W=1, T=21),
     "w4-full-uneven": dict(world=4, attention="full", W=16, T=29, sizes=[3, 12, 6, 8]),
     "w4-swa-one-token-shards": dict(world=4, attention="swa", W=5, T=23, sizes=[1, 1, 1, 20]),
+    # a one-token shard keeps its two streams apart (joined, its last layer would ask alone for a halo)
+    "w4-orthros-one-token-shards": dict(world=4, attention="orthros", W=5, T=23, sizes=[1, 20, 1, 1]),
     "w4-padded-batch-shard-of-padding": dict(world=4, attention="orthros", W=7, T=33, B=2, pad=[9, 2]),
 }
 GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)

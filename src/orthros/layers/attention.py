@@ -28,9 +28,10 @@ from .fused import fused_heads
 CONCAT_MAX_ROWS = 64  # above this, a concatenation's copy costs more than a second GEMM launch
 
 
-def rows(fn, xs: list) -> list:
-    """Apply a row-wise `fn` to [B, *, C] tensors; short ones in one call (concatenated on dim 1)."""
-    if len(xs) < 2 or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS:
+def rows(fn, xs: list, apart: bool = False) -> list:
+    """Apply a row-wise `fn` to [B, *, C] tensors; short ones in one call (concatenated on dim 1)
+    unless `apart` (`Layout.shard`)."""
+    if apart or len(xs) < 2 or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS:
         return [fn(x) for x in xs]
     out = fn(torch.cat(xs, dim=1))
     return list(out.split([x.shape[1] for x in xs], dim=1))
@@ -153,7 +154,7 @@ class OrthrosAttention(nn.Module):
         """
         T = n_base[0]
         live = [i for i, x in enumerate(xs) if not (skip_base and 0 < n_base[i] == x.shape[1])]
-        qs = rows(self.q_proj, [xs[i] for i in live])
+        qs = rows(self.q_proj, [xs[i] for i in live], layout.shard)
         x0 = xs[0] if T == xs[0].shape[1] else xs[0][:, :T]
         kv = self._write(cache, *self.keys_values(x0, *rope_base))
         attend_ = attend if probs is None else functools.partial(_reference_attention, probs)
@@ -163,7 +164,7 @@ class OrthrosAttention(nn.Module):
             q = self._heads(q, *ropes[i], self.n_heads, so, self.q_norm)
             os_.append(self._attend_group(q, n_base[i], kv, layout, attend_).flatten(2))
         out = [None] * len(xs)
-        for i, o in zip(live, rows(self.o_proj, os_)):
+        for i, o in zip(live, rows(self.o_proj, os_, layout.shard)):
             out[i] = o
         return out
 

@@ -2,13 +2,13 @@
 
 A cache owns its storage and its row state; per layer it takes the new base tokens' K/V and
 answers with a description of what attention reads (`ops.kv`: `DenseKV`, `PagedKV`,
-`LowBitKV`). It never picks a kernel: `ops.attend` does, from that description.
+`LowBitKV`, `ShardedKV`). It never picks a kernel: `ops.attend` does, from that description.
 
     OrthrosCache        growing dense K/V (transformers' generate(), cropping)   -> DenseKV
     StaticOrthrosCache  preallocated bf16 / fp8, capturable decode steps         -> DenseKV
     LowBitStaticCache   bf16 window + sinks, int4 / int2 beyond                  -> LowBitKV
     PagedStepCache      one forward over a serving engine's block pool           -> PagedKV
-    ShardedCache        this rank's shard of a context-parallel cache            -> DenseKV
+    ShardedCache        this rank's shard of a context-parallel cache            -> ShardedKV
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Protocol, Union, runtime_checkable
 
 import torch
 
-from ..ops.kv import DenseKV, LowBitKV, PagedKV
+from ..ops.kv import DenseKV, LowBitKV, PagedKV, ShardedKV
 
-KVRead = Union[DenseKV, PagedKV, LowBitKV]
+KVRead = Union[DenseKV, PagedKV, LowBitKV, ShardedKV]
 
 
 @runtime_checkable

@@ -36,6 +36,10 @@ class Layout:
     # step, rows packed as [1, T]): the model may run both streams as one tensor, as it does for
     # [B, 1] decodes.
     pairs: bool = False
+    # The base rows are one rank's shard of a context-parallel prompt, the output rows replicated on
+    # every rank (`parallel.context`): each stream runs alone (its own GEMMs, never joined), so the
+    # replicated rows round alike on every rank and every rank reads (collectively) the same groups.
+    shard: bool = False
 
 
 def pad_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ then also computes the attention outputs of that forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ from .config import OrthrosConfig
 from .layout import Layout, build_layout, pad_rows
 
 IGNORE_INDEX = -100
+MLP_CHUNK = 1 << 16  # rows per MLP call of a long forward without autograd (`OrthrosBlock._mlp_chunks`)
 logger = logging.get_logger(__name__)
 
 
@@ -107,13 +109,25 @@ class OrthrosBlock(GradientCheckpointingLayer):
         rope = [ropes.joined if ropes.joined is not None else ropes.base] + [ropes.out] * (len(hs) - 1)
         xs = [self.input_layernorm(h) for h in hs]
         attn = self.self_attn(xs, n_base, layout, rope, ropes.base, cache, skip_base=last, probs=probs)
-        del xs  # freed before the MLP, whose intermediate sets the peak of a long prefill
+        del xs  # long rows: free before the MLP's activations
         hs = [None if a is None else self.post_attention_layernorm.add_norm(h, a) for h, a in zip(hs, attn)]
         del attn
-        live = [h for h in hs if h is not None]
-        mlp = iter(rows(self.mlp, [x for _, x in live]))
-        out = [None if h is None else h[0] + next(mlp) for h in hs]
+        mlp = iter(rows(self.mlp, [h[1] for h in hs if h is not None and not _chunked(h[0])], layout.shard))
+        out = [None if h is None else self._mlp_chunks(*h) if _chunked(h[0]) else h[0] + next(mlp) for h in hs]
         return out[0], (out[1] if len(out) > 1 else None)
+
+    def _mlp_chunks(self, h, x):
+        """h + MLP(x) [B, R, C] in row chunks of MLP_CHUNK, added into h in place: a long forward
+        without autograd (a context-parallel shard runs its whole length at once) keeps its
+        [rows, intermediate] activations bounded."""
+        for s in range(0, h.shape[1], MLP_CHUNK):
+            h[:, s:s + MLP_CHUNK] += self.mlp(x[:, s:s + MLP_CHUNK])
+        return h
+
+
+def _chunked(h: torch.Tensor) -> bool:
+    """Does a group's MLP run in row chunks (`OrthrosBlock._mlp_chunks`)?"""
+    return not torch.is_grad_enabled() and h.shape[1] > MLP_CHUNK
 
 
 @dataclass
@@ -159,13 +173,16 @@ class OrthrosModel(OrthrosPreTrainedModel):
         self.post_init()
 
     def forward(self, inputs_embeds: torch.Tensor, layout: Layout, cache: OrthrosCache | None = None,
-                trace: Trace | None = None):
+                trace: Trace | None = None, take_outputs: Callable | None = None):
         """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C].
-        trace: records hidden states / attention probabilities (`OrthrosForCausalLM` fills it in)."""
+        trace: records hidden states / attention probabilities (`OrthrosForCausalLM` fills it in).
+        take_outputs: the output positions' rows of a base-stream tensor, [B, T, C] -> [B, N, C]
+        (default: gathered at `layout.out_idx`). A context-parallel shard (`Layout.shard`), which
+        holds only some positions, passes its own."""
         dtype = inputs_embeds.dtype
         ropes = Ropes(self.rotary(layout.base_pos, dtype), self.rotary(layout.out_pos, dtype))
         hb = inputs_embeds
-        gather = lambda h: h.gather(1, layout.out_idx[..., None].expand(-1, -1, h.shape[-1]))
+        gather = take_outputs or (lambda h: h.gather(1, layout.out_idx[..., None].expand(-1, -1, h.shape[-1])))
         two_streams = self.config.has_output_stream
         ho = gather(hb) if two_streams else None
         L = len(self.layers)
@@ -173,8 +190,8 @@ class OrthrosModel(OrthrosPreTrainedModel):
         if no_outputs:  # a prefill chunk without an output position: the base stream only (no empty-tensor ops)
             ho = None
         T = hb.shape[1]
-        joined = (trace is None and ho is not None and T == ho.shape[1] and (T == 1 or layout.pairs)
-                  and not torch.is_grad_enabled())
+        joined = (trace is None and not layout.shard and ho is not None and T == ho.shape[1]
+                  and (T == 1 or layout.pairs) and not torch.is_grad_enabled())
         if joined:
             # A decode step: the tokens' base and output rows travel as one group [B, 2T, C] (T = 1,
             # or a packed decode-only step), so each norm, residual add, projection and attention call

@@ -9,6 +9,9 @@ A cache writes and describes its storage (`ops.kv`); this module reads it:
     LowBitKV  windowed queries read the bf16 window; the others the low-bit reader of the
               split-KV op where it takes the call, else dequantize-then-attend.
     PagedKV   single queries by the paged reader, prompt chunks by gathering their keys.
+    ShardedKV a prefill shard's base rows read its halo as `DenseKV`; every other row reads this
+              rank's keys (`partial_attention`, with the log-sum-exp) and the cache's `merge`
+              combines the ranks' partials.
 
 Shapes: q [B, M, H, D], q_slot [1 or B, M], q_doc [B, M], k_doc [B, S] -> [B, M, H, D].
 `base_rows`: how many leading rows are base-stream rows (a paged read plans each stream's rows).
@@ -22,8 +25,9 @@ from __future__ import annotations
 import torch
 
 from . import attention
-from .kv import DenseKV, LowBitKV, PagedKV
+from .kv import DenseKV, LowBitKV, PagedKV, ShardedKV
 from .lowbit.format import dense_kv
+from .lse import partial_attention
 from .splitkv.common import splitkv_takes
 
 
@@ -37,7 +41,9 @@ def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = 
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
     if isinstance(kv, LowBitKV):
         return _lowbit(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
-    raise TypeError(f"attend reads DenseKV, LowBitKV or PagedKV, got {type(kv).__name__}")
+    if isinstance(kv, ShardedKV):
+        return _sharded(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, base_rows)
+    raise TypeError(f"attend reads DenseKV, LowBitKV, PagedKV or ShardedKV, got {type(kv).__name__}")
 
 
 def _joined(q_slot, q_doc, B: int):
@@ -148,6 +154,26 @@ def _lowbit_outputs(q, kv: LowBitKV, q_slot, q_doc, k_doc, scale, backend, kerne
         o = q.new_zeros(q.shape) if o is None else o
         o[:, cols] = torch.where((bq[:, cols] == b)[..., None, None], ob, o[:, cols])
     return o
+
+
+def _sharded(q, kv: ShardedKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows,
+             base_rows: int):
+    """A context-parallel shard's read (slots and k_doc are global). With a halo (prefill) a group of
+    base rows reads it here; any other group (all of them when decoding) reads this rank's keys and
+    merges with the other ranks' partials, one `kv.merge` a call."""
+    B, M = q.shape[:2]
+    if kv.halo is not None and base_rows:
+        if base_rows < M:  # the model keeps a shard's streams apart (`OrthrosModel.forward`)
+            raise ValueError("a prefill shard's base rows and output rows must be read as separate groups")
+        return _dense(q, kv.halo(), q_slot, q_doc, k_doc, window, scale, backend, dense_start, None)
+    q_slot, q_doc = _joined(q_slot, q_doc, B)
+    a, S = kv.shard.start, kv.shard.k.shape[1]
+    slot, k_doc = q_slot.expand(B, M) - a, k_doc[:, a:a + S]
+    w = M if window is None or window_rows is None else window_rows  # the rows that use the window
+    parts = [partial_attention(q[:, i:j], kv.shard.k, kv.shard.v, slot[:, i:j], q_doc[:, i:j], k_doc, win, scale)
+             for i, j, win in ((0, w, window), (w, M, None)) if i < j]
+    o, lse = (torch.cat(x, 1) for x in zip(*parts))
+    return kv.merge(o, lse).to(q.dtype)
 
 
 # ----------------------------------------------------------- a decode step's reads (capturable)

@@ -1,21 +1,24 @@
 """What an attention op reads: a description of one layer's stored K/V.
 
-A cache writes new K/V and hands the op one of these (`models.kv.KVCache.read`); the op
-(`ops.attend`) picks the kernel from it. Three storages:
+A cache writes new K/V and hands the op one of these (`models.kv.KVCache.write`); the op
+(`ops.attend`) picks the kernel from it. Four storages:
 
     DenseKV   K/V [B, S, Hkv, D] on one key axis (16-bit, fp32, or fp8 e4m3 with per-head
-              scales): no cache, `OrthrosCache`, `StaticOrthrosCache`, a shard of a
-              context-parallel cache, a low-bit cache's bf16 window.
+              scales): no cache, `OrthrosCache`, `StaticOrthrosCache`, a low-bit cache's
+              bf16 window.
     PagedKV   a block pool [num_blocks * block_size, Hkv, D] read through block tables
               (`PagedStepCache`): single queries by the paged kernel, prompt chunks by
               gathering their visible keys.
     LowBitKV  a low-bit cache layer: bf16 sinks and ring, int4 / int2 packed slots with their
               scales (`ops/lowbit/format.py`, `LowBitStaticCache`).
+    ShardedKV one rank's shard of a context-parallel cache (`parallel.ShardedCache`): dense
+              K/V of its slots, and the exchanges that reach the other ranks' keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -123,3 +126,22 @@ class LowBitKV:
         v_zero, rk, rv)."""
         return (self.sk, self.sv, self.kq, self.vq, self.k_scale, self.k_zero, self.v_scale, self.v_zero,
                 self.rk, self.rv)
+
+
+@dataclass
+class ShardedKV:
+    """One layer of a context-parallel cache as one rank reads it (`parallel.ShardedCache`). The
+    cache supplies the communication, `ops.attend` the kernels.
+
+    shard: this rank's K/V (`start`: its first slot).
+    merge: (o [B, M, H, D] fp32, lse [B, M, H]) of this rank's keys -> the exact output over every
+        rank's keys (an all-gather); every rank calls it for the same rows, in the same order.
+    halo: set while the rows are this rank's shard of a prompt (prefill): a call returning what the
+        shard's base rows see, the window's slots before the shard (from earlier ranks) then the
+        shard, as `DenseKV`; those rows then read it here, with no merge. A collective too: every
+        rank calls it when its base rows are read. None (decoding: replicated rows): every row
+        reads this rank's keys and merges."""
+
+    shard: DenseKV
+    merge: Callable
+    halo: Callable | None = None

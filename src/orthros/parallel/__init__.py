@@ -8,9 +8,9 @@
 See docs/long_context.md.
 """
 
-from ..ops.lse import lse_merge
+from ..ops.lse import lse_merge, partial_attention
 from .comm import CPGroup, balanced_bounds, gather_merge, halo_exchange, init_from_env, shard_bounds, spawn
-from .context import ShardedCache, cp_decode_one_token, cp_generate, cp_prefill, partial_attention
+from .context import ShardedCache, cp_decode_one_token, cp_generate, cp_prefill
 
 __all__ = [
     "CPGroup", "ShardedCache", "balanced_bounds", "cp_decode_one_token", "cp_generate", "cp_prefill",

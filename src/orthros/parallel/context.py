@@ -1,30 +1,55 @@
 """Context-parallel prefill and decoding of an Orthros model over processes.
 
-The prompt [B, T] is cut into contiguous shards, one per rank; every rank
-runs the whole stack of layers on its shard and keeps its shard of every
-layer's KV cache (`ShardedCache`). Per layer:
+The prompt [B, T] is cut into contiguous shards, one per rank. Every rank runs
+the model's own forward (`OrthrosModel.forward`: the same blocks, attention,
+residuals and MLP as one process) over its shard, with a `ShardedCache` that
+holds its shard of every layer's K/V and supplies the communication. The
+layers write to it as to any cache; `ops.attend` reads what it returns
+(`ops.kv.ShardedKV`):
 
-    base stream   SWA needs only the W - 1 keys before the shard: a halo
-                  from the previous rank(s) (`halo_exchange`), then local
-                  attention. No ring: communication O(W) per rank and layer.
-    output stream one token (the last prompt token), replicated on every
-                  rank: each rank attends its query to its own keys and one
-                  all-gather of (o, lse) merges the partials (`gather_merge`).
-                  Residual and MLP of that token run on every rank, so the
-                  query never has to be broadcast.
+    base stream   (prefill) the rows are this rank's shard. SWA needs only the
+                  W - 1 keys before the shard: a halo from the previous
+                  rank(s) (`halo_exchange`), then the ordinary attention op on
+                  [halo, shard]. No ring: communication O(W) per rank and layer.
+    output stream one row (the last prompt token), replicated on every rank:
+                  each rank attends its query to its own keys
+                  (`ops.lse.partial_attention`) and one all-gather of (o, lse)
+                  merges the partials (`gather_merge`). Its residual and MLP
+                  run on every rank, so the query never has to be broadcast.
 
-Decoding continues on the sharded cache: the new token's (base, output) pair
-is replicated on every rank, its K/V are appended on the last rank, and both
-of its queries (the base query with its window, the output query over all
-keys) fan out to every shard and merge in one all-gather per layer. So the
-window may span any number of shards, and the last shard may be shorter
-than W - 1.
+What this module adds to the model is only where rows live and how ranks
+talk; no block math:
+
+    _shard_layout  the whole prompt's `Layout` (every rank holds the token
+                   ids) with its base rows cut to the shard; slots stay global.
+    _last_token    the model's `take_outputs`: rows at the output position
+                   (the output stream's embedding; for the baselines, the last
+                   layer's input) are the last prompt token's, held by the last
+                   rank and broadcast from it (one [B, 1, C] message).
+    ShardedCache   storage, halo and merge (`parallel/comm.py`), read by
+                   `ops.attend`.
+
+The halo and the merge are collectives, so every rank must read the same
+groups of rows in the same order, and the replicated output rows must come
+out bitwise alike on every rank. The shard's layout says so (`Layout.shard`)
+and the model keeps it: the same layers and groups run on every rank, a
+shard's two streams never join into one group (a one-token shard would
+otherwise compute its last layer's base row, the only rank to ask for that
+layer's halo), and never share a GEMM (the output row's rounding would then
+depend on the shard's length). A long shard's MLP runs in row chunks
+(`models.model.MLP_CHUNK`), as in any long forward without autograd.
+
+Decoding continues on the sharded cache with the model's decode step: the new
+token's (base, output) pair is replicated on every rank and runs as one group;
+its K/V are stored on the last rank, and both of its queries (the base query
+with its window, the output query over all keys) fan out to every shard and
+merge in one all-gather per layer. So the window may span any number of
+shards, and the last shard may be shorter than W - 1.
 
 The baselines run in the same code: `attention="swa"` exactly as above, and
 `"full"` with a halo that is the whole prefix (all-gather context
 parallelism; its causal cost grows along the sequence, see
-`balanced_bounds`). Their last layer reads the last token's hidden state,
-broadcast from the last rank.
+`balanced_bounds`).
 
 Exact: logits equal the single-process `prefill` / `decode_one_token` up to
 floating-point rounding. Inference only (no autograd through the exchange).
@@ -32,112 +57,101 @@ floating-point rounding. Inference only (no autograd through the exchange).
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from ..generate import SamplingConfig, sample
-from ..models.layout import build_layout
-from ..ops import _interpreting, attention
-from ..ops.splitkv import splitkv_takes
-from ..ops.kv import DenseKV
-from ..ops.lse import lse_merge
-from ..ops.naive import naive_attention
+from ..models.layout import Layout, build_layout
+from ..ops.kv import DenseKV, ShardedKV
 from .comm import CPGroup, all_gather, gather_merge, halo_exchange, shard_bounds
-
-MLP_CHUNK = 1 << 16  # rows per MLP call: bounds the [rows, intermediate] activations
-KEY_CHUNK = 1 << 15  # keys per reference-op call in the CPU / no-Triton path
 
 
 class ShardedCache:
     """This rank's part of an Orthros KV cache: global slots [start, start + n). Implements
-    `models.kv.KVCache` (`write`).
+    `models.kv.KVCache`; a layer's write returns `ops.kv.ShardedKV`.
 
-    keys / values: per layer [B, n, Hkv, D]; key_doc: [B, n]. `total` counts the
-    slots of all ranks; next_pos / last_doc ([B]) are the same on every rank.
-    Slots appended by decoding are stored on the last rank.
+    keys / values: per layer [B, n, Hkv, D]. key_doc [B, S]: the document of every slot of every
+    rank (the layout's key axis; 8 bytes a slot); next_pos / last_doc [B] as in `OrthrosCache`;
+    all three the same on every rank. `prefilling`: the forward's rows are this rank's shard of
+    the prompt (stored here; their base stream reads a halo); after the prefill, rows are
+    replicated on every rank and their slots are stored on the last rank.
     """
 
-    def __init__(self, num_layers: int, start: int, cp: CPGroup):
-        self.num_layers, self.start, self.cp = num_layers, start, cp
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.key_doc: torch.Tensor | None = None
-        self.total = 0
-        self.next_pos: torch.Tensor | None = None
-        self.last_doc: torch.Tensor | None = None
+    reference_reads = False
 
-    def get_seq_length(self) -> int:
-        return self.total
+    def __init__(self, num_layers: int, cp: CPGroup, window: int | None):
+        """cp: with the prompt's shards (`CPGroup.with_shards`); window: the base stream's (None: full)."""
+        self.num_layers, self.cp = num_layers, cp
+        self.start = cp.bounds[cp.rank][0]
+        self.span = None if window is None else window - 1  # halo slots
+        self.keys: list[torch.Tensor | None] = [None] * self.num_layers
+        self.values: list[torch.Tensor | None] = [None] * self.num_layers
+        self.key_doc = self.next_pos = self.last_doc = None
+        self.prefilling = True
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Slots of all ranks."""
+        return 0 if self.key_doc is None else self.key_doc.shape[1]
+
+    @property
+    def batch_size(self) -> int | None:
+        return None if self.key_doc is None else self.key_doc.shape[0]
 
     @property
     def local_length(self) -> int:
-        return 0 if self.key_doc is None else self.key_doc.shape[1]
+        return 0 if self.keys[0] is None else self.keys[0].shape[1]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.keys[layer] is None:
-            self.keys[layer], self.values[layer] = k, v
-        else:
-            self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
-            self.values[layer] = torch.cat([self.values[layer], v], dim=1)
+    def append_tokens(self, doc: torch.Tensor, next_pos: torch.Tensor, last_doc: torch.Tensor) -> None:
+        """Record the new slots' documents [B, T] (all ranks' slots) and the rows' running state."""
+        self.key_doc = doc if self.key_doc is None else torch.cat([self.key_doc, doc], dim=1)
+        self.next_pos, self.last_doc = next_pos, last_doc
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> DenseKV:
-        """`models.kv.KVCache.write`: append k, v [B, T, Hkv, D] (new slots live on the rank that
-        holds them: prefill, every rank its shard; decoding, the last rank); return this rank's
-        keys, whose key 0 is global slot `start`. Other ranks' keys are reached by merging
-        partial results (`gather_merge`), not by the read."""
-        if k.shape[1]:
-            self.append(layer, k, v)
-        return DenseKV(self.keys[layer], self.values[layer], start=self.start)
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> ShardedKV:
+        """`models.kv.KVCache.write`: store the new rows' k, v [B, T, Hkv, D] where they belong (prefill:
+        every rank its shard; decoding: the last rank) and describe this rank's keys, its halo while
+        prefilling, and the merge across ranks."""
+        if self.prefilling or self.cp.last:
+            if self.keys[layer] is None:
+                self.keys[layer], self.values[layer] = k, v
+            else:
+                self.keys[layer] = torch.cat([self.keys[layer], k], dim=1)
+                self.values[layer] = torch.cat([self.values[layer], v], dim=1)
+        shard = DenseKV(self.keys[layer], self.values[layer], start=self.start)
+        halo = functools.partial(self._halo, k, v) if self.prefilling else None
+        return ShardedKV(shard, functools.partial(gather_merge, cp=self.cp), halo)
+
+    def _halo(self, k: torch.Tensor, v: torch.Tensor) -> DenseKV:
+        """The shard's k, v after the `span` slots before it (from earlier ranks)."""
+        hk, hv = halo_exchange((k, v), self.cp, self.span)
+        if not hk.shape[1]:
+            return DenseKV(k, v, start=self.start)
+        return DenseKV(torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1), start=self.start - hk.shape[1])
 
     def __repr__(self) -> str:
         return (f"ShardedCache(rank={self.cp.rank}/{self.cp.world}, slots=[{self.start}, "
-                f"{self.start + self.local_length}) of {self.total})")
+                f"{self.start + self.local_length}) of {self.get_seq_length()})")
 
 
-# ------------------------------------------------------------------ pieces
-def _kv(attn, x, rope):
-    """Base-stream keys (k-norm, RoPE) and values of x [B, T, C]: [B, T, Hkv, D] each."""
-    return attn.keys_values(x, *rope)
+def _shard_layout(lay: Layout, a: int, b: int) -> Layout:
+    """The whole prompt's layout with its base rows cut to the shard [a, b) (global slots)."""
+    return replace(lay, base_slot=lay.base_slot[:, a:b], base_pos=lay.base_pos[:, a:b],
+                   base_doc=lay.base_doc[:, a:b], base_dense=None if lay.base_dense is None else lay.base_dense + a,
+                   shard=True)
 
 
-def _mlp_residual(block, h, chunk: int = MLP_CHUNK):
-    """h + MLP(norm(h)), in row chunks (in place) so long shards fit in memory."""
-    if h.shape[1] <= chunk:
-        return h + block.mlp(block.post_attention_layernorm(h))
-    for s in range(0, h.shape[1], chunk):
-        x = h[:, s:s + chunk]
-        x += block.mlp(block.post_attention_layernorm(x))
-    return h
+def _last_token(cp: CPGroup, h: torch.Tensor) -> torch.Tensor:
+    """The last prompt token's row of a base-stream tensor [B, n, C], on every rank: [B, 1, C],
+    broadcast from the last rank (whose shard ends with it)."""
+    row = h[:, -1:].contiguous() if cp.last else h.new_empty(h.shape[0], 1, h.shape[-1])
+    if cp.world > 1:
+        dist.broadcast(row, cp.global_rank(cp.world - 1), group=cp.group)
+    return row
 
 
-def partial_attention(q, k, v, q_slot, q_doc, k_doc, window=None, key_chunk: int = KEY_CHUNK):
-    """Attention of a few queries over this rank's keys only: (o [B, M, H, D], lse [B, M, H]).
-
-    Slots are local (key i of k is slot i). Keys before every query's window are
-    skipped; a rank none of whose keys is visible returns lse = -inf (weight 0)."""
-    B, M, H, D = q.shape
-    if window is not None and k.shape[1]:
-        lo = max(0, int(q_slot.min()) - window + 1)
-        k, v, k_doc, q_slot = k[:, lo:], v[:, lo:], k_doc[:, lo:], q_slot - lo
-    S = k.shape[1]
-    if S == 0:
-        return q.new_zeros(B, M, H, D, dtype=torch.float32), q.new_full((B, M, H), float("-inf"), dtype=torch.float32)
-    if splitkv_takes(q, k.shape[2], "triton" if _interpreting() else "auto"):  # the interpreter runs it on CPU (tests)
-        from ..ops.splitkv import splitkv_attention
-
-        return splitkv_attention(q.contiguous(), k, v, q_slot, q_doc, k_doc, window=window, return_lse=True)
-    os_, lses = [], []
-    for s in range(0, S, key_chunk):  # the reference op on key blocks, merged like shards
-        e = s + key_chunk
-        o, lse = naive_attention(q, k[:, s:e], v[:, s:e], q_slot - s, q_doc, k_doc[:, s:e], window=window,
-                                 return_lse=True)
-        os_.append(o.float())
-        lses.append(lse)
-    if len(os_) == 1:
-        return os_[0], lses[0]
-    return lse_merge(torch.stack(os_), torch.stack(lses))
-
-
+# ------------------------------------------------------------------ checks
 def _check_same_prompt(input_ids, cp: CPGroup):
     """Every rank must hold the same prompt: compare shape and a checksum."""
     if cp.world == 1:
@@ -162,12 +176,12 @@ def _check_model(model):
 # ------------------------------------------------------------------ prefill
 @torch.no_grad()
 def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               cp: CPGroup | None = None, shard_sizes=None, bounds=None, mlp_chunk: int = MLP_CHUNK):
+               cp: CPGroup | None = None, shard_sizes=None, bounds=None):
     """Context-parallel prefill of a prompt; the same call on every rank of `cp`.
 
     Args:
         input_ids: [B, T] the whole prompt, identical on every rank (each rank
-            embeds only its shard, and the last token for the output stream).
+            embeds only its shard).
         attention_mask: [B, T], 0 marks padding (as in `generate.prefill`).
         cp: the context-parallel group (default: the whole world).
         shard_sizes: tokens per rank (default even); or `bounds` [(start, end)].
@@ -186,56 +200,15 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
         T, cp.world, [b - a for a, b in bounds])
     cp = cp.with_shards(bounds)
     a, b = bounds[cp.rank]
-    n, dev = b - a, input_ids.device
-    inner, cfg = model.model, model.config
-    two_streams = cfg.has_output_stream
-
-    out_idx = torch.full((B, 1), T - 1, dtype=torch.long, device=dev)
-    lay = build_layout(B, T, dev, out_idx, torch.ones_like(out_idx, dtype=torch.bool), attention_mask)
-    dense = attention_mask is None or bool(attention_mask.bool().all())
-    base_window = inner.layers[0].self_attn.base_window
-    span = None if base_window is None else base_window - 1
-    h = a if span is None else min(span, a)  # halo length: slots [a - h, a)
-
-    embed = inner.embed_tokens
-    dtype = embed.weight.dtype
-    rope_b = inner.rotary(lay.base_pos[:, a:b], dtype)
-    rope_o = inner.rotary(lay.out_pos, dtype)
-    q_slot_b = (h + torch.arange(n, device=dev))[None]
-    doc_b, kdoc_ext, kdoc_loc = lay.base_doc[:, a:b], lay.key_doc[:, a - h:b], lay.key_doc[:, a:b]
-    out_slot = lay.out_slot - a  # local slot of the output token (>= n on earlier ranks: sees all their keys)
-
-    cache = ShardedCache(len(inner.layers), a, cp)
-    hb = embed(input_ids[:, a:b])
-    ho = embed(input_ids[:, T - 1:]) if two_streams else None
-    L = len(inner.layers)
-    for i, block in enumerate(inner.layers):
-        attn, last = block.self_attn, i == L - 1
-        xb = block.input_layernorm(hb)
-        k, v = _kv(attn, xb, rope_b)
-        cache.write(i, k, v)
-        if not last:
-            qb = attn._queries(attn.q_proj(xb), "base", *rope_b)
-            hk, hv = halo_exchange((k, v), cp, span)
-            kx, vx = torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1)
-            ob = attention(qb, kx, vx, q_slot_b, doc_b, kdoc_ext, window=base_window, backend=attn.backend,
-                           dense_start=h if dense else None)
-            hb = _mlp_residual(block, hb + attn.o_proj(ob.flatten(2)), mlp_chunk)
-            del qb, hk, hv, kx, vx, ob
-        if last and not two_streams:  # baselines: the last layer at the last token, owned by the last rank
-            ho = hb[:, -1:].contiguous() if cp.last else hb.new_empty(B, 1, hb.shape[-1])
-            if cp.world > 1:
-                dist.broadcast(ho, cp.global_rank(cp.world - 1), group=cp.group)
-        if ho is not None:
-            xo = block.input_layernorm(ho)
-            qo = attn._queries(attn.q_proj(xo), "out", *rope_o)
-            o, lse = partial_attention(qo, k, v, out_slot, lay.out_doc, kdoc_loc, window=attn.out_window)
-            oo = gather_merge(o, lse, cp).to(ho.dtype)
-            ho = _mlp_residual(block, ho + attn.o_proj(oo.flatten(2)), mlp_chunk)
-    cache.key_doc = kdoc_loc
-    cache.total, cache.next_pos, cache.last_doc = T, lay.next_pos, lay.last_doc
-    logits = model.lm_head(inner.norm(ho))[:, -1]
-    return logits, cache
+    inner = model.model
+    cache = ShardedCache(len(inner.layers), cp, inner.layers[0].self_attn.base_window)
+    out_idx = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
+    lay = build_layout(B, T, input_ids.device, out_idx, torch.ones_like(out_idx, dtype=torch.bool), attention_mask)
+    cache.append_tokens(lay.base_doc, lay.next_pos, lay.last_doc)
+    h = inner(inner.embed_tokens(input_ids[:, a:b]), _shard_layout(lay, a, b), cache,
+              take_outputs=functools.partial(_last_token, cp))
+    cache.prefilling = False
+    return model.lm_head(h)[:, -1], cache
 
 
 # ------------------------------------------------------------------ decoding
@@ -243,49 +216,18 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
 def cp_decode_one_token(model, token: torch.Tensor, cache: ShardedCache) -> torch.Tensor:
     """token: [B], the same on every rank -> logits [B, V] of the next token (on every rank).
 
-    The token's K/V are appended to the last rank's shard; its base query
-    (window W) and output query (all keys) read every shard, merged by lse."""
+    The model's decode step on the sharded cache: the token's K/V are appended to the last
+    rank's shard; its base query (window W) and output query (all keys) read every shard,
+    merged by lse."""
     _check_model(model)
-    cp, inner, cfg = cache.cp, model.model, model.config
-    two_streams = cfg.has_output_stream
-    B = token.shape[0]
-    if cache.next_pos is None or cache.next_pos.shape[0] != B:
+    if token.dim() != 1 or cache.next_pos is None or cache.batch_size != token.shape[0]:
         raise ValueError(f"token must be [batch] matching the cache's batch; got shape {tuple(token.shape)}")
-    pos = cache.next_pos[:, None]
-    doc = cache.last_doc.clamp_min(0)[:, None]  # same rule as build_layout for a real token after the cache
-    slot = cache.total - cache.start  # the new token's local slot
-    q_slot = torch.full((1, 1), slot, dtype=torch.long, device=token.device)
-    if cp.last:
-        cache.key_doc = torch.cat([cache.key_doc, doc], dim=1)
-    dtype = inner.embed_tokens.weight.dtype
-    rope = inner.rotary(pos, dtype)
-    hb = inner.embed_tokens(token[:, None])
-    ho = hb if two_streams else None
-    L = len(inner.layers)
-    for i, block in enumerate(inner.layers):
-        attn, last = block.self_attn, i == L - 1
-        xb = block.input_layernorm(hb)
-        k, v = _kv(attn, xb, rope)
-        kv = cache.write(i, k, v) if cp.last else cache.write(i, k[:, :0], v[:, :0])  # the new slot: last rank
-        keys, values = kv.k, kv.v
-        if last and not two_streams:
-            ho = hb  # baselines: the last layer at this token (replicated already)
-        parts = []
-        if not last:
-            qb = attn._queries(attn.q_proj(xb), "base", *rope)
-            parts.append(partial_attention(qb, keys, values, q_slot, doc, cache.key_doc, window=attn.base_window))
-        if ho is not None:
-            qo = attn._queries(attn.q_proj(block.input_layernorm(ho)), "out", *rope)
-            parts.append(partial_attention(qo, keys, values, q_slot, doc, cache.key_doc, window=attn.out_window))
-        merged = gather_merge(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), cp)
-        merged = merged.to(hb.dtype).flatten(2)
-        if not last:
-            hb = _mlp_residual(block, hb + attn.o_proj(merged[:, :1]))
-        if ho is not None:
-            ho = _mlp_residual(block, ho + attn.o_proj(merged[:, -1:]))
-    cache.total += 1
-    cache.next_pos, cache.last_doc = cache.next_pos + 1, torch.maximum(cache.last_doc, doc[:, 0])
-    return model.lm_head(inner.norm(ho))[:, -1]
+    B = token.shape[0]
+    one = torch.zeros(B, 1, dtype=torch.long, device=token.device)
+    lay = build_layout(B, 1, token.device, one, torch.ones_like(one, dtype=torch.bool), cache=cache)
+    cache.append_tokens(lay.base_doc, lay.next_pos, lay.last_doc)
+    h = model.model(model.model.embed_tokens(token[:, None]), lay, cache)
+    return model.lm_head(h)[:, -1]
 
 
 @torch.no_grad()
