@@ -1,7 +1,7 @@
 """The Triton code of the split-KV readers of 16-bit and fp8 K/V (`dense.py`, `paged.py`) and the
 log-sum-exp merge every reader ends with (`common.merge_splits_kernel`). One module, imported on first
-use, because the kernels share Triton helpers, which must be module globals: the fp16 query prologue,
-the online-softmax step and the partial result are written once here.
+use, because the kernels share Triton helpers, which must be module globals: the query tile, the fp16
+query prologue, one tile's online-softmax step and the partial result are written once here.
 
 The low-bit reader (`lowbit_kernel.py`) keeps its own loop: it accumulates in base 2 (exp2, the
 scale times log2 e) over three ranges of differently stored slots; it ends in the same merge."""
@@ -58,15 +58,11 @@ def _finish(acc, m_i, l_i):
 
 
 @triton.jit
-def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
-                sqb, sqm, sqh, skb, sks, skh, svb, svs, svh,
-                s_slot_b, s_qdoc_b, s_kdoc_b,
-                sob, sop, som, soh, slb, slp, slm,
-                M, S, Hkv, scale, window, window_rows, keys_per_split,
-                G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
+def _query_rows(Q, sqb, sqm, sqh, M, Hkv, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A program's (batch, KV head) and its query tile: the G query heads of that KV head for each
+    of the M rows, [BLOCK_R, BLOCK_D] -> (b, kvh, m, h, rvalid, d, dmask, q)."""
     pid = tl.program_id(0)
-    split = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
     kvh = pid % Hkv
     r = tl.arange(0, BLOCK_R)
@@ -77,6 +73,30 @@ def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
     dmask = d < D
     q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
                 mask=rvalid[:, None] & dmask[None, :], other=0.0)
+    return b, kvh, m, h, rvalid, d, dmask, q
+
+
+@triton.jit
+def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, vis, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of keys folded into the running softmax: scores where `vis`, -inf elsewhere
+    -> (acc, m_i, l_i)."""
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+    s = tl.where(vis, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
+    return _accumulate(acc, alpha, p, v, IEEE), m_new, l_i
+
+
+@triton.jit
+def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
+                sqb, sqm, sqh, skb, sks, skh, svb, svs, svh,
+                s_slot_b, s_qdoc_b, s_kdoc_b,
+                sob, sop, som, soh, slb, slp, slm,
+                M, S, Hkv, scale, window, window_rows, keys_per_split,
+                G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
+    split = tl.program_id(1)
+    b, kvh, m, h, rvalid, d, dmask, q = _query_rows(Q, sqb, sqm, sqh, M, Hkv, G, D, BLOCK_R, BLOCK_D)
     if F16:  # fp8 K/V: dots in fp16 (`use_fp16_dots`)
         q, qs = _fp16_queries(q)
         scale = scale / qs
@@ -96,19 +116,13 @@ def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
     for j0 in range(start, end, BLOCK_N):
         j = j0 + n
         jvalid = j < end
-        kv_mask = jvalid[:, None] & dmask[None, :]
-        k = tl.load(K + b * skb + j[:, None] * sks + kvh * skh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
-        s = _dot(q, tl.trans(k), IEEE)
-        s = s * scale
         vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
         if HAS_WINDOW:
             vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))  # rows past window_rows: no window
-        s = tl.where(vis, s, float("-inf"))
-        p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-        v = tl.load(V + b * svb + j[:, None] * svs + kvh * svh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = _accumulate(acc, alpha, p, v, IEEE)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, K + b * skb + j[:, None] * sks + kvh * skh + d[None, :],
+                                     V + b * svb + j[:, None] * svs + kvh * svh + d[None, :],
+                                     jvalid[:, None] & dmask[None, :], vis, scale, m_i, l_i, acc, IEEE)
     o, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + d[None, :], o,
              mask=rvalid[:, None] & dmask[None, :])
@@ -149,14 +163,9 @@ def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
         jvalid = j < end
         blk = tl.load(TABLE + r * s_table + j // BS, mask=jvalid, other=0).to(tl.int64)
         slot = blk * BS + j % BS
-        kv_mask = jvalid[:, None] & dmask[None, :]
-        k = tl.load(K + slot[:, None] * sks + kvh * skh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = _dot(q, tl.trans(k), IEEE)
-        s = tl.where(jvalid[None, :], s * scale, float("-inf"))
-        p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
-        v = tl.load(V + slot[:, None] * svs + kvh * svh + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = _accumulate(acc, alpha, p, v, IEEE)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, K + slot[:, None] * sks + kvh * skh + d[None, :],
+                                     V + slot[:, None] * svs + kvh * svh + d[None, :],
+                                     jvalid[:, None] & dmask[None, :], jvalid[None, :], scale, m_i, l_i, acc, IEEE)
     o, lse = _finish(acc, m_i, l_i)
     tl.store(O + r * sor + split * sop + h[:, None] * soh + d[None, :], o, mask=gvalid[:, None] & dmask[None, :])
     tl.store(LSE + r * slr + split * slp + h, lse, mask=gvalid)

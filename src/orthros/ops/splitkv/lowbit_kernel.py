@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from ..lowbit.write_kernel import _rotate
+from .kernels import _query_rows
 
 
 @triton.jit
@@ -230,18 +231,8 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
     PK: tl.constexpr = 8 // KBITS
     PV: tl.constexpr = 8 // VBITS
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = (pid // Hkv).to(tl.int64)
-    kvh = pid % Hkv
-    r = tl.arange(0, BLOCK_R)
-    m = r // G
-    h = kvh * G + r % G
-    rvalid = m < M
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
-    q = tl.load(Q + b * sqb + m[:, None] * sqm + h[:, None] * sqh + d[None, :],
-                mask=rvalid[:, None] & dmask[None, :], other=0.0)
+    b, kvh, m, h, rvalid, d, dmask, q = _query_rows(Q, sqb, sqm, sqh, M, Hkv, G, D, BLOCK_R, BLOCK_D)
     qf = q.to(tl.float32) * qscale  # softmax scale and log2(e) folded in: scores in log2 units
     qd = qf.to(DT)
     if ROTATED and NO_PACKED:  # q R for the kernel that reads the packed slots, made here (one launch less)
