@@ -33,12 +33,13 @@ def test_hidden_states_and_attentions_of_both_streams_equal_llamas():
         ours = model(ids, output_hidden_states=True, output_attentions=True)
         theirs = llama_twin(model)(ids, output_hidden_states=True, output_attentions=True)
     L = model.config.num_hidden_layers
-    for name in ("hidden_states", "base_hidden_states"):
-        assert len(ours[name]) == L + 1
+    # the last layer's base stream makes K/V only: no base state after it, no base attention in it
+    for name, n in (("hidden_states", L + 1), ("base_hidden_states", L)):
+        assert len(ours[name]) == n
         for a, b in zip(ours[name], theirs.hidden_states):
             assert rel_err(a, b) < 1e-5, name
-    for name in ("attentions", "base_attentions"):
-        assert len(ours[name]) == L and ours[name][0].shape == theirs.attentions[0].shape == (2, 4, 11, 11)
+    for name, n in (("attentions", L), ("base_attentions", L - 1)):
+        assert len(ours[name]) == n and ours[name][0].shape == theirs.attentions[0].shape == (2, 4, 11, 11)
         for a, b in zip(ours[name], theirs.attentions):
             assert rel_err(a, b) < 1e-5, name
     torch.testing.assert_close(model.lm_head(ours.hidden_states[-1]), ours.logits)
@@ -59,7 +60,7 @@ def test_what_hidden_states_and_attentions_mean_at_a_short_window(attention):
     assert rel_err(out.logits, plain.logits) < 1e-6
     L, (B, T), C = model.config.num_hidden_layers, ids.shape, model.config.hidden_size
     assert [tuple(h.shape) for h in out.hidden_states] == [(B, 1, C)] * (L + 1)
-    assert [tuple(h.shape) for h in out.base_hidden_states] == [(B, T, C)] * (L + 1)
+    assert [tuple(h.shape) for h in out.base_hidden_states] == [(B, T, C)] * L
     torch.testing.assert_close(out.base_hidden_states[0], model.model.embed_tokens(ids))
     torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids[:, -1:]))
     torch.testing.assert_close(model.lm_head(out.hidden_states[-1]), out.logits)

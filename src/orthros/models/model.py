@@ -16,18 +16,20 @@ conventions, per stream):
                         output stream; for "full" / "swa" the base stream at the
                         output positions), entering each layer, then after the
                         final norm (`logits == lm_head(hidden_states[-1])`).
-    base_hidden_states  L+1 tensors [B, T, C]: the base stream likewise (its last
-                        entry is computed only when asked: logits never read it).
+    base_hidden_states  L tensors [B, T, C]: the base stream entering each layer (what
+                        makes its K/V; after the last layer it does not exist: that
+                        layer's base stream makes K/V only).
     attentions          L tensors [B, H, N, S]: the attention probabilities of
                         the output rows over the layer's keys (S = cache + T).
-    base_attentions     L tensors [B, H, T, S]: those of the base stream (0 outside
-                        its window).
+    base_attentions     L-1 tensors [B, H, T, S]: those of the base stream (0 outside
+                        its window), every layer but the last.
 The probabilities come from the reference op (`ops.naive_attention`), which
 then also computes the attention outputs of that forward.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -124,20 +126,40 @@ class Ropes:
     joined: tuple | None = None
 
 
+def unused_tensor_pattern(config: OrthrosConfig) -> str:
+    """A regular expression for the tensors that checkpoints and adapters written by earlier
+    versions hold and this model has no place for: the last layer's base-stream SO (`so_alpha`,
+    `so_beta`), which no forward reads (that layer's base stream makes K/V only). Loading skips
+    them; whatever values they hold change no result."""
+    return rf"(^|\.)layers\.{config.num_hidden_layers - 1}\.self_attn\.so_(alpha|beta)$"
+
+
+def unused_checkpoint_tensor(name: str, config: OrthrosConfig) -> bool:
+    """Whether tensor `name` of a checkpoint or adapter is one `unused_tensor_pattern` describes."""
+    return re.search(unused_tensor_pattern(config), name) is not None
+
+
 class OrthrosPreTrainedModel(PreTrainedModel):
     config_class = OrthrosConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["OrthrosBlock"]
 
+    def post_init(self):
+        # transformers' from_pretrained drops these keys without a warning (see `unused_tensor_pattern`)
+        self._keys_to_ignore_on_load_unexpected = [unused_tensor_pattern(self.config)]
+        super().post_init()
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear / Embedding normal(0, std), norms to 1
         if isinstance(module, OrthrosAttention) and module.scale_offset:
             for name in ("so_alpha", "so_alpha_out"):
-                init.ones_(getattr(module, name))
+                if hasattr(module, name):
+                    init.ones_(getattr(module, name))
             for name in ("so_beta", "so_beta_out"):
-                init.zeros_(getattr(module, name))
+                if hasattr(module, name):
+                    init.zeros_(getattr(module, name))
         elif isinstance(module, RotaryEmbedding):  # a non-persistent buffer: rebuilt after meta init
             init.copy_(module.inv_freq, rope_inv_freq(*module.spec))
 
@@ -177,7 +199,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
             # A decode step: the tokens' base and output rows travel as one group [B, 2T, C] (T = 1,
             # or a packed decode-only step), so each norm, residual add, projection and attention call
             # runs once for the two. The last layer's base rows are computed too (a few rows cost what
-            # fewer do) and dropped.
+            # fewer do; that layer has no base SO, so they take the output stream's) and dropped.
             hb, ho = torch.cat([hb, ho], 1), None
             ropes.joined = tuple(torch.cat([b, o], 1) for b, o in zip(ropes.base, ropes.out))
         for i, block in enumerate(self.layers):
@@ -188,18 +210,18 @@ class OrthrosModel(OrthrosPreTrainedModel):
             if trace is not None and trace.hidden_states:
                 trace.base_hidden.append(hb)
                 trace.out_hidden.append(ho if ho is not None else gather(hb))
-            # A trace needs the last layer's base stream too (it is never read otherwise).
-            hb, ho = block(hb, ho, layout, ropes, cache, last and trace is None, probs=probs)
-            if probs is not None:
-                trace.base_attn.append(probs[0])
-                trace.out_attn.append(probs[1] if len(probs) > 1 else _gather_rows(probs[0], layout.out_idx))
+            hb, ho = block(hb, ho, layout, ropes, cache, last, probs=probs)
+            if probs is not None:  # [base rows (all but the last layer), output rows (if a group of their own)]
+                if not last:
+                    trace.base_attn.append(probs[0])
+                own = two_streams or last
+                trace.out_attn.append(probs[-1] if own else _gather_rows(probs[0], layout.out_idx))
         if joined:
             return self.norm(hb[:, T:])
         if no_outputs:
             return inputs_embeds.new_zeros(inputs_embeds.shape[0], 0, inputs_embeds.shape[-1])
         out = self.norm(ho)
         if trace is not None and trace.hidden_states:
-            trace.base_hidden.append(self.norm(hb))
             trace.out_hidden.append(out)
         return out
 
