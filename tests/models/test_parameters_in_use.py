@@ -34,6 +34,7 @@ def test_every_parameter_gets_a_gradient_in_pre_training(kind):
 
 
 def _ddp_steps(rank: int, world: int, config, state, batches, out: list):
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     model = OrthrosForCausalLM(config).train()
     model.load_state_dict(state)
     ddp = DDP(model)  # find_unused_parameters=False (the default): every parameter must get a gradient
@@ -56,7 +57,7 @@ def test_ddp_steps_without_find_unused_parameters(tmp_path):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [batch(4, 10, seed=s) for s in (1, 2)]
     out = str(tmp_path / "rank0.pt")
-    spawn(_ddp_steps, 2, config, state, batches, [out])  # spawned: a forked child cannot run autograd
+    spawn(_ddp_steps, 2, config, state, batches, [out], start_method="fork")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for ids in batches:
         for part in (ids[0::2], ids[1::2]):

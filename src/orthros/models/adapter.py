@@ -5,7 +5,7 @@ vectors; continued pre-training of the whole model is what the paper does,
 but a small trained delta on top of the public weights may recover most of
 the quality:
 
-    so          the SO vectors only (4 x hidden per layer)
+    so          the SO vectors only (4 x hidden per layer, 2 in the last)
     so+norms    SO and the RMSNorm weights
     lora+so     LoRA on every projection, plus SO and norms
 
