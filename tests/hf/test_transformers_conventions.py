@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from orthros.models.compat import GENERATE_CACHE_KEY
 from orthros.models.model import OrthrosModel
 
 from ..conftest import DEVICE, llama_twin, make_model, rel_err
@@ -115,3 +116,43 @@ def test_auto_model_loads_the_base_model(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model.lm_head(base(ids, attention_mask=mask).last_hidden_state),
                                    model(ids, attention_mask=mask).logits)
+
+
+def test_torch_export_of_the_prefill():
+    """generate()'s prefill (a padded batch, a new cache, one output position), exported with a
+    dynamic batch and length: no host sync on the way (`Layout`'s kernel hints are left unset
+    under export) and no guard on the length (named dims fail the export if one narrows their
+    range), so the program runs at other batch sizes and at lengths past 64 rows."""
+    from torch.export import Dim
+
+    model = make_model(window=3)
+    ids, mask = left_padded(B=2, T=7)
+    kw = dict(attention_mask=mask, use_cache=True, logits_to_keep=1)
+    batch, length = Dim("batch"), Dim("length")
+    dyn = {"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length},
+           "use_cache": None, "logits_to_keep": None}
+    ep = torch.export.export(model, (), dict(input_ids=ids, **kw), dynamic_shapes=dyn)
+    for B, T in ((2, 7), (3, 70)):
+        ids, mask = left_padded(B=B, T=T, seed=B)
+        got = ep.module()(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        with torch.no_grad():
+            ref = model(ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+        torch.testing.assert_close(got.logits, ref.logits)
+        assert got[GENERATE_CACHE_KEY].get_seq_length() == T
+        torch.testing.assert_close(got[GENERATE_CACHE_KEY].layers[-1].values, ref.cache.layers[-1].values)
+
+
+def test_torch_export_refuses_a_data_dependent_number_of_output_positions():
+    """SFT selects the output positions from the labels: their number is a value of the data,
+    not a shape, so the traced program cannot fix it. Documented (docs/conversion.md):
+    pass the positions as an index tensor instead, which exports."""
+    model = make_model(window=3)
+    ids, _ = left_padded(B=2, T=7)
+    labels = ids.masked_fill(torch.arange(7, device=DEVICE) < 3, -100)
+    with pytest.raises(Exception, match="data-dependent"):
+        torch.export.export(model, (ids,), {"labels": labels, "use_cache": False})
+    idx = torch.arange(2, 6, device=DEVICE)[None].expand(2, -1)
+    ep = torch.export.export(model, (ids,), {"labels": labels, "logits_to_keep": idx, "use_cache": False})
+    got = ep.module()(ids, labels=labels, logits_to_keep=idx, use_cache=False)
+    ref = model(ids, labels=labels, use_cache=False)
+    torch.testing.assert_close(got.loss, ref.loss)

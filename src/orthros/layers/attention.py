@@ -29,8 +29,10 @@ CONCAT_MAX_ROWS = 64  # above this, a concatenation's copy costs more than a sec
 
 
 def rows(fn, xs: list) -> list:
-    """Apply a row-wise `fn` to [B, *, C] tensors; short ones in one call (concatenated on dim 1)."""
-    if len(xs) < 2 or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS:
+    """Apply a row-wise `fn` to [B, *, C] tensors; short ones in one call (concatenated on dim 1).
+    Under torch.export always apart: a program traced with a dynamic length then holds for every
+    length, not only for those on the sample's side of `CONCAT_MAX_ROWS`."""
+    if len(xs) < 2 or torch.compiler.is_exporting() or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS:
         return [fn(x) for x in xs]
     out = fn(torch.cat(xs, dim=1))
     return list(out.split([x.shape[1] for x in xs], dim=1))
