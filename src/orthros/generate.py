@@ -131,7 +131,7 @@ def fast_decode_step(model, token: torch.Tensor, cache: StaticOrthrosCache) -> t
     """token [B] -> logits [B, V]. Static shapes, no host sync: the function that gets
     captured. Writes the token's K/V at `cache.slot`; `cache.advance()` follows it."""
     layout = decode_layout(cache)
-    h = model.model(model.model.embed_tokens(token[:, None]), layout, cache)
+    h = model.model.forward_streams(model.model.embed_tokens(token[:, None]), layout, cache)
     return model.lm_head(h)[:, -1]
 
 

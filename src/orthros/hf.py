@@ -11,14 +11,16 @@ shards, so any tool that loads through the Auto classes (lm-evaluation-harness'
 
 from __future__ import annotations
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .models import OrthrosConfig, OrthrosForCausalLM
+from .models.model import OrthrosModel
 
 
 def register() -> None:
-    """Idempotent: map model_type "orthros" to OrthrosConfig / OrthrosForCausalLM."""
+    """Idempotent: map model_type "orthros" to OrthrosConfig / OrthrosModel / OrthrosForCausalLM."""
     AutoConfig.register(OrthrosConfig.model_type, OrthrosConfig, exist_ok=True)
+    AutoModel.register(OrthrosConfig, OrthrosModel, exist_ok=True)
     AutoModelForCausalLM.register(OrthrosConfig, OrthrosForCausalLM, exist_ok=True)
 
 

@@ -96,6 +96,7 @@ def check_weights(d: Path, config, files: list[Path], new_scale_offset: bool = F
     at identity) or left over (not used)."""
     from .convert.hf import expected_tensors
     from .convert.safetensors_stream import read_header
+    from .models.model import unused_checkpoint_tensor
 
     want = expected_tensors(config)
     have = {}
@@ -115,7 +116,8 @@ def check_weights(d: Path, config, files: list[Path], new_scale_offset: bool = F
     if missing:
         raise UserError(f"{where}: lacks {len(missing)} tensor(s) that {d / CONFIG} implies, e.g. "
                         f"{', '.join(missing[:3])} (a damaged checkpoint, or a config.json that does not match it)")
-    extra = [n for n in have if n not in want and not excused(n)]
+    # older checkpoints hold the last layer's base-stream SO, which no forward reads: skipped
+    extra = [n for n in have if n not in want and not excused(n) and not unused_checkpoint_tensor(n, config)]
     if extra:
         raise UserError(f"{where}: holds {len(extra)} tensor(s) that {d / CONFIG} does not imply, e.g. "
                         f"{', '.join(extra[:3])} (a config.json that does not match the weights?)")

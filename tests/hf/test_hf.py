@@ -144,17 +144,6 @@ def test_hf_generate_prefill_has_one_output_position():
     assert seen == [(ids.shape[1], 1), (1, 1), (1, 1)]
 
 
-def test_generate_returns_hidden_states_and_attentions_per_step():
-    """Prefill: the one output row (and its attention over the prompt); then one row per step."""
-    model = lively_model()
-    ids, mask = left_padded()
-    out = hf_generate(model, ids, mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-                      output_attentions=True, output_hidden_states=True)
-    T, L = ids.shape[1], model.config.num_hidden_layers
-    assert [a[0].shape for a in out.attentions] == [(3, 4, 1, T + i) for i in range(3)]
-    assert all(len(h) == L + 1 and h[-1].shape == (3, 1, model.config.hidden_size) for h in out.hidden_states)
-
-
 def test_the_cache_under_both_of_transformers_names():
     """forward() takes the cache as `past_key_values` (transformers 5.17) or `cache` (later
     releases) and its output answers to both names."""

@@ -30,15 +30,16 @@ def test_hidden_states_and_attentions_of_both_streams_equal_llamas():
     model = make_model(window=64, perturb_so=False)
     ids, _ = ids_and_mask()
     with torch.no_grad():
-        ours = model(ids, output_hidden_states=True, output_attentions=True)
+        ours = model(ids, output_hidden_states=True, output_attentions=True, output_base_stream=True)
         theirs = llama_twin(model)(ids, output_hidden_states=True, output_attentions=True)
     L = model.config.num_hidden_layers
-    for name in ("hidden_states", "base_hidden_states"):
-        assert len(ours[name]) == L + 1
+    # the last layer's base stream makes K/V only: no base state after it, no base attention in it
+    for name, n in (("hidden_states", L + 1), ("base_hidden_states", L)):
+        assert len(ours[name]) == n
         for a, b in zip(ours[name], theirs.hidden_states):
             assert rel_err(a, b) < 1e-5, name
-    for name in ("attentions", "base_attentions"):
-        assert len(ours[name]) == L and ours[name][0].shape == theirs.attentions[0].shape == (2, 4, 11, 11)
+    for name, n in (("attentions", L), ("base_attentions", L - 1)):
+        assert len(ours[name]) == n and ours[name][0].shape == theirs.attentions[0].shape == (2, 4, 11, 11)
         for a, b in zip(ours[name], theirs.attentions):
             assert rel_err(a, b) < 1e-5, name
     torch.testing.assert_close(model.lm_head(ours.hidden_states[-1]), ours.logits)
@@ -46,33 +47,40 @@ def test_hidden_states_and_attentions_of_both_streams_equal_llamas():
 
 @pytest.mark.parametrize("attention", ["orthros", "full", "swa"])
 def test_what_hidden_states_and_attentions_mean_at_a_short_window(attention):
-    """W < T, left padding, prefill (one output position): `hidden_states` are the rows that
-    make the logits, `base_hidden_states` every position; each base row's probabilities sum to
+    """W < T, left padding, prefill (one output position): recorded outputs cover every position
+    (each one's output row; `base_hidden_states` on request); each base row's probabilities sum to
     1 inside its window; the output rows' over their whole causal past (within the window for
-    "swa"); no real token's row gives padding any. Recording changes no logit."""
+    "swa"); no real token's row gives padding any. Recording changes no logit, and the rows
+    equal those of a forward whose every position is an output position (SPEC invariant 1)."""
     W = 3
     model = make_model(attention, window=W)
     ids, mask = ids_and_mask()
     with torch.no_grad():
         plain = model(ids, attention_mask=mask, logits_to_keep=1)
-        out = model(ids, attention_mask=mask, logits_to_keep=1, output_hidden_states=True, output_attentions=True)
-    assert rel_err(out.logits, plain.logits) < 1e-6
+        every = model(ids, attention_mask=mask)
+        out = model(ids, attention_mask=mask, logits_to_keep=1, output_hidden_states=True, output_attentions=True,
+                    output_base_stream=True)
+    assert rel_err(out.logits, plain.logits) < 1e-6 and out.output_positions.tolist() == [[ids.shape[1] - 1]] * 2
     L, (B, T), C = model.config.num_hidden_layers, ids.shape, model.config.hidden_size
-    assert [tuple(h.shape) for h in out.hidden_states] == [(B, 1, C)] * (L + 1)
-    assert [tuple(h.shape) for h in out.base_hidden_states] == [(B, T, C)] * (L + 1)
+    assert [tuple(h.shape) for h in out.hidden_states] == [(B, T, C)] * (L + 1)
+    assert [tuple(h.shape) for h in out.base_hidden_states] == [(B, T, C)] * L
     torch.testing.assert_close(out.base_hidden_states[0], model.model.embed_tokens(ids))
-    torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids[:, -1:]))
-    torch.testing.assert_close(model.lm_head(out.hidden_states[-1]), out.logits)
-    t = torch.arange(T, device=DEVICE)
+    torch.testing.assert_close(out.hidden_states[0], model.model.embed_tokens(ids))
+    torch.testing.assert_close(model.lm_head(out.hidden_states[-1][:, -1:]), out.logits)
     real = mask.bool()
+    assert rel_err(model.lm_head(out.hidden_states[-1])[real], every.logits[real]) < 1e-5
+    t = torch.arange(T, device=DEVICE)
     sees = (t[None, :] <= t[:, None]) & real[:, None, :]  # [B, T, T]: causal, no padding key
     base_sees = sees & (t[:, None] - t[None, :] < (T if attention == "full" else W))
-    out_sees = (sees & (t[:, None] - t[None, :] < (W if attention == "swa" else T)))[:, -1:]
-    for pb, po in zip(out.base_attentions, out.attentions):
-        assert pb.shape == (B, 4, T, T) and po.shape == (B, 4, 1, T)
-        for p, allowed, rows in ((pb, base_sees, real), (po, out_sees, real[:, -1:])):
-            p = p.transpose(1, 2)[rows]  # the real query rows: [n, H, S]
-            allowed = allowed[rows][:, None].expand_as(p)
+    out_sees = sees & (t[:, None] - t[None, :] < (W if attention == "swa" else T))
+    assert len(out.attentions) == L and len(out.base_attentions) == L - 1
+    for pb, po in zip(out.base_attentions + (None,), out.attentions):
+        assert po.shape == (B, 4, T, T) and (pb is None or pb.shape == (B, 4, T, T))
+        for p, allowed in ((pb, base_sees), (po, out_sees)):
+            if p is None:
+                continue
+            p = p.transpose(1, 2)[real]  # the real query rows: [n, H, S]
+            allowed = allowed[real][:, None].expand_as(p)
             assert torch.all(p[~allowed] == 0)
             torch.testing.assert_close(p.sum(-1), torch.ones_like(p[..., 0]))
 
@@ -82,7 +90,8 @@ def test_recorded_tensors_are_on_the_graph():
     the tensors the forward computed with, not copies), as with transformers' eager attention."""
     model = make_model(window=3).train()
     ids, mask = ids_and_mask()
-    out = model(ids, attention_mask=mask, labels=ids, output_hidden_states=True, output_attentions=True)
+    out = model(ids, attention_mask=mask, labels=ids, output_hidden_states=True, output_attentions=True,
+                output_base_stream=True)
     recorded = [out.hidden_states[0], out.base_hidden_states[1], out.attentions[0], out.base_attentions[0]]
     for t in recorded:
         t.retain_grad()
@@ -92,7 +101,7 @@ def test_recorded_tensors_are_on_the_graph():
 
 def test_config_flags_and_decode_step_attentions():
     """The config's output_* flags are the defaults; a decode step's output row attends
-    over the whole cache ([B, H, 1, S])."""
+    over the whole cache ([B, H, 1, S]); the base stream's only on request."""
     model = make_model(window=3)
     ids, mask = ids_and_mask()
     model.config.output_hidden_states = model.config.output_attentions = True
@@ -102,6 +111,7 @@ def test_config_flags_and_decode_step_attentions():
                      use_cache=True)
         quiet = model(ids, output_hidden_states=False, output_attentions=False)
     assert len(first.hidden_states) == 3 and step.attentions[0].shape == (2, 4, 1, ids.shape[1] + 1)
+    assert first.hidden_states[0].shape == (2, ids.shape[1], 64) and first.base_hidden_states is None
     assert quiet.hidden_states is quiet.attentions is quiet.base_hidden_states is None
 
 

@@ -47,7 +47,7 @@ def test_paged_kernel_interpreted():
 
 def _forward(model, pool, segments):
     cache = PagedStepCache(pool, model.config, segments)
-    h = model.model(model.model.embed_tokens(cache.input_ids), cache.layout, cache)
+    h = model.model.forward_streams(model.model.embed_tokens(cache.input_ids), cache.layout, cache)
     return model.lm_head(h)[0]
 
 

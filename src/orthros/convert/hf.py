@@ -2,7 +2,8 @@
 
 Orthros keeps transformers' Llama parameter names, so every weight is reused
 under its own name; each layer gains the scale-offset (SO) vectors at
-identity (alpha = 1, beta = 0). With `window_size >= T` the converted model
+identity (alpha = 1, beta = 0; the last layer only the output stream's, its
+base stream makes K/V only). With `window_size >= T` the converted model
 computes exactly the source model (SPEC invariant 2); with a real window it
 needs continued pre-training (configs/cpt-*.yaml).
 

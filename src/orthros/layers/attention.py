@@ -30,8 +30,11 @@ CONCAT_MAX_ROWS = 64  # above this, a concatenation's copy costs more than a sec
 
 def rows(fn, xs: list, apart: bool = False) -> list:
     """Apply a row-wise `fn` to [B, *, C] tensors; short ones in one call (concatenated on dim 1)
-    unless `apart` (`Layout.shard`)."""
-    if apart or len(xs) < 2 or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS:
+    unless `apart` (`Layout.shard`). Under torch.export always apart: a program traced with a
+    dynamic length then holds for every length, not only for those on the sample's side of
+    `CONCAT_MAX_ROWS`."""
+    if (apart or len(xs) < 2 or torch.compiler.is_exporting()
+            or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS):
         return [fn(x) for x in xs]
     out = fn(torch.cat(xs, dim=1))
     return list(out.split([x.shape[1] for x in xs], dim=1))
@@ -53,12 +56,18 @@ class OrthrosAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # SO exists only where there are two streams to tell apart.
+        # SO exists only where there are two streams to tell apart. The last layer's base stream
+        # makes K/V only (its queries are never computed for a result), so that layer has no base
+        # SO: a parameter outside every forward would get no gradient (DDP without
+        # find_unused_parameters fails on one). Checkpoints that hold it load without it
+        # (`models.model.unused_checkpoint_tensor`).
         self.scale_offset = c.attention == "orthros" and c.scale_offset
+        self.base_so = self.scale_offset and layer_idx < c.num_hidden_layers - 1
         if self.scale_offset:
             n = self.n_heads * self.head_dim
-            self.so_alpha = nn.Parameter(torch.ones(n))
-            self.so_beta = nn.Parameter(torch.zeros(n))
+            if self.base_so:
+                self.so_alpha = nn.Parameter(torch.ones(n))
+                self.so_beta = nn.Parameter(torch.zeros(n))
             self.so_alpha_out = nn.Parameter(torch.ones(n))
             self.so_beta_out = nn.Parameter(torch.zeros(n))
         self._so_rows_kept: dict = {}  # (T, R) -> a two-stream group's per-row SO (`_so_rows`)
@@ -70,6 +79,8 @@ class OrthrosAttention(nn.Module):
         """q: [B, M, H*D] raw projection -> SO -> heads -> q-norm -> RoPE: [B, M, H, D]."""
         so = (None, None)
         if self.scale_offset:
+            if stream == "base" and not self.base_so:
+                raise ValueError(f"layer {self.layer_idx} is the last: its base stream makes keys and values only")
             so = (self.so_alpha, self.so_beta) if stream == "base" else (self.so_alpha_out, self.so_beta_out)
         return self._heads(q, cos, sin, self.n_heads, so, self.q_norm)
 
@@ -93,10 +104,14 @@ class OrthrosAttention(nn.Module):
         the base stream's for those, the output stream's for the rest. Without autograd they are
         made once per shape (and per parameter version) and kept: a captured decode graph then
         reads them instead of concatenating them again at every replay (which also keeps them
-        alive for the graph)."""
+        alive for the graph).
+
+        The last layer has no base SO: its base rows in such a group (a decode step's) only make
+        K/V, which SO does not touch, and their attention output is dropped; the output stream's
+        vectors serve every row."""
+        if T == 0 or not self.base_so:  # one stream: its vectors as they are
+            return self.so_alpha_out, self.so_beta_out
         params = (self.so_alpha, self.so_alpha_out, self.so_beta, self.so_beta_out)
-        if T == 0:  # one stream: its vectors as they are
-            return params[1], params[3]
         if T == R:
             return params[0], params[2]
 

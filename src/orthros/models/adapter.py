@@ -5,7 +5,7 @@ vectors; continued pre-training of the whole model is what the paper does,
 but a small trained delta on top of the public weights may recover most of
 the quality:
 
-    so          the SO vectors only (4 x hidden per layer)
+    so          the SO vectors only (4 x hidden per layer, 2 in the last)
     so+norms    SO and the RMSNorm weights
     lora+so     LoRA on every projection, plus SO and norms
 
@@ -163,7 +163,7 @@ def load_trainable(model, path: str | Path) -> None:
     """Set a `make_trainable` model's trainable tensors from a saved adapter, unmerged
     (exact resume: LoRA factors stay factors). Every trainable tensor must be in the file."""
     f = Path(path) / "adapter.safetensors" if Path(path).is_dir() else Path(path)
-    tensors = load_file(str(f))
+    tensors = _known(load_file(str(f)), model)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if set(tensors) != set(params):
         missing, extra = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
@@ -171,6 +171,14 @@ def load_trainable(model, path: str | Path) -> None:
                          f"unexpected {extra[:3]})")
     for n, p in params.items():
         p.copy_(tensors[n].to(p.device, p.dtype))
+
+
+def _known(tensors: dict, model) -> dict:
+    """An adapter's tensors without those earlier versions saved and this model has no place for
+    (the last layer's base-stream SO, which no forward reads: `models.model.unused_tensor_pattern`)."""
+    from .model import unused_checkpoint_tensor
+
+    return {n: t for n, t in tensors.items() if not unused_checkpoint_tensor(n, model.config)}
 
 
 def _write(out: Path, tensors: dict, info: dict) -> None:
@@ -205,6 +213,7 @@ def apply_adapter(model, path: str | Path):
         tensors = load_file(str(f))
     except Exception as e:
         raise ValueError(f"{f}: damaged adapter ({type(e).__name__}: {e})") from None
+    tensors = _known(tensors, model)
     params = dict(model.named_parameters())
     lora = info.get("lora")
     scale = lora["alpha"] / lora["rank"] if lora else None

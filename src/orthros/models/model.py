@@ -9,35 +9,46 @@ The same code builds the paper's baselines: `attention="full"` (causal
 transformer) and `"swa"` (sliding window only). For those the "output
 stream" is just the last layer evaluated at the output positions.
 
-What `output_hidden_states` / `output_attentions` return (transformers'
-conventions, per stream):
+`OrthrosModel.forward` is transformers' base-model call (input ids, mask, cache ->
+`last_hidden_state` at every position); the model's own callers (the LM head, generation,
+serving) run `OrthrosModel.forward_streams` on a `Layout` they built.
 
-    hidden_states       L+1 tensors [B, N, C]: the rows that make the logits (the
-                        output stream; for "full" / "swa" the base stream at the
-                        output positions), entering each layer, then after the
-                        final norm (`logits == lm_head(hidden_states[-1])`).
-    base_hidden_states  L+1 tensors [B, T, C]: the base stream likewise (its last
-                        entry is computed only when asked: logits never read it).
-    attentions          L tensors [B, H, N, S]: the attention probabilities of
-                        the output rows over the layer's keys (S = cache + T).
-    base_attentions     L tensors [B, H, T, S]: those of the base stream (0 outside
-                        its window).
-The probabilities come from the reference op (`ops.naive_attention`), which
-then also computes the attention outputs of that forward.
+What `output_hidden_states` / `output_attentions` return (transformers' conventions: one
+row per input position). A forward that records them makes every input position an
+output position (the output rows carry the attentions), runs the reference op
+(`ops.naive_attention`) and keeps the requested rows for the logits, which are those of
+the plain forward (SPEC invariant 1) up to rounding:
+
+    hidden_states       L+1 tensors [B, T, C]: each position's output-stream row (for
+                        "full" / "swa" the base stream), entering each layer, then after
+                        the final norm (`logits == lm_head(hidden_states[-1])` at
+                        `output_positions`).
+    attentions          L tensors [B, H, T, S]: those rows' attention probabilities over
+                        the layer's keys (S = cache + T).
+
+The base stream's own, only with `output_base_stream=True` (they are not in transformers'
+tuple of fields otherwise):
+
+    base_hidden_states  L tensors [B, T, C]: the base stream entering each layer (what
+                        makes its K/V; the last layer's base stream makes K/V only, so
+                        there is none after it).
+    base_attentions     L-1 tensors [B, H, T, S]: the base rows' probabilities (0 outside
+                        the window), every layer but the last.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Cache, GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
 
 from ..layers.attention import OrthrosAttention, rows
@@ -46,32 +57,40 @@ from ..layers.rope import RotaryEmbedding, rope_inv_freq
 from .cache import OrthrosCache
 from .compat import GENERATE_CACHE_KEY, OUTPUT_CACHE_FIELD
 from .config import OrthrosConfig
-from .layout import Layout, build_layout, pad_rows
+from .inputs import IGNORE_INDEX, check_inputs, own_cache, select_outputs
+from .layout import Layout, build_layout
 
-IGNORE_INDEX = -100
 MLP_CHUNK = 1 << 16  # rows per MLP call of a long forward without autograd (`OrthrosBlock._mlp_chunks`)
 logger = logging.get_logger(__name__)
 
 
+def _cache_alias(cls):
+    """The cache under both of transformers' names, `cache` and `past_key_values` (`models.compat`)."""
+    other = "past_key_values" if OUTPUT_CACHE_FIELD == "cache" else "cache"
+    setattr(cls, other, property(lambda self: getattr(self, OUTPUT_CACHE_FIELD)))
+    return cls
+
+
+@_cache_alias
 @dataclass
 class OrthrosOutput(CausalLMOutputWithPast):
     """`logits` are [B, N, V] at the output positions; `output_positions` [B, N]
     gives each one's index in the input (-1 where a row has fewer than N).
-    The cache answers to both of transformers' names, `cache` and `past_key_values`;
-    see the module docstring for the hidden states and attentions."""
+    See the module docstring for the hidden states and attentions."""
 
     output_positions: torch.LongTensor | None = None
     base_hidden_states: tuple[torch.Tensor, ...] | None = None
     base_attentions: tuple[torch.Tensor, ...] | None = None
 
-    if OUTPUT_CACHE_FIELD == "cache":
-        @property
-        def past_key_values(self):
-            return self.cache
-    else:
-        @property
-        def cache(self):
-            return self.past_key_values
+
+@_cache_alias
+@dataclass
+class OrthrosModelOutput(BaseModelOutputWithPast):
+    """`last_hidden_state` [B, T, C]: every position's output-stream row after the final norm
+    (what the LM head reads). See the module docstring for the hidden states and attentions."""
+
+    base_hidden_states: tuple[torch.Tensor, ...] | None = None
+    base_attentions: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -80,10 +99,31 @@ class Trace:
 
     hidden_states: bool = False
     attentions: bool = False
+    base: bool = False  # the base stream's too
     base_hidden: list = field(default_factory=list)
     out_hidden: list = field(default_factory=list)
     base_attn: list = field(default_factory=list)
     out_attn: list = field(default_factory=list)
+
+    def fields(self) -> dict:
+        """The output fields it fills (None where not asked)."""
+        seq = lambda on, xs: tuple(xs) if on else None
+        return dict(hidden_states=seq(self.hidden_states, self.out_hidden),
+                    attentions=seq(self.attentions, self.out_attn),
+                    base_hidden_states=seq(self.hidden_states and self.base, self.base_hidden),
+                    base_attentions=seq(self.attentions and self.base, self.base_attn))
+
+
+@dataclass
+class Call:
+    """One forward's inputs as `OrthrosModel.forward_streams` takes them (`OrthrosModel.prepare_call`)."""
+
+    embeds: torch.Tensor  # [B, T, C]
+    layout: Layout  # its output rows: the requested ones, or every position when traced
+    cache: OrthrosCache | None
+    trace: Trace | None  # None: nothing recorded
+    out_idx: torch.Tensor  # [B, N] the requested output positions
+    out_valid: torch.Tensor  # [B, N]
 
 
 class OrthrosBlock(GradientCheckpointingLayer):
@@ -140,26 +180,46 @@ class Ropes:
     joined: tuple | None = None
 
 
+def unused_tensor_pattern(config: OrthrosConfig) -> str:
+    """A regular expression for the tensors that checkpoints and adapters written by earlier
+    versions hold and this model has no place for: the last layer's base-stream SO (`so_alpha`,
+    `so_beta`), which no forward reads (that layer's base stream makes K/V only). Loading skips
+    them; whatever values they hold change no result."""
+    return rf"(^|\.)layers\.{config.num_hidden_layers - 1}\.self_attn\.so_(alpha|beta)$"
+
+
+def unused_checkpoint_tensor(name: str, config: OrthrosConfig) -> bool:
+    """Whether tensor `name` of a checkpoint or adapter is one `unused_tensor_pattern` describes."""
+    return re.search(unused_tensor_pattern(config), name) is not None
+
+
 class OrthrosPreTrainedModel(PreTrainedModel):
     config_class = OrthrosConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["OrthrosBlock"]
 
+    def post_init(self):
+        # transformers' from_pretrained drops these keys without a warning (see `unused_tensor_pattern`)
+        self._keys_to_ignore_on_load_unexpected = [unused_tensor_pattern(self.config)]
+        super().post_init()
+
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)  # Linear / Embedding normal(0, std), norms to 1
         if isinstance(module, OrthrosAttention) and module.scale_offset:
             for name in ("so_alpha", "so_alpha_out"):
-                init.ones_(getattr(module, name))
+                if hasattr(module, name):
+                    init.ones_(getattr(module, name))
             for name in ("so_beta", "so_beta_out"):
-                init.zeros_(getattr(module, name))
+                if hasattr(module, name):
+                    init.zeros_(getattr(module, name))
         elif isinstance(module, RotaryEmbedding):  # a non-persistent buffer: rebuilt after meta init
             init.copy_(module.inv_freq, rope_inv_freq(*module.spec))
 
 
 class OrthrosModel(OrthrosPreTrainedModel):
-    """Embeddings and blocks; returns the final-normed output stream [B, N, C]."""
+    """Embeddings and blocks, and the final norm of the output stream."""
 
     def __init__(self, config: OrthrosConfig):
         super().__init__(config)
@@ -172,13 +232,90 @@ class OrthrosModel(OrthrosPreTrainedModel):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, rs)
         self.post_init()
 
-    def forward(self, inputs_embeds: torch.Tensor, layout: Layout, cache: OrthrosCache | None = None,
-                trace: Trace | None = None, take_outputs: Callable | None = None):
-        """inputs_embeds: [B, T, C] -> output stream after the final norm [B, N, C].
-        trace: records hidden states / attention probabilities (`OrthrosForCausalLM` fills it in).
-        take_outputs: the output positions' rows of a base-stream tensor, [B, T, C] -> [B, N, C]
-        (default: gathered at `layout.out_idx`). A context-parallel shard (`Layout.shard`), which
-        holds only some positions, passes its own."""
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def new_cache(self) -> OrthrosCache:
+        return OrthrosCache(self.config.num_hidden_layers)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: OrthrosCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        cache: OrthrosCache | None = None,
+        output_base_stream: bool = False,
+        **unused,
+    ) -> OrthrosModelOutput | tuple:
+        """transformers' base-model call: every input position is an output position (the
+        pre-training forward: full causal attention over the cache, O(T^2)), so
+        `last_hidden_state` [B, T, C] holds each position's output-stream row after the final
+        norm. The arguments are `OrthrosForCausalLM.forward`'s."""
+        call = self.prepare_call(input_ids, inputs_embeds, attention_mask, position_ids, cache, past_key_values,
+                                 use_cache, output_hidden_states, output_attentions, output_base_stream)
+        h = self.forward_streams(call.embeds, call.layout, call.cache, call.trace)
+        fields = call.trace.fields() if call.trace is not None else {}
+        out = OrthrosModelOutput(last_hidden_state=h, **fields, **{OUTPUT_CACHE_FIELD: call.cache})
+        return out if _return_dict(return_dict, self.config) else out.to_tuple()
+
+    def prepare_call(self, input_ids=None, inputs_embeds=None, attention_mask=None, position_ids=None, cache=None,
+                     past_key_values=None, use_cache=None, output_hidden_states=None, output_attentions=None,
+                     output_base_stream=False, labels=None, logits_to_keep: int | torch.Tensor = 0) -> Call:
+        """Check a transformers-style call and turn it into what `forward_streams` takes: the
+        embeddings, the `Layout`, the cache (made when `use_cache`; K/V are appended by the
+        forward) and, when hidden states or attentions are asked for, a `Trace` (and then every
+        position an output position). The output positions: `select_outputs`."""
+        if cache is not None and past_key_values is not None and cache is not past_key_values:
+            raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
+        cache = own_cache(cache if cache is not None else past_key_values, self)
+        check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels, cache)
+        x = input_ids if input_ids is not None else inputs_embeds
+        (B, T), device = x.shape[:2], x.device
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if self.training and torch.is_grad_enabled() and any(b.gradient_checkpointing for b in self.layers):
+            if cache is not None:
+                raise ValueError("gradient checkpointing recomputes every block in the backward pass, which would "
+                                 "append its K/V to the cache a second time: train without a cache or disable "
+                                 "gradient checkpointing")
+            if use_cache:
+                logger.warning_once("use_cache=True is incompatible with gradient checkpointing; running without a cache")
+                use_cache = False
+        if cache is None and use_cache:
+            cache = self.new_cache()
+        flag = lambda value, name: bool(value if value is not None else getattr(self.config, name, False))
+        trace = Trace(flag(output_hidden_states, "output_hidden_states"), flag(output_attentions, "output_attentions"),
+                      bool(output_base_stream))
+        if trace.attentions and cache is not None and not cache.reference_reads:
+            raise ValueError(f"output_attentions needs an OrthrosCache or no cache, not a {type(cache).__name__} "
+                             "(its kernels return no attention probabilities)")
+        out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)
+        traced = trace.hidden_states or trace.attentions
+        # Recorded outputs cover every input position (transformers' convention): every position an output row.
+        rows = select_outputs(B, T, device) if traced else (out_idx, out_valid)
+        layout = build_layout(B, T, device, *rows, attention_mask, position_ids, cache)
+        if cache is not None:
+            cache.append_tokens(layout.base_doc, layout.next_pos, layout.last_doc, pos=layout.base_pos)
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return Call(embeds, layout, cache, trace if traced else None, out_idx, out_valid)
+
+    def forward_streams(self, inputs_embeds: torch.Tensor, layout: Layout, cache=None, trace: Trace | None = None,
+                        take_outputs: Callable | None = None):
+        """The model's own fast path: inputs_embeds [B, T, C] placed by `layout` (its output rows
+        [B, N]) -> the output stream after the final norm [B, N, C]. cache: a `models.kv.KVCache`
+        (K/V appended; its slots and documents the caller's). trace: records hidden states /
+        attention probabilities (`prepare_call` makes it). take_outputs: the output positions'
+        rows of a base-stream tensor, [B, T, C] -> [B, N, C] (default: gathered at
+        `layout.out_idx`); a context-parallel shard (`Layout.shard`), which holds only some
+        positions, passes its own."""
         dtype = inputs_embeds.dtype
         ropes = Ropes(self.rotary(layout.base_pos, dtype), self.rotary(layout.out_pos, dtype))
         hb = inputs_embeds
@@ -196,7 +333,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
             # A decode step: the tokens' base and output rows travel as one group [B, 2T, C] (T = 1,
             # or a packed decode-only step), so each norm, residual add, projection and attention call
             # runs once for the two. The last layer's base rows are computed too (a few rows cost what
-            # fewer do) and dropped.
+            # fewer do; that layer has no base SO, so they take the output stream's) and dropped.
             hb, ho = torch.cat([hb, ho], 1), None
             ropes.joined = tuple(torch.cat([b, o], 1) for b, o in zip(ropes.base, ropes.out))
         for i, block in enumerate(self.layers):
@@ -205,22 +342,24 @@ class OrthrosModel(OrthrosPreTrainedModel):
                 ho = gather(hb)  # baselines: the last layer runs at the output positions only
             probs = [] if trace is not None and trace.attentions else None
             if trace is not None and trace.hidden_states:
-                trace.base_hidden.append(hb)
+                if trace.base:
+                    trace.base_hidden.append(hb)
                 trace.out_hidden.append(ho if ho is not None else gather(hb))
-            # A trace needs the last layer's base stream too (it is never read otherwise).
-            hb, ho = block(hb, ho, layout, ropes, cache, last and trace is None, probs=probs)
-            if probs is not None:
-                trace.base_attn.append(probs[0])
-                trace.out_attn.append(probs[1] if len(probs) > 1 else _gather_rows(probs[0], layout.out_idx))
+            hb, ho = block(hb, ho, layout, ropes, cache, last, probs=probs)
+            if probs is not None:  # [base rows (all but the last layer), output rows (if a group of their own)]
+                if trace.base and not last:
+                    trace.base_attn.append(probs[0])
+                own = two_streams or last
+                trace.out_attn.append(probs[-1] if own else _gather_rows(probs[0], layout.out_idx))
         if joined:
             return self.norm(hb[:, T:])
         if no_outputs:
             return inputs_embeds.new_zeros(inputs_embeds.shape[0], 0, inputs_embeds.shape[-1])
         out = self.norm(ho)
         if trace is not None and trace.hidden_states:
-            trace.base_hidden.append(self.norm(hb))
             trace.out_hidden.append(out)
         return out
+
 
 def _gather_rows(p: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """p: [B, H, T, S] attention probabilities -> the rows idx [B, N]: [B, H, N, S]."""
@@ -247,7 +386,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         return self.lm_head
 
     def new_cache(self) -> OrthrosCache:
-        return OrthrosCache(self.config.num_hidden_layers)
+        return self.model.new_cache()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """transformers' `generate()` hook: give it an `OrthrosCache` (every position of
@@ -278,6 +417,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        output_base_stream: bool = False,
         **unused,
     ) -> OrthrosOutput | tuple:
         """
@@ -293,58 +433,38 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
                 next-token label is not -100 (SFT); k > 0: the last k (k=1 is
                 prefill); a 1-D index tensor; a [B, T] bool mask; or a [B, N]
                 index tensor padded with -1.
-            output_hidden_states / output_attentions: also return both streams'
-                hidden states / attention probabilities (see the module docstring);
-                default: the config's.
+            output_hidden_states / output_attentions: also return hidden states /
+                attention probabilities at every input position (which then runs
+                every position as an output position, with the reference op; the
+                logits stay those of the positions `logits_to_keep` names); default:
+                the config's. See the module docstring.
+            output_base_stream: with either of them, the base stream's as well
+                (`base_hidden_states`, `base_attentions`).
             return_dict: False returns `OrthrosOutput.to_tuple()` (the fields that
                 are not None, in order); default: the config's.
         """
-        if cache is not None and past_key_values is not None and cache is not past_key_values:
-            raise ValueError("pass the cache once: as `cache` or as `past_key_values`, not both")
-        past_key_values = _own_cache(cache if cache is not None else past_key_values, self)
-        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels, past_key_values)
-        ids_or_embeds = input_ids if input_ids is not None else inputs_embeds
-        B, T = ids_or_embeds.shape[:2]
-        device = ids_or_embeds.device
-        cache = past_key_values
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
-        if self.training and torch.is_grad_enabled() and any(b.gradient_checkpointing for b in self.model.layers):
-            if cache is not None:
-                raise ValueError("gradient checkpointing recomputes every block in the backward pass, which would "
-                                 "append its K/V to the cache a second time: train without a cache or disable "
-                                 "gradient checkpointing")
-            if use_cache:
-                logger.warning_once("use_cache=True is incompatible with gradient checkpointing; running without a cache")
-                use_cache = False
-        if cache is None and use_cache:
-            cache = self.new_cache()
-        flag = lambda value, name: bool(value if value is not None else getattr(self.config, name, False))
-        trace = Trace(flag(output_hidden_states, "output_hidden_states"), flag(output_attentions, "output_attentions"))
-        if trace.attentions and cache is not None and not cache.reference_reads:
-            raise ValueError(f"output_attentions needs an OrthrosCache or no cache, not a {type(cache).__name__} "
-                             "(its kernels return no attention probabilities)")
-        out_idx, out_valid = select_outputs(B, T, device, labels, logits_to_keep)
-        layout = build_layout(B, T, device, out_idx, out_valid, attention_mask, position_ids, cache)
-        if cache is not None:
-            cache.append_tokens(layout.base_doc, layout.next_pos, layout.last_doc, pos=layout.base_pos)
-        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        h = self.model(embeds, layout, cache, trace if trace.hidden_states or trace.attentions else None)
+        call = self.model.prepare_call(input_ids, inputs_embeds, attention_mask, position_ids, cache,
+                                       past_key_values, use_cache, output_hidden_states, output_attentions,
+                                       output_base_stream, labels, logits_to_keep)
+        out_idx, out_valid = call.out_idx, call.out_valid
+        h = self.model.forward_streams(call.embeds, call.layout, call.cache, call.trace)
+        if call.trace is not None:  # every position ran: the requested rows make the logits
+            h = h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1]))
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
+            T = labels.shape[1]
             nxt = (out_idx + 1).clamp_max(T - 1)
             target = torch.where(out_valid & (out_idx + 1 < T), labels.gather(1, nxt), IGNORE_INDEX)
             loss = lm_loss(logits, target, num_items_in_batch)
-        positions = torch.where(out_valid, out_idx, -1)
-        seq = lambda on, xs: tuple(xs) if on else None
-        out = OrthrosOutput(
-            loss=loss, logits=logits, output_positions=positions,
-            hidden_states=seq(trace.hidden_states, trace.out_hidden), attentions=seq(trace.attentions, trace.out_attn),
-            base_hidden_states=seq(trace.hidden_states, trace.base_hidden),
-            base_attentions=seq(trace.attentions, trace.base_attn),
-            **{OUTPUT_CACHE_FIELD: cache})
-        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
-        return out if return_dict else out.to_tuple()
+        fields = call.trace.fields() if call.trace is not None else {}
+        out = OrthrosOutput(loss=loss, logits=logits, output_positions=torch.where(out_valid, out_idx, -1), **fields,
+                            **{OUTPUT_CACHE_FIELD: call.cache})
+        return out if _return_dict(return_dict, self.config) else out.to_tuple()
+
+
+def _return_dict(value: bool | None, config) -> bool:
+    return value if value is not None else getattr(config, "return_dict", True)
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor, num_items: int | torch.Tensor | None = None):
@@ -352,75 +472,3 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor, num_items: int | torch.T
     total = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     n = (target != IGNORE_INDEX).sum() if num_items is None else num_items
     return total / (n.clamp_min(1) if torch.is_tensor(n) else max(n, 1))
-
-
-def select_outputs(B: int, T: int, device, labels=None, logits_to_keep: int | torch.Tensor = 0):
-    """The output positions of a call as (idx [B, N], valid [B, N]); see `forward`."""
-    if torch.is_tensor(logits_to_keep):
-        sel = logits_to_keep.to(device)
-        if sel.dtype == torch.bool:
-            if sel.shape != (B, T):
-                raise ValueError(f"logits_to_keep as a bool mask must have shape {(B, T)}, got {tuple(sel.shape)}")
-            return pad_rows(sel)
-        sel = sel.long()
-        if sel.dim() == 1:
-            sel = sel[None].expand(B, -1)
-        if sel.dim() != 2 or sel.shape[0] != B:
-            raise ValueError(f"logits_to_keep index tensor must be [N] or [{B}, N], got {tuple(sel.shape)}")
-        if sel.numel() and (sel.max() >= T or sel.min() < -1):
-            raise ValueError(f"logits_to_keep indices must lie in [0, {T}) (-1 = none); got {sel.min()}..{sel.max()}")
-        valid = sel >= 0
-        return sel.clamp_min(0), valid
-    k = int(logits_to_keep)
-    if k < 0:
-        raise ValueError(f"logits_to_keep must be >= 0, got {k}")
-    if k == 0 and labels is not None:
-        nxt = torch.zeros(B, T, dtype=torch.bool, device=device)
-        nxt[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-        return pad_rows(nxt)
-    k = T if k == 0 else min(k, T)
-    idx = torch.arange(T - k, T, device=device)[None].expand(B, -1)
-    return idx, torch.ones_like(idx, dtype=torch.bool)
-
-
-def _own_cache(cache, model):
-    """An empty transformers Cache of another kind (e.g. a DynamicCache made by a
-    transformers utility) becomes an OrthrosCache; a filled one is an error."""
-    if cache is None or isinstance(cache, OrthrosCache):
-        return cache
-    if isinstance(cache, Cache) and cache.get_seq_length() == 0:
-        return model.new_cache()
-    raise ValueError(f"past_key_values must be an OrthrosCache (model.new_cache()), got {type(cache).__name__}")
-
-
-def _check_inputs(config, input_ids, inputs_embeds, attention_mask, position_ids, labels, cache):
-    """Clear errors for user mistakes instead of an index error deep in a kernel."""
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("pass exactly one of input_ids and inputs_embeds")
-    x = input_ids if input_ids is not None else inputs_embeds
-    if input_ids is not None:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(f"input_ids must be an integer tensor, got {input_ids.dtype}")
-    elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-        raise ValueError(f"inputs_embeds must be [batch, seq, {config.hidden_size}], got {tuple(inputs_embeds.shape)}")
-    B, T = x.shape[:2]
-    if B == 0 or T == 0:
-        raise ValueError(f"empty input: shape {tuple(x.shape)}; need at least one sequence of one token")
-    if input_ids is not None and not torch.compiler.is_compiling():
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {config.vocab_size}); got range [{lo}, {hi}]")
-    past = 0 if cache is None else cache.get_seq_length()
-    if cache is not None and past and cache.batch_size != B:
-        raise ValueError(f"batch size {B} does not match the cache's {cache.batch_size}")
-    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[0] != B
-                                       or attention_mask.shape[1] not in (T, past + T)):
-        want = f"[{B}, {T}]" + (f" or [{B}, {past + T}]" if past else "")
-        raise ValueError(f"attention_mask must be {want}, got {tuple(attention_mask.shape)}")
-    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != T
-                                     or position_ids.shape[0] not in (1, B)):
-        raise ValueError(f"position_ids must be [{B}, {T}], got {tuple(position_ids.shape)}")
-    if labels is not None and tuple(labels.shape) != (B, T):
-        raise ValueError(f"labels must be [{B}, {T}] like input_ids, got {tuple(labels.shape)}")

@@ -205,8 +205,8 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     out_idx = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
     lay = build_layout(B, T, input_ids.device, out_idx, torch.ones_like(out_idx, dtype=torch.bool), attention_mask)
     cache.append_tokens(lay.base_doc, lay.next_pos, lay.last_doc)
-    h = inner(inner.embed_tokens(input_ids[:, a:b]), _shard_layout(lay, a, b), cache,
-              take_outputs=functools.partial(_last_token, cp))
+    h = inner.forward_streams(inner.embed_tokens(input_ids[:, a:b]), _shard_layout(lay, a, b), cache,
+                              take_outputs=functools.partial(_last_token, cp))
     cache.prefilling = False
     return model.lm_head(h)[:, -1], cache
 
@@ -226,7 +226,7 @@ def cp_decode_one_token(model, token: torch.Tensor, cache: ShardedCache) -> torc
     one = torch.zeros(B, 1, dtype=torch.long, device=token.device)
     lay = build_layout(B, 1, token.device, one, torch.ones_like(one, dtype=torch.bool), cache=cache)
     cache.append_tokens(lay.base_doc, lay.next_pos, lay.last_doc)
-    h = model.model(model.model.embed_tokens(token[:, None]), lay, cache)
+    h = model.model.forward_streams(model.model.embed_tokens(token[:, None]), lay, cache)
     return model.lm_head(h)[:, -1]
 
 

@@ -70,7 +70,7 @@ class DecodeGraphs:
     def _forward(self, cache: PagedStepCache) -> torch.Tensor:
         m = self.model
         with fused_mode("triton") if self.fuse else contextlib.nullcontext():
-            h = m.model(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
+            h = m.model.forward_streams(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
         return m.lm_head(h)[0].float()
 
     def _fill(self, segments: list[Segment], b: int) -> None:

@@ -110,7 +110,7 @@ class ModelRunner:
     def run(self, cache: PagedStepCache) -> torch.Tensor:
         """One eager forward through `cache`: logits [N, V] (fp32) at its output positions."""
         m = self.model
-        h = m.model(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
+        h = m.model.forward_streams(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
         return m.lm_head(h)[0].float()
 
     # ------------------------------------------------------------- warm-up

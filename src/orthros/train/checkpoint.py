@@ -183,8 +183,8 @@ def load_train_state(ckpt: Path, model, optimizer, scheduler, loader, d: D.Dist)
     """Restore optimizer, scheduler, RNG and data position from `ckpt`; returns its step.
     The weights were loaded with the model (`from_pretrained(ckpt)`)."""
     state = read_state(ckpt)
-    # strict=False: a parameter that never gets a gradient (the last layer's base-stream SO,
-    # whose output is never read) has no optimizer state to restore.
+    # strict=False: the optimizer state of a checkpoint written by an earlier version names the
+    # last layer's base-stream SO, which no forward read (it had no state) and this model lacks.
     set_optimizer_state_dict(model, optimizer, state["optimizer"],
                              options=StateDictOptions(full_state_dict=True, strict=False))
     scheduler.load_state_dict(state["scheduler"])
