@@ -138,3 +138,22 @@ def test_an_optimizer_state_naming_the_last_layers_base_so_resumes(tmp_path):
     for n, p in old.named_parameters():
         if n in moments:
             torch.testing.assert_close(moments[n], opt.state[p]["exp_avg"], msg=n)
+
+
+@pytest.mark.parametrize("changes", [dict(attention="full"), dict(attention="swa"), dict(scale_offset=False)],
+                         ids=["full", "swa", "no-so"])
+def test_an_orthros_checkpoint_loads_as_its_baseline_quietly(tmp_path, capfd, changes):
+    """An Orthros checkpoint run as a baseline (a distillation teacher is) has SO tensors the model
+    has no place for: they are dropped without transformers' load report, and every other weight
+    loads."""
+    model = make_model()
+    model.save_pretrained(tmp_path)
+    cfg = OrthrosConfig.from_pretrained(tmp_path)
+    for k, v in changes.items():
+        setattr(cfg, k, v)
+    capfd.readouterr()
+    other = OrthrosForCausalLM.from_pretrained(tmp_path, config=cfg)
+    out, err = capfd.readouterr()
+    assert "UNEXPECTED" not in out + err and "MISSING" not in out + err
+    want = model.state_dict()
+    assert all(torch.equal(p.cpu(), want[n].cpu()) for n, p in other.state_dict().items())

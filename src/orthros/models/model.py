@@ -200,8 +200,12 @@ class OrthrosPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["OrthrosBlock"]
 
     def post_init(self):
-        # transformers' from_pretrained drops these keys without a warning (see `unused_tensor_pattern`)
+        # transformers' from_pretrained drops these keys without a warning (see `unused_tensor_pattern`);
+        # and every SO vector where the config has none: an Orthros checkpoint run as its own
+        # baseline (attention="full" / "swa", as a distillation teacher is) or without SO
         self._keys_to_ignore_on_load_unexpected = [unused_tensor_pattern(self.config)]
+        if not (self.config.attention == "orthros" and self.config.scale_offset):
+            self._keys_to_ignore_on_load_unexpected.append(r"(^|\.)self_attn\.so_(alpha|beta)(_out)?$")
         super().post_init()
 
     @torch.no_grad()
