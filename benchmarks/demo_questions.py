@@ -6,13 +6,15 @@ converted models with light adapters, on this CPU.
 
 Every model answers the same prompts (the document of `orthros demo`, the same pass keys and
 haystacks): greedy, through the chat template. An answer is right when it contains the expected
-string (case-insensitive). Writes questions.json and questions.md under --out.
+string as a word of its own (case-insensitive: "match" is not found in "matching"). Writes
+questions.json and questions.md under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +41,10 @@ QUESTIONS = [
     ("Which statement is used for pattern matching?", "match"),
     ('Which clause of a "for" loop runs when the loop ends without "break"?', "else"),
 ]
+
+
+def right(text: str, want: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(want)}(?!\w)", text, re.IGNORECASE) is not None
 
 
 def load(args):
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
         row = {"question": q, "expected": want, "answers": {}}
         for name, m in models.items():
             text = ask(m, tok, f"{doc}\n\nQuestion: {q}", args.max_new_tokens)
-            row["answers"][name] = {"text": text, "right": want.lower() in text.lower()}
+            row["answers"][name] = {"text": text, "right": right(text, want)}
             print(f"{name:>40}: {'RIGHT' if row['answers'][name]['right'] else 'wrong'}  {text[:90]!r}", flush=True)
         res["questions"].append(row)
     if args.passkey_samples:
@@ -104,7 +110,15 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "questions.json").write_text(json.dumps(res, indent=2))
-    names = list(models)
+    md = markdown(res)
+    (out / "questions.md").write_text(md)
+    print(md)
+    return 0
+
+
+def markdown(res: dict) -> str:
+    """questions.md from questions.json's content."""
+    names = list(res["questions"][0]["answers"])
     lines = ["| question | expected | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for row in res["questions"]:
         cells = [("✔ " if a["right"] else "✘ ") + a["text"][:60].replace("|", "\\|").replace("\n", " ")
@@ -113,15 +127,12 @@ def main(argv=None) -> int:
     lines.append("| **right** | | " + " | ".join(
         f"**{sum(r['answers'][n]['right'] for r in res['questions'])}/{len(res['questions'])}**" for n in names) + " |")
     if res["passkey"]:
-        lines += ["", "| pass key (" + f"{5 * args.passkey_samples} per length) | " +
-                  " | ".join(str(L) for L in args.passkey_lengths) + " |",
-                  "|---|" + "---|" * len(args.passkey_lengths)]
-        for n, r in res["passkey"].items():
-            lines.append(f"| {n} | " + " | ".join(f"{100 * r['by_length'][str(L)]:.0f}%" for L in args.passkey_lengths)
-                         + " |")
-    (out / "questions.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+        lengths = list(next(iter(res["passkey"].values()))["by_length"])
+        n = next(iter(res["passkey"].values()))["samples_per_length"]
+        lines += ["", f"| pass key ({n} per length) | " + " | ".join(lengths) + " |", "|---|" + "---|" * len(lengths)]
+        for name, r in res["passkey"].items():
+            lines.append(f"| {name} | " + " | ".join(f"{100 * r['by_length'][L]:.0f}%" for L in lengths) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
