@@ -105,3 +105,18 @@ def test_students_start_once_their_teacher_is_trained_not_evaluated(tmp_path, mo
     assert calls.index(("orthros-kd-d", False)) > 0
     assert ("full-cpt", False) in calls and len(calls) == 4  # then it is evaluated, as a job of its own
     assert set(res) == {"orthros-kd-d", "full-cpt", "orthros-cpt"}
+
+
+def test_an_arm_s_recipe_changes_its_training_only():
+    from orthros.experiments import cpt
+
+    base = cpt.PRESETS["smollm2-kd-h200"]
+    p = cpt.arm_preset("orthros-kd-d-w256-lr3", base)
+    assert p.lr == 3e-4 and p.passkey_samples == base.passkey_samples and p.eval_rows == base.eval_rows
+    assert cpt.arm_preset("orthros-kd-d", base) == base
+    cpt.ARMS["bad-recipe"] = cpt.Arm("x", {}, "all", recipe=dict(passkey_samples=1))
+    try:
+        with pytest.raises(ValueError, match="recipe may change"):
+            cpt.arm_preset("bad-recipe", base)
+    finally:
+        del cpt.ARMS["bad-recipe"]

@@ -19,6 +19,7 @@ order) under the same schedule:
     orthros-kd-d      Orthros distilled from full-cpt, the same-data teacher (trained first)
     orthros-kd-d-lora the light (LoRA + SO) version of orthros-kd-d
     ...-w256/-w512, -nomix, -s1   the window sweep, without retrieval data, a second seed
+    ...-w256-lr3/-align50/-ce     W=256 with one training change each (an arm's `recipe`)
 
 Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
 `retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone,
@@ -61,6 +62,8 @@ class Arm:
     """seed of the row order (0: the corpus order) and of initialisation"""
     mix: bool = False
     """rows mixed with retrieval samples (preset.retrieval_share of them)"""
+    recipe: dict = field(default_factory=dict)
+    """training fields of the preset this arm changes (lr, align_frac, ce, ...: `arm_preset`)"""
 
 
 def _kd(label, teacher, mode="all", **kw):
@@ -85,9 +88,28 @@ ARMS = {
     "orthros-kd-d-w256": _kd("Orthros distilled from (d), W=256", "full-cpt", window=256),
     "orthros-kd-d-w512": _kd("Orthros distilled from (d), W=512", "full-cpt", window=512),
     "orthros-kd-d-s1": _kd("Orthros distilled from (d), seed 1", "full-cpt", seed=1),
+    # the cheap levers on the best window, should distillation from (d) stay short of its targets
+    "orthros-kd-d-w256-lr3": _kd("Orthros distilled from (d), W=256, peak LR 3e-4", "full-cpt", window=256,
+                                 recipe=dict(lr=3e-4)),
+    "orthros-kd-d-w256-align50": _kd("Orthros distilled from (d), W=256, K/V alignment for half the steps",
+                                     "full-cpt", window=256, recipe=dict(align_frac=0.5)),
+    "orthros-kd-d-w256-ce": _kd("Orthros distilled from (d), W=256, KL + 0.5 CE", "full-cpt", window=256,
+                                recipe=dict(ce=0.5)),
     "orthros-cpt-s1": Arm("Orthros + CPT, seed 1", dict(attention="orthros"), "all", seed=1),
     "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
 }
+
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac")
+
+
+def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
+    """The preset an arm trains with: the run's, with the arm's `recipe` changes (training fields only:
+    every arm is evaluated alike)."""
+    bad = set(ARMS[arm].recipe) - set(RECIPE_FIELDS)
+    if bad:
+        raise ValueError(f"arm {arm}: recipe may change {', '.join(RECIPE_FIELDS)}, not {', '.join(sorted(bad))}")
+    return dataclasses.replace(preset, **ARMS[arm].recipe)
+
 
 # what `orthros experiment cpt` runs unless --arms says otherwise: (a)-(g) of the comparison
 DEFAULT_ARMS = ("source", "orthros-0shot", "orthros-cpt", "full-cpt", "orthros-kd", "orthros-kd-d",
@@ -323,6 +345,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     from ..train.distill import load_teacher
 
     spec = ARMS[arm]
+    preset = arm_preset(arm, preset)
     torch.manual_seed(spec.seed)
     work = Path(work)
     tok = load_tokenizer(orthros_dir)
@@ -369,7 +392,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     t = time.time()
     ev = evaluate_arm(model, tok, preset, heldout, stream)
     res = {"arm": arm, "label": spec.label, "teacher": spec.teacher, "window": model.config.window_size,
-           "seed": spec.seed, "retrieval_share": preset.retrieval_share if spec.mix else 0.0,
+           "seed": spec.seed, "recipe": spec.recipe, "retrieval_share": preset.retrieval_share if spec.mix else 0.0,
            "train": stats, "eval": ev, "eval_seconds": time.time() - t}
     (work / f"arm-{arm}.json").write_text(json.dumps(res, indent=2))
     return res
