@@ -117,3 +117,22 @@ def test_padding_and_gradients_are_finite(routing):
     out.loss.backward()
     assert torch.isfinite(out.logits).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("routing", ["bound", "base"])
+def test_padded_batch_and_fast_decode_equal_a_row_alone(routing):
+    """A left-padded row computes what it computes alone, in one forward and through the
+    preallocated cache's decode step (`decode_one_token_fast`, its own layout)."""
+    from orthros.generate import decode_one_token_fast, new_static_cache
+
+    model = moe_model(window=3, routing=routing)
+    ids = ids_for(15, B=2)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    alone = model(ids[:1, 4:]).logits[0]
+    assert rel_err(model(ids, attention_mask=mask).logits[0, 4:], alone) < TOL
+    cache = new_static_cache(model, 1, 32)
+    logits, cache = prefill(model, ids[:1, 4:8], cache=cache)
+    for t in range(8, 15):
+        logits = decode_one_token_fast(model, ids[:1, t], cache)
+        assert rel_err(logits[0], alone[t - 4]) < TOL, t

@@ -1,4 +1,4 @@
-"""Llama 3.x / Qwen3 checkpoints -> Orthros, streamed tensor by tensor.
+"""Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoints -> Orthros, streamed tensor by tensor.
 
 Orthros keeps transformers' Llama parameter names, so every weight is reused
 under its own name; each layer gains the scale-offset (SO) vectors at
@@ -46,7 +46,7 @@ SO_INIT = {"so_alpha": 1.0, "so_beta": 0.0, "so_alpha_out": 1.0, "so_beta_out": 
 
 # ---------------------------------------------------------------- config
 def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True, dtype: str = "bf16") -> OrthrosConfig:
-    """A Llama / Qwen3 / Qwen3-MoE `config.json` dict -> OrthrosConfig (ValueError naming what is
+    """A Llama / Qwen3 / Qwen3-MoE / Mixtral `config.json` dict -> OrthrosConfig (ValueError naming what is
     unsupported). Qwen3-MoE's tensors already carry Orthros' names (`mlp.gate`, `mlp.experts.{e}.*`);
     Mixtral's are renamed (`MIXTRAL_NAMES`)."""
     kind = src.get("model_type")
@@ -251,7 +251,7 @@ def _natural(name: str):
 def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128, scale_offset: bool = True,
                        dtype: str | None = None, max_shard_size: str | int = "5GB",
                        block_bytes: int = BLOCK_BYTES, progress: bool = True) -> Path:
-    """Convert the Llama 3.x / Qwen3 checkpoint `src` into an Orthros one at `dst`.
+    """Convert the Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoint `src` into an Orthros one at `dst`.
 
     `src` is a Hugging Face directory, or a GGUF file (or a directory holding one),
     dequantized to fp32 first (`convert.gguf`).
