@@ -26,10 +26,11 @@ def device():
     return DEVICE
 
 
-def make_model(attention="orthros", window=16, perturb_so=True, seed=0, **overrides) -> OrthrosForCausalLM:
-    """A tiny fp32 model on the test device; SO moved off identity so it is exercised."""
+def make_model(attention="orthros", window=16, perturb_so=True, seed=0, base="tiny", **overrides) -> OrthrosForCausalLM:
+    """A tiny fp32 model on the test device (`base`: "tiny", or "tiny-moe"); SO moved off identity
+    so it is exercised."""
     torch.manual_seed(seed)
-    cfg = OrthrosConfig.from_name("tiny", attention=attention, window_size=window, **overrides)
+    cfg = OrthrosConfig.from_name(base, attention=attention, window_size=window, **overrides)
     model = OrthrosForCausalLM(cfg).to(DEVICE).eval()
     if perturb_so and attention == "orthros" and cfg.scale_offset:
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""`orthros convert`: Llama 3 / Qwen3 checkpoints -> Orthros.
+"""`orthros convert`: Llama 3 / Qwen3 / Qwen3-MoE checkpoints -> Orthros.
 
 The reference is the source model itself, run by transformers: with W >= T
 and SO at identity the converted model must give its logits at every
@@ -28,7 +28,7 @@ def tok():
     return tiny_tokenizer()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
 def source(request, tmp_path_factory, tok):
     """(arch, checkpoint dir, the transformers model it holds)."""
     d = tmp_path_factory.mktemp(request.param) / "src"
@@ -57,7 +57,9 @@ def test_converted_logits_equal_the_source_model_at_every_position(source, tmp_p
     dst = convert_checkpoint(src, tmp_path / "out", window_size=4096, dtype="fp32", progress=False)
     model = load(dst)
     assert type(model) is OrthrosForCausalLM and model.config.attention == "orthros"
-    assert model.config.qk_norm == (arch == "qwen3") and model.config.tie_word_embeddings == (arch == "qwen3")
+    qwen = arch.startswith("qwen3")
+    assert model.config.qk_norm == qwen and model.config.tie_word_embeddings == qwen
+    assert model.config.num_experts == (4 if arch == "qwen3_moe" else 0)
     ids = ids_of(tok)
     with torch.no_grad():
         ref, out = hf(ids).logits, model(ids).logits
@@ -80,11 +82,14 @@ def test_small_window_runs_and_differs_after_the_window(source, tmp_path, tok):
 
 
 def test_bf16_output_is_the_source_rounded_and_so_is_at_identity(source, tmp_path):
-    _, src, hf = source
+    _, src, _ = source
     dst = convert_checkpoint(src, tmp_path / "out", window_size=8, dtype="bf16", progress=False)
     files = list(dst.glob("*.safetensors"))
     assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
-    ref = {k: v.detach().cpu() for k, v in hf.state_dict().items()}
+    ref = {}  # the source as written (transformers' in-memory Qwen3-MoE fuses its experts)
+    for f in src.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            ref.update({k: st.get_tensor(k) for k in st.keys()})
     seen = set()
     for f in files:
         with safe_open(f, "pt") as st:
@@ -214,3 +219,31 @@ def test_cli(llama_src, tmp_path, capsys):
     assert cli.main(["convert", str(llama_src), str(dst), "--window-size", "0"]) == 2
     assert "--window-size" in capsys.readouterr().err
     no_leftovers(dst)
+
+
+@pytest.mark.parametrize("overrides", [dict(norm_topk_prob=False, mlp_only_layers=[0]),
+                                       dict(num_hidden_layers=4, decoder_sparse_step=2)])
+@pytest.mark.parametrize("routing", ["independent", "bound"])
+def test_qwen3_moe_layer_choices_equal_the_source(tmp_path, tok, overrides, routing):
+    """Dense and sparse layers where Qwen3-MoE puts them, top-k weights with and without
+    renormalisation; at W >= T every output routing mode computes the source model."""
+    src = tmp_path / "src"
+    hf = make_tiny_checkpoint(src, "qwen3_moe", tokenizer=tok, **overrides).to(DEVICE)
+    dst = convert_checkpoint(src, tmp_path / "out", window_size=4096, dtype="fp32", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(dst, output_routing=routing).to(DEVICE).eval()
+    ids = ids_of(tok)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, hf(ids).logits) < 1e-5
+
+
+def test_mixtral_converts_to_the_same_logits(tmp_path, tok):
+    """Mixtral's tensors are renamed to Qwen3-MoE's layout (`block_sparse_moe.experts.{e}.w1` ->
+    `mlp.experts.{e}.gate_proj`); at W >= T the logits are the source model's."""
+    src = tmp_path / "src"
+    hf = make_tiny_checkpoint(src, "mixtral", tokenizer=tok).to(DEVICE)
+    dst = convert_checkpoint(src, tmp_path / "out", window_size=4096, dtype="fp32", progress=False)
+    model = load(dst)
+    assert model.config.num_experts == 4 and model.config.norm_topk_prob
+    ids = ids_of(tok)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, hf(ids).logits) < 1e-5

@@ -1,6 +1,7 @@
 """The engine under batching: greedy outputs of requests served concurrently (different lengths,
 staggered arrivals, shared prefixes, cancellations, preemption for memory) equal
-`orthros.generate.generate` on each prompt alone, for Orthros and the full / SWA baselines."""
+`orthros.generate.generate` on each prompt alone, for Orthros and the full / SWA baselines
+(and Orthros with a sparse MLP in each output routing mode)."""
 
 import random
 
@@ -37,9 +38,14 @@ class Collector:
         return self.events[key][-1].finish_reason
 
 
-@pytest.mark.parametrize("attention", ["orthros", "full", "swa"])
-def test_concurrent_greedy_equals_alone(attention):
-    model = make_model(attention, window=6, initializer_range=0.3)
+@pytest.mark.parametrize("attention, routing", [("orthros", None), ("full", None), ("swa", None),
+                                                  ("orthros", "independent"), ("orthros", "bound"),
+                                                  ("orthros", "base")])
+def test_concurrent_greedy_equals_alone(attention, routing):
+    """routing: None for the dense tiny model, else the MoE one with that `output_routing`
+    (packed decode-only steps pair each output row with its base row)."""
+    moe = {} if routing is None else dict(base="tiny-moe", output_routing=routing)
+    model = make_model(attention, window=6, initializer_range=0.3, **moe)
     prompts, max_tokens = _workload()
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=13, max_num_seqs=6,
                                      chunk_align=4))

@@ -1,4 +1,4 @@
-"""Convert a Llama 3.x / Qwen3 checkpoint directory into an Orthros one.
+"""Convert a Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoint directory into an Orthros one.
 
     orthros convert Meta-Llama-3.1-8B llama-3.1-8b-orthros --window-size 128
     orthros convert Qwen3-8B qwen3-8b-orthros --dtype bf16

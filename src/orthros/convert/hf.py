@@ -1,4 +1,4 @@
-"""Llama 3.x / Qwen3 checkpoints -> Orthros, streamed tensor by tensor.
+"""Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoints -> Orthros, streamed tensor by tensor.
 
 Orthros keeps transformers' Llama parameter names, so every weight is reused
 under its own name; each layer gains the scale-offset (SO) vectors at
@@ -31,7 +31,11 @@ from ..models.config import OrthrosConfig
 from .safetensors_stream import BLOCK_BYTES, PlannedTensor, ShardWriter, TensorInfo, iter_blocks, parse_size, \
     plan_shards, read_header
 
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+             "mixtral": "MixtralForCausalLM"}
+# Mixtral's tensor names -> Orthros' (Qwen3-MoE's already match)
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                 (".w2.", ".down_proj."))
 OUT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # pickled checkpoints: never loaded (unpickling runs code); a directory holding only these is refused
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -42,7 +46,9 @@ SO_INIT = {"so_alpha": 1.0, "so_beta": 0.0, "so_alpha_out": 1.0, "so_beta_out": 
 
 # ---------------------------------------------------------------- config
 def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True, dtype: str = "bf16") -> OrthrosConfig:
-    """A Llama / Qwen3 `config.json` dict -> OrthrosConfig (ValueError naming what is unsupported)."""
+    """A Llama / Qwen3 / Qwen3-MoE / Mixtral `config.json` dict -> OrthrosConfig (ValueError naming what is
+    unsupported). Qwen3-MoE's tensors already carry Orthros' names (`mlp.gate`, `mlp.experts.{e}.*`);
+    Mixtral's are renamed (`MIXTRAL_NAMES`)."""
     kind = src.get("model_type")
     if kind not in SUPPORTED:
         archs = src.get("architectures") or []
@@ -56,8 +62,10 @@ def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True,
     need(src.get("hidden_act", "silu") == "silu", "hidden_act", "Orthros has a SwiGLU (silu) MLP")
     need(not src.get("attention_bias", False), "attention_bias", "projections without bias only")
     need(not src.get("mlp_bias", False), "mlp_bias", "MLP without bias only")
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         need(not src.get("use_sliding_window", False), "use_sliding_window", "every layer must be full attention")
+    if kind == "mixtral":
+        need(src.get("sliding_window") is None, "sliding_window", "every layer must be full attention")
     layer_types = src.get("layer_types")
     need(layer_types is None or set(layer_types) <= {"full_attention"}, "layer_types",
          "every layer must be full attention")
@@ -85,17 +93,44 @@ def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True,
         rms_norm_eps=src.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=rope_scaling,
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(src.get("tie_word_embeddings", False)),
         window_size=window_size,
         attention="orthros",
         scale_offset=scale_offset,
+        **(_moe_fields(src) if kind == "qwen3_moe" else _mixtral_fields(src) if kind == "mixtral" else {}),
         pad_token_id=src.get("pad_token_id"),
         bos_token_id=src.get("bos_token_id"),
         eos_token_id=src.get("eos_token_id"),
         architectures=["OrthrosForCausalLM"],
         dtype={"bf16": "bfloat16", "fp32": "float32"}[dtype],
     )
+
+
+def _moe_fields(src: dict) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE `config.json` (transformers' names and defaults;
+    transformers 5 writes the expert count as `num_local_experts`)."""
+    return dict(num_experts=src["num_experts"] if "num_experts" in src else src["num_local_experts"],
+                num_experts_per_tok=src.get("num_experts_per_tok", 8),
+                moe_intermediate_size=src.get("moe_intermediate_size", 768),
+                norm_topk_prob=bool(src.get("norm_topk_prob", False)),
+                decoder_sparse_step=src.get("decoder_sparse_step", 1),
+                mlp_only_layers=list(src.get("mlp_only_layers") or []))
+
+
+def _mixtral_fields(src: dict) -> dict:
+    """Mixtral as a mixture of experts in Qwen3-MoE's terms: every layer sparse, experts of width
+    `intermediate_size`, top-k weights renormalised."""
+    return dict(num_experts=src["num_local_experts"], num_experts_per_tok=src.get("num_experts_per_tok", 2),
+                moe_intermediate_size=src["intermediate_size"], norm_topk_prob=True)
+
+
+def _orthros_name(kind: str, name: str) -> str:
+    """A source tensor's name in the Orthros checkpoint."""
+    if kind == "mixtral" and ".block_sparse_moe." in name:
+        for a, b in MIXTRAL_NAMES:
+            name = name.replace(a, b)
+    return name
 
 
 def expected_tensors(config: OrthrosConfig) -> dict[str, tuple[int, ...]]:
@@ -186,7 +221,7 @@ def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str 
         raise UserError(f"{cfg_path}: {one_line(e)}") from None
     want = expected_tensors(config)
     dropped = [n for n in tensors if n.endswith(DROPPED) or (config.tie_word_embeddings and n == "lm_head.weight")]
-    have = {n: t for n, t in tensors.items() if n not in dropped}
+    have = {_orthros_name(src_cfg["model_type"], n): t for n, t in tensors.items() if n not in dropped}
     new = {n for n in want if n.rsplit(".", 1)[-1] in SO_INIT}
     missing = sorted(set(want) - new - set(have))
     if missing:
@@ -216,7 +251,7 @@ def _natural(name: str):
 def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128, scale_offset: bool = True,
                        dtype: str | None = None, max_shard_size: str | int = "5GB",
                        block_bytes: int = BLOCK_BYTES, progress: bool = True) -> Path:
-    """Convert the Llama 3.x / Qwen3 checkpoint `src` into an Orthros one at `dst`.
+    """Convert the Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoint `src` into an Orthros one at `dst`.
 
     `src` is a Hugging Face directory, or a GGUF file (or a directory holding one),
     dequantized to fp32 first (`convert.gguf`).

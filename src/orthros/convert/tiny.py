@@ -7,7 +7,8 @@ Each is a real transformers checkpoint directory: `config.json`, sharded
 safetensors and a byte-level BPE tokenizer trained on a slice of the
 embedded corpus, so `AutoTokenizer` / `AutoModelForCausalLM` load it. Llama
 gets "llama3" RoPE scaling and untied embeddings; Qwen3 q/k norms and tied
-embeddings, like the real families.
+embeddings, like the real families; Qwen3-MoE is Qwen3 with 4 experts, 2 per token; Mixtral
+the same routing with Llama's untied embeddings.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen3")
+ARCHS = ("llama", "qwen3", "qwen3_moe", "mixtral")
 
 
 def tiny_tokenizer(vocab_size: int = 320, corpus_bytes: int = 200_000):
@@ -28,8 +29,8 @@ def tiny_tokenizer(vocab_size: int = 320, corpus_bytes: int = 200_000):
 
 
 def tiny_hf_config(arch: str, vocab_size: int, **overrides):
-    """A transformers LlamaConfig / Qwen3Config of CI size."""
-    from transformers import LlamaConfig, Qwen3Config
+    """A transformers LlamaConfig / Qwen3Config / Qwen3MoeConfig / MixtralConfig of CI size."""
+    from transformers import LlamaConfig, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
@@ -42,6 +43,14 @@ def tiny_hf_config(arch: str, vocab_size: int, **overrides):
     if arch == "qwen3":
         common.update(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
         return Qwen3Config(**{**common, **overrides})
+    if arch == "qwen3_moe":  # 4 experts, 2 per token
+        common.update(rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        return Qwen3MoeConfig(**{**common, **overrides})
+    if arch == "mixtral":  # 4 experts of width 32, 2 per token
+        common.update(rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, intermediate_size=32,
+                      num_local_experts=4, num_experts_per_tok=2)
+        return MixtralConfig(**{**common, **overrides})
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 

@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - transformers 4.x
 ATTENTION_KINDS = ("orthros", "full", "swa")
 BACKENDS = ("auto", "naive", "chunked", "sdpa", "flex", "triton")  # see orthros.ops
 ROPE_TYPES = ("default", "linear", "llama3")
+ROUTING_MODES = ("independent", "bound", "base")  # see layers.moe
 
 
 class OrthrosConfig(PreTrainedConfig):
@@ -31,6 +32,19 @@ class OrthrosConfig(PreTrainedConfig):
             False is the paper's "w/o SO" ablation.
         attn_backend: "auto" picks the fastest available op; "naive" is the
             fp32 reference; "flex" / "triton" force a fast path.
+
+    Mixture of experts (transformers' Qwen3-MoE names; `num_experts=0` is a dense model):
+        num_experts, num_experts_per_tok (k), moe_intermediate_size: the
+            experts of a sparse MLP and each one's SwiGLU width.
+        norm_topk_prob: renormalise the top-k softmax weights over the k.
+        decoder_sparse_step, mlp_only_layers: layer i is sparse iff
+            i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+        shared_expert_intermediate_size: a shared expert (Qwen2-MoE's,
+            sigmoid-gated) beside the routed ones; 0 for none.
+        output_routing: how an output row picks its experts (docs/moe.md):
+            "independent" (its own router), "bound" (its base row's experts,
+            its own gate weights over them) or "base" (its base row's
+            experts and weights).
     """
 
     model_type = "orthros"
@@ -59,6 +73,14 @@ class OrthrosConfig(PreTrainedConfig):
         scale_offset: bool = True,
         attn_backend: str = "auto",
         use_cache: bool = True,
+        num_experts: int = 0,
+        num_experts_per_tok: int = 8,
+        moe_intermediate_size: int = 768,
+        norm_topk_prob: bool = False,
+        decoder_sparse_step: int = 1,
+        mlp_only_layers: list[int] | None = None,
+        shared_expert_intermediate_size: int = 0,
+        output_routing: str = "independent",
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -85,6 +107,14 @@ class OrthrosConfig(PreTrainedConfig):
         self.scale_offset = scale_offset
         self.attn_backend = attn_backend
         self.use_cache = use_cache
+        self.num_experts = num_experts
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size
+        self.norm_topk_prob = norm_topk_prob
+        self.decoder_sparse_step = decoder_sparse_step
+        self.mlp_only_layers = list(mlp_only_layers or [])
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.output_routing = output_routing
         self.validate()  # before transformers' own checks, so errors name our fields
         super().__init__(
             pad_token_id=pad_token_id,
@@ -118,6 +148,19 @@ class OrthrosConfig(PreTrainedConfig):
             bad("attn_backend", f"must be one of {BACKENDS}")
         if self.hidden_act != "silu":
             bad("hidden_act", "only 'silu' (SwiGLU MLP) is supported")
+        for f in ("num_experts", "shared_expert_intermediate_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                bad(f, "must be an integer >= 0")
+        if self.num_experts:
+            for f in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                v = getattr(self, f)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    bad(f, "must be a positive integer")
+            if self.num_experts_per_tok > self.num_experts:
+                bad("num_experts_per_tok", f"must be <= num_experts={self.num_experts}")
+        if self.output_routing not in ROUTING_MODES:
+            bad("output_routing", f"must be one of {ROUTING_MODES}")
         if not self.rms_norm_eps > 0:
             bad("rms_norm_eps", "must be > 0")
         if not self.rope_theta > 0:
@@ -135,6 +178,10 @@ class OrthrosConfig(PreTrainedConfig):
                 for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                     if key not in rs:
                         bad("rope_scaling", f"llama3 scaling needs '{key}'")
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Does layer i have a sparse MLP (Qwen3-MoE's rule)?"""
+        return bool(self.num_experts) and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def has_output_stream(self) -> bool:
@@ -159,6 +206,11 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, window_size=16,
                  max_position_embeddings=4096, tie_word_embeddings=True),
+    # CI size of a mixture of experts: "tiny" with 4 experts of which 2 per token.
+    "tiny-moe": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, window_size=16,
+                     max_position_embeddings=4096, tie_word_embeddings=True, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "small": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, window_size=64,
                   max_position_embeddings=8192, tie_word_embeddings=True),
@@ -179,4 +231,10 @@ PRESETS: dict[str, dict] = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                      rope_theta=1000000.0, qk_norm=True, max_position_embeddings=40960,
                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-30b-a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                          rope_theta=1000000.0, qk_norm=True, max_position_embeddings=40960,
+                          tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643,
+                          eos_token_id=151645),
 }

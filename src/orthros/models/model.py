@@ -53,6 +53,7 @@ from transformers.utils import logging
 
 from ..layers.attention import OrthrosAttention, rows
 from ..layers.mlp import RMSNorm, SwiGLU
+from ..layers.moe import SparseMoE
 from ..layers.rope import RotaryEmbedding, rope_inv_freq
 from .cache import OrthrosCache
 from .compat import GENERATE_CACHE_KEY, OUTPUT_CACHE_FIELD
@@ -135,7 +136,9 @@ class OrthrosBlock(GradientCheckpointingLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = OrthrosAttention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.sparse = config.is_sparse_layer(layer_idx)
+        self.mlp = SparseMoE(config) if self.sparse else SwiGLU(config.hidden_size, config.intermediate_size)
+        self.output_routing = config.output_routing
 
     def forward(self, hb, ho, layout, ropes, cache=None, last: bool = False, probs: list | None = None):
         """hb: [B, T, C] base stream; ho: [B, N, C] output stream, or None. Or both streams as one
@@ -152,8 +155,40 @@ class OrthrosBlock(GradientCheckpointingLayer):
         del xs  # long rows: free before the MLP's activations
         hs = [None if a is None else self.post_attention_layernorm.add_norm(h, a) for h, a in zip(hs, attn)]
         del attn
+        if self.sparse:
+            return self._moe(hs, layout, T, last)
         mlp = iter(rows(self.mlp, [h[1] for h in hs if h is not None and not _chunked(h[0])], layout.shard))
         out = [None if h is None else self._mlp_chunks(*h) if _chunked(h[0]) else h[0] + next(mlp) for h in hs]
+        return out[0], (out[1] if len(out) > 1 else None)
+
+    def _moe(self, hs, layout, T, last):
+        """The sparse MLP of both streams, the output rows routed by `output_routing` (docs/moe.md).
+        hs: [(h, x)] as in `forward` (a joined group: base rows [:T], output rows [T:]).
+        In the last layer the base stream makes K/V only (it has no MLP input), so there the output
+        rows route themselves in every mode."""
+        joined = len(hs) == 1 and hs[0] is not None and hs[0][1].shape[1] > T
+        if joined:
+            xb, xo = hs[0][1][:, :T], hs[0][1][:, T:]
+        else:
+            xb = None if hs[0] is None else hs[0][1]
+            xo = hs[1][1] if len(hs) > 1 else None
+        rb = None if xb is None else self.mlp.route(xb)  # [B, T, k]
+        ro = None
+        if xo is not None:
+            if self.output_routing == "independent" or last:
+                ro = self.mlp.route(xo)
+            else:
+                if layout.shard:
+                    raise NotImplementedError(f"output_routing={self.output_routing!r} with context parallelism")
+                idx = layout.out_idx[..., None].expand(*layout.out_idx.shape, rb.experts.shape[-1])
+                chosen = rb.experts.gather(1, idx)  # [B, N, k]: the experts of each output row's base row
+                ro = (self.mlp.rebind(xo, chosen) if self.output_routing == "bound"
+                      else type(rb)(rb.weights.gather(1, idx), chosen))
+        if joined:
+            h, x = hs[0]
+            r = type(rb)(*(torch.cat([b, o], 1) for b, o in zip(rb, ro)))
+            return h + self.mlp(x, r), None
+        out = [None if h is None else h[0] + self.mlp(h[1], r) for h, r in zip(hs, [rb, ro])]
         return out[0], (out[1] if len(out) > 1 else None)
 
     def _mlp_chunks(self, h, x):

@@ -1,0 +1,69 @@
+"""The sparse MLP (mixture of experts), Qwen3-MoE's layout: a linear router, top-k SwiGLU experts,
+and optionally a shared expert (Qwen2-MoE's, behind a sigmoid gate).
+
+Routing is split from the expert computation so that an output row may take its experts from
+its base row (`OrthrosConfig.output_routing`, docs/moe.md):
+
+    route(x)            x [R, C] -> Routing(weights [R, k], experts [R, k])
+    rebind(x, chosen)   x's own gate weights over the experts `chosen` [R, k], renormalised
+    forward(x, r)       x [*, C] -> [*, C], sum_k weights * expert_k(x) (+ shared expert)
+
+The experts run as a plain loop (each expert on the rows that chose it): correct first.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mlp import SwiGLU
+
+
+class Routing(NamedTuple):
+    weights: torch.Tensor  # [R, k] gate weight of each chosen expert (fp32)
+    experts: torch.Tensor  # [R, k] expert indices
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        c = config
+        self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(SwiGLU(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """x [..., C] -> its top-k experts: softmax over all experts, top k, renormalised over
+        those k when `norm_topk_prob` (Qwen3-MoE)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        w, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return Routing(w, idx)
+
+    def rebind(self, x: torch.Tensor, chosen: torch.Tensor) -> Routing:
+        """x [..., C] on the experts `chosen` [..., k] (another row's choice): x's own router
+        logits over them, softmax-renormalised over those k."""
+        return Routing(F.softmax(self.gate(x).float().gather(-1, chosen), dim=-1), chosen)
+
+    def forward(self, x: torch.Tensor, r: Routing | None = None) -> torch.Tensor:
+        """x [..., C] -> [..., C]; `r` (over x's rows) from `route` / `rebind`, or x's own."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        if r is None:
+            r = self.route(x)
+        w, idx = r.weights.reshape(-1, self.top_k), r.experts.reshape(-1, self.top_k)
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            row, slot = (idx == e).nonzero(as_tuple=True)
+            y = self.experts[e](x[row]) * w[row, slot, None].to(x.dtype)
+            out.index_add_(0, row, y)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
