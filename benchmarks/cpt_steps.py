@@ -27,38 +27,82 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                max_position_embeddings=8192)
 
 
-def time_arm(arm: str, preset, device: str, steps: int) -> dict:
-    from orthros.experiments.cpt import train_arm
+def time_arm(arm: str, preset, device: str, steps: int, profile: int = 0) -> dict:
+    """Seconds a step of `arm` (a distilled arm gets a random full-attention teacher of the
+    same shape); with `profile` > 0, the CUDA kernels and host time of that many warm steps."""
+    from orthros.experiments.cpt import arm_preset, train_arm
     from orthros.models import OrthrosConfig, OrthrosForCausalLM
 
-    _, changes, mode = ARMS[arm]
-    torch.manual_seed(0)
-    model = OrthrosForCausalLM(OrthrosConfig(**SMOLLM2, window_size=preset.window, **changes)).to(device)
-    if mode is None:
+    spec = ARMS[arm]
+    if spec.mode is None:
         return {"arm": arm, "trains": False}
+    preset = arm_preset(arm, preset)
+    torch.manual_seed(0)
+    cfg = dict(SMOLLM2, window_size=spec.window or preset.window)
+    model = OrthrosForCausalLM(OrthrosConfig(**cfg, **spec.changes)).to(device)
+    teacher = None
+    if spec.teacher is not None:
+        teacher = OrthrosForCausalLM(OrthrosConfig(**cfg, attention="full")).to(device).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, SMOLLM2["vocab_size"], (steps * preset.batch_size, preset.seq_len), generator=g).numpy()
+    total = steps + profile
+    rows = torch.randint(0, SMOLLM2["vocab_size"], (total * preset.batch_size, preset.seq_len), generator=g).numpy()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    _, stats = train_arm(model, mode, dataclasses.replace(preset, steps=steps), rows, device, arm)
-    (s0, t0), (s1, t1) = stats["synced"][1], stats["synced"][-1]  # from the second sync: compiled, warm
-    dt = (t1 - t0) / (s1 - s0)
-    mem = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    return {"arm": arm, "trains": True, "s_per_step": dt, "tok_per_s": preset.batch_size * preset.seq_len / dt,
-            "peak_gib": mem, "steps": steps}
+    prof, on_step = None, None
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        prof = torch_profile(activities=acts, schedule=schedule(wait=steps - 1, warmup=1, active=profile))
+        prof.start()
+        on_step = lambda step: prof.step()  # noqa: E731
+    _, stats = train_arm(model, spec.mode, dataclasses.replace(preset, steps=total), rows, device, arm,
+                         teacher=teacher, on_step=on_step)
+    out = {"arm": arm, "trains": True, "steps": steps}
+    (s0, t0), (s1, t1) = stats["synced"][1], [x for x in stats["synced"] if x[0] <= steps][-1]
+    dt = (t1 - t0) / (s1 - s0)  # from the second sync (compiled, warm), before any profiled step
+    out.update(s_per_step=dt, tok_per_s=preset.batch_size * preset.seq_len / dt,
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None)
+    if prof is not None:
+        prof.stop()
+        ka = prof.key_averages()
+        cuda = torch.cuda.is_available()
+        attr = "device_time_total" if cuda else "cpu_time_total"
+        rows_ = sorted(ka, key=lambda e: getattr(e, attr, 0), reverse=True)
+        kernels = [e for e in rows_ if not cuda or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        dev_total = sum(getattr(e, "self_device_time_total", 0) for e in ka) / 1e3 / profile if cuda else None
+        out["profile"] = {"steps": profile, "device_ms_per_step": dev_total,
+                          "top": [{"name": e.key[:90], "ms_per_step": getattr(e, attr) / 1e3 / profile,
+                                   "calls_per_step": e.count / profile} for e in kernels[:25]],
+                          "table": ka.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                            row_limit=30, max_name_column_width=70)}
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="smollm2-h200", choices=list(PRESETS))
-    ap.add_argument("--arms", nargs="+", default=[a for a, v in ARMS.items() if v[2] is not None])
+    ap.add_argument("--arms", nargs="+", default=[a for a, v in ARMS.items() if v.mode is not None])
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--steps", type=int, default=31, help="steps per arm (timed from step 11: sync points every 10)")
+    ap.add_argument("--batch-size", type=int, default=None, help="rows of seq_len a step (default: the preset's)")
+    ap.add_argument("--no-checkpointing", action="store_true", help="keep activations (default: the preset's choice)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="profile this many steps after the timed ones (kernels and host time, printed and in the JSON)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results/cpt_steps.json")
     args = ap.parse_args()
     preset = PRESETS[args.preset]
-    res = run_jobs(time_arm, [(a, preset, args.device, args.steps) for a in args.arms], args.jobs)
+    if args.batch_size is not None:
+        preset = dataclasses.replace(preset, batch_size=args.batch_size)
+    if args.no_checkpointing:
+        preset = dataclasses.replace(preset, gradient_checkpointing=False)
+    res = run_jobs(time_arm, [(a, preset, args.device, args.steps, args.profile) for a in args.arms], args.jobs)
+    for r in res:
+        if "profile" in r:
+            p = r["profile"]
+            dev = "" if p["device_ms_per_step"] is None else f"; device busy {p['device_ms_per_step']:.1f} ms a step"
+            print(f"--- {r['arm']}: {p['steps']} profiled steps{dev}\n{p.pop('table')}")
     print(f"{'arm':<16} {'s/step':>8} {'tok/s':>10} {'peak GiB':>9}   ({args.jobs} processes side by side, "
           f"{preset.batch_size}x{preset.seq_len} tokens a step)")
     for r in res:
@@ -69,6 +113,8 @@ def main() -> None:
     print(f"slowest arm: {slowest:.3f} s/step -> {int(360 / slowest)} steps in 6 minutes")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"preset": args.preset, "jobs": args.jobs, "device": args.device,
+                                          "batch_size": preset.batch_size,
+                                          "gradient_checkpointing": preset.gradient_checkpointing,
                                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                           "results": res}, indent=2))

@@ -16,14 +16,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.parallel import spawn
 
-from ..conftest import make_model
+from ..conftest import DEVICE, make_model
 
 KINDS = [dict(attention="orthros"), dict(attention="orthros", scale_offset=False), dict(attention="full"),
          dict(attention="swa")]
 
 
-def batch(B=2, T=12, seed=0):
-    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed))
+def batch(B=2, T=12, seed=0, device=DEVICE):
+    return torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: "-".join(map(str, k.values())))
@@ -57,9 +57,10 @@ def test_ddp_steps_without_find_unused_parameters(tmp_path):
     torch.manual_seed(0)
     model = OrthrosForCausalLM(config).train()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = [batch(4, 10, seed=s) for s in (1, 2)]
+    batches = [batch(4, 10, seed=s, device="cpu") for s in (1, 2)]
     out = str(tmp_path / "rank0.pt")
-    spawn(_ddp_steps, 2, config, state, batches, [out], start_method="fork")
+    # fork is faster, but not from a process whose autograd has run on CUDA (the engine's threads)
+    spawn(_ddp_steps, 2, config, state, batches, [out], start_method="spawn" if torch.cuda.is_initialized() else "fork")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for ids in batches:
         for part in (ids[0::2], ids[1::2]):
@@ -92,7 +93,7 @@ def test_checkpoints_with_the_last_layers_base_so_load(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         loaded = OrthrosForCausalLM.from_pretrained(tmp_path)
     assert "so_alpha" not in caplog.text and "so_beta" not in caplog.text
-    for m in (loaded, load_model(tmp_path)):
+    for m in (loaded.to(DEVICE), load_model(tmp_path).to(DEVICE)):
         assert not hasattr(m.model.layers[-1].self_attn, "so_alpha")
         with torch.no_grad():
             torch.testing.assert_close(m(ids).logits, want, rtol=0, atol=0)

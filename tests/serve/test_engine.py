@@ -314,7 +314,9 @@ def test_bf16_decode_graphs_with_fused_kernels_match_the_eager_step(attention):
         replay = graphs.run(segments)
     assert not graphs.disabled and 4 in graphs.graphs
     assert torch.equal(first, replay)
-    assert rel_err(replay, eager) < 2e-2
+    # bf16 rounding, amplified by the large initial weights (initializer_range 0.3): the fused
+    # kernels round in other places than the eager ops (2.1e-2 seen on an H200); a wrong kernel is O(1)
+    assert rel_err(replay, eager) < 3e-2
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])

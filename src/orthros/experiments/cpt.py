@@ -214,11 +214,12 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 
 def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, desc: str, position: int = 0,
-              mask: np.ndarray | None = None, teacher=None):
+              mask: np.ndarray | None = None, teacher=None, on_step=None):
     """Training of one arm on `rows` [steps * batch, seq_len] (the same rows, in order, for every
     arm) with target masks `mask` (default: every token). With a `teacher`, the loss is
     `train.distill`'s (KL, the K/V alignment in the first align_frac of the steps, CE) on the
-    same output positions the CE would use."""
+    same output positions the CE would use. `on_step(step)` runs after each step (a profiler's
+    schedule, say)."""
     from ..models.adapter import make_trainable
     from ..models.compat import set_checkpointing
     from ..train.config import OptimArgs
@@ -262,6 +263,8 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
         losses.append(loss.detach())
         parts_log.append(parts)
         bar.update(1)
+        if on_step is not None:
+            on_step(step)
         if step % 10 == 0 or not cuda:  # .item() syncs: the times below are exact there
             bar.set_postfix_str(f"loss {loss.item():.3f}")
             synced.append((step + 1, time.time() - t0))

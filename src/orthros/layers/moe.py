@@ -8,7 +8,9 @@ its base row (`OrthrosConfig.output_routing`, docs/moe.md):
     rebind(x, chosen)   x's own gate weights over the experts `chosen` [R, k], renormalised
     forward(x, r)       x [*, C] -> [*, C], sum_k weights * expert_k(x) (+ shared expert)
 
-The experts run as a plain loop (each expert on the rows that chose it): correct first.
+The experts run as a plain loop (each expert on the rows that chose it): correct first. Where no
+host read of the routing may happen (a compiled or captured decode step), every expert runs on
+every row with weight 0 where it was not chosen: the same sum, E times the expert work.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mlp import SwiGLU
+
+
+def _traced() -> bool:
+    """Inside torch.compile / torch.export or a CUDA graph capture: no host reads of the routing."""
+    c = torch.compiler
+    if c.is_compiling() or getattr(c, "is_exporting", lambda: False)():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class Routing(NamedTuple):
@@ -59,11 +69,23 @@ class SparseMoE(nn.Module):
         if r is None:
             r = self.route(x)
         w, idx = r.weights.reshape(-1, self.top_k), r.experts.reshape(-1, self.top_k)
-        out = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            row, slot = (idx == e).nonzero(as_tuple=True)
-            y = self.experts[e](x[row]) * w[row, slot, None].to(x.dtype)
-            out.index_add_(0, row, y)
+        if _traced():
+            out = self._dense(x, w, idx)
+        else:
+            out = torch.zeros_like(x)
+            for e in idx.unique().tolist():
+                row, slot = (idx == e).nonzero(as_tuple=True)
+                y = self.experts[e](x[row]) * w[row, slot, None].to(x.dtype)
+                out.index_add_(0, row, y)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
+
+    def _dense(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The same sum with no shape that depends on the routing (torch.compile, CUDA graphs):
+        every expert on every row, weighted 0 where the row did not choose it."""
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            we = (w * (idx == e)).sum(-1, keepdim=True).to(x.dtype)
+            out = out + expert(x) * we
+        return out

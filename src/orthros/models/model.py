@@ -319,6 +319,10 @@ class OrthrosModel(OrthrosPreTrainedModel):
         check_inputs(self.config, input_ids, inputs_embeds, attention_mask, position_ids, labels, cache)
         x = input_ids if input_ids is not None else inputs_embeds
         (B, T), device = x.shape[:2], x.device
+        w = self.embed_tokens.weight
+        if input_ids is not None and w.device.type not in ("meta", device.type):
+            raise ValueError(f"input_ids are on {device}, the model on {w.device}: move them with "
+                             f"`.to(model.device)`")
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if self.training and torch.is_grad_enabled() and any(b.gradient_checkpointing for b in self.layers):
             if cache is not None:

@@ -101,6 +101,10 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         from .dense import sdpa_causal_offset  # a later chunk of a chunked prefill
 
         return sdpa_causal_offset(q, k, v, dense_start, scale=scale)
+    if torch.compiler.is_exporting():
+        # FlexAttention's block mask does not trace with symbolic sizes: the reference op
+        # (T x T scores) in an exported program
+        return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     from .flex import flex_attention_op
 
     return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)
