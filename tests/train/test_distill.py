@@ -16,7 +16,7 @@ from orthros.models.adapter import apply_adapter
 from orthros.train import train
 from orthros.train.checkpoint import list_checkpoints
 from orthros.train.config import build_config
-from orthros.train.distill import LossWeights, distill_loss, kl_sum, load_teacher
+from orthros.train.distill import LossWeights, distill_loss, head_losses, load_teacher
 from orthros.train.metrics import read_metrics
 
 from .train_helpers import DEVICE, PY, ROOT, cli_args, tiny_overrides
@@ -65,16 +65,24 @@ def test_kl_and_alignment_vanish_when_the_student_is_the_teacher(source):
     assert same["align"].item() < max(tol, 1e-4 * diff["align"].item())
 
 
-def test_kl_matches_its_definition_with_temperature():
-    """Chunked KL (recomputed in the backward) == the plain formula, values and gradients."""
-    s = torch.randn(5000, 37, dtype=torch.float64, requires_grad=True)
-    t = torch.randn(5000, 37, dtype=torch.float64)
-    T = 2.0
-    ref = (torch.softmax(t / T, -1) * (torch.log_softmax(t / T, -1) - torch.log_softmax(s / T, -1))).sum() * T * T
-    got = kl_sum(s, t, T)
-    (g_ref,) = torch.autograd.grad(ref, s)
-    (g_got,) = torch.autograd.grad(got, s)
-    assert torch.allclose(got.double(), ref, rtol=1e-5) and torch.allclose(g_got.double(), g_ref, rtol=1e-4, atol=1e-6)
+def test_head_losses_match_their_definition_with_temperature():
+    """KL and CE made from hidden rows a chunk at a time (recomputed in the backward) == the
+    plain formulas on whole logits, values and gradients (the student's rows and head)."""
+    torch.manual_seed(0)
+    M, C, V, T = 5000, 16, 37, 2.0
+    s_head, t_head = torch.nn.Linear(C, V, bias=False).double(), torch.nn.Linear(C, V, bias=False).double()
+    s_h = torch.randn(M, C, dtype=torch.float64, requires_grad=True)
+    t_h = torch.randn(M, C, dtype=torch.float64)
+    target = torch.randint(0, V, (M,))
+    s, t = s_head(s_h), t_head(t_h)
+    kl_ref = (torch.softmax(t / T, -1) * (torch.log_softmax(t / T, -1) - torch.log_softmax(s / T, -1))).sum() * T * T
+    ce_ref = torch.nn.functional.cross_entropy(s, target, reduction="sum")
+    kl, ce = head_losses(s_h, t_h, target, s_head, t_head, T)
+    assert torch.allclose(kl.double(), kl_ref, rtol=1e-5) and torch.allclose(ce.double(), ce_ref, rtol=1e-5)
+    for got, ref in ((kl, kl_ref), (ce, ce_ref)):
+        g_got = torch.autograd.grad(got, (s_h, s_head.weight), retain_graph=True)
+        g_ref = torch.autograd.grad(ref, (s_h, s_head.weight), retain_graph=True)
+        assert all(torch.allclose(a.double(), b, rtol=1e-4, atol=1e-6) for a, b in zip(g_got, g_ref))
 
 
 @pytest.mark.parametrize("trainable", ["all", "lora+so"])

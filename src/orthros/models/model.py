@@ -82,6 +82,7 @@ class OrthrosOutput(CausalLMOutputWithPast):
     output_positions: torch.LongTensor | None = None
     base_hidden_states: tuple[torch.Tensor, ...] | None = None
     base_attentions: tuple[torch.Tensor, ...] | None = None
+    output_rows: torch.Tensor | None = None  # [B, N, C] what the LM head reads (only with lm_head=False)
 
 
 @_cache_alias
@@ -461,6 +462,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
         output_base_stream: bool = False,
+        lm_head: bool = True,
         **unused,
     ) -> OrthrosOutput | tuple:
         """
@@ -485,6 +487,9 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
                 (`base_hidden_states`, `base_attentions`).
             return_dict: False returns `OrthrosOutput.to_tuple()` (the fields that
                 are not None, in order); default: the config's.
+            lm_head: False skips the LM head and the loss: `output_rows` [B, N, C] holds
+                what the head would read, for a loss that applies it a chunk of rows at a
+                time and never holds [B, N, V] logits (`train.distill`).
         """
         call = self.model.prepare_call(input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                        past_key_values, use_cache, output_hidden_states, output_attentions,
@@ -493,6 +498,11 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         h = self.model.forward_streams(call.embeds, call.layout, call.cache, call.trace)
         if call.trace is not None:  # every position ran: the requested rows make the logits
             h = h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1]))
+        if not lm_head:
+            out = OrthrosOutput(output_positions=torch.where(out_valid, out_idx, -1), output_rows=h,
+                                **(call.trace.fields() if call.trace is not None else {}),
+                                **{OUTPUT_CACHE_FIELD: call.cache})
+            return out if _return_dict(return_dict, self.config) else out.to_tuple()
         logits = self.lm_head(h)
         loss = None
         if labels is not None:

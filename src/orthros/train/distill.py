@@ -39,7 +39,7 @@ from ..errors import UserError
 
 IGNORE_INDEX = -100
 ALIGN_KINDS = ("kv", "hidden", "kv+hidden")
-KL_CHUNK = 2048  # rows of [rows, vocab] fp32 made at once (a 49K vocabulary: 400 MB)
+KL_CHUNK = 2048  # rows whose logits are made at once (fp32, a 49K vocabulary: 400 MB a model)
 
 
 @dataclass
@@ -172,24 +172,6 @@ def capture(model, on: str | None):
 
 
 # ------------------------------------------------------------------- losses
-def _kl_rows(s: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
-    """sum over rows of KL(softmax(t/T) || softmax(s/T)) * T^2; s, t: [M, V]."""
-    s = F.log_softmax(s.float() / temperature, -1)
-    t = F.log_softmax(t.float() / temperature, -1)
-    return (t.exp() * (t - s)).sum() * temperature ** 2
-
-
-def kl_sum(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Summed KL over rows [M, V], in chunks that are recomputed in the backward pass
-    (the [M, V] fp32 softmaxes are never held at once)."""
-    total = student.new_zeros((), dtype=torch.float32)
-    for i in range(0, student.shape[0], KL_CHUNK):
-        s, t = student[i : i + KL_CHUNK], teacher[i : i + KL_CHUNK]
-        total = total + (checkpoint(_kl_rows, s, t, temperature, use_reentrant=False)
-                         if s.requires_grad else _kl_rows(s, t, temperature))
-    return total
-
-
 def align_sum(student: dict, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
     """Sum over layers and masked tokens of ||s - t||^2 / (D * mean(t^2)); mask: [B, T] bool."""
     keys = sorted(k for k in teacher if k in student)
@@ -203,31 +185,61 @@ def align_sum(student: dict, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
     return total / len(keys)
 
 
+def _head_chunk(s_h, t_h, target, s_head, t_head, temperature: float):
+    """(KL sum * T^2, CE sum) over a chunk of rows, the logits made here from the rows'
+    final hidden states (s_h, t_h [M, C]) and dropped after; target [M]."""
+    s = s_head(s_h).float()
+    t = t_head(t_h).float()
+    ce = F.cross_entropy(s, target, reduction="sum")
+    ls = F.log_softmax(s / temperature, -1)
+    lt = F.log_softmax(t / temperature, -1)
+    return (lt.exp() * (lt - ls)).sum() * temperature ** 2, ce
+
+
+def head_losses(s_h: torch.Tensor, t_h: torch.Tensor, target: torch.Tensor, s_head, t_head,
+                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed KL(teacher_T || student_T) * T^2 and summed CE over rows [M, C], both models' LM
+    heads applied KL_CHUNK rows at a time and recomputed in the backward pass: neither model's
+    [M, V] logits (nor their fp32 softmaxes) are ever held whole."""
+    kl = s_h.new_zeros((), dtype=torch.float32)
+    ce = s_h.new_zeros((), dtype=torch.float32)
+    for i in range(0, s_h.shape[0], KL_CHUNK):
+        args = (s_h[i : i + KL_CHUNK], t_h[i : i + KL_CHUNK], target[i : i + KL_CHUNK], s_head, t_head, temperature)
+        k, c = (checkpoint(_head_chunk, *args, use_reentrant=False) if s_h.requires_grad
+                else _head_chunk(*args))
+        kl, ce = kl + k, ce + c
+    return kl, ce
+
+
 def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, align: bool = True):
     """One micro-batch's loss (a tensor with a graph) and its parts {name: float tensor}.
 
     batch: input_ids [B, T], labels [B, T] (-100: no loss), optionally attention_mask /
-    position_ids, as the trainer's rows carry them."""
+    position_ids, as the trainer's rows carry them. Both models stop before their LM heads;
+    `head_losses` applies the heads a chunk of rows at a time."""
     on = w.align_on if (align and w.align > 0) else None
     with capture(student, on) as s_cap:
-        out = student(**batch, num_items_in_batch=num_items)
+        out = student(**batch, lm_head=False)
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     with torch.no_grad(), capture(teacher, on) as t_cap:
-        t_logits = teacher(**inputs, use_cache=False).logits  # [B, T, V]
-    if t_logits.shape[-1] != out.logits.shape[-1]:
-        raise UserError(f"the teacher predicts over {t_logits.shape[-1]:,} ids, the student over "
-                        f"{out.logits.shape[-1]:,}: distillation needs one vocabulary")
+        t_rows = teacher(**inputs, use_cache=False, lm_head=False).output_rows  # [B, T, C]: every position
+    s_head, t_head = student.get_output_embeddings(), teacher.get_output_embeddings()
+    if t_head.out_features != s_head.out_features:
+        raise UserError(f"the teacher predicts over {t_head.out_features:,} ids, the student over "
+                        f"{s_head.out_features:,}: distillation needs one vocabulary")
     labels = batch["labels"]
     T = labels.shape[1]
     pos = out.output_positions  # [B, N], -1 = no output row
     nxt = (pos + 1).clamp(0, T - 1)
     keep = (pos >= 0) & (pos + 1 < T) & (labels.gather(1, nxt) != IGNORE_INDEX)
-    rows = t_logits.gather(1, pos.clamp_min(0)[..., None].expand(-1, -1, t_logits.shape[-1]))
+    t_h = t_rows.gather(1, pos.clamp_min(0)[..., None].expand(-1, -1, t_rows.shape[-1]))
+    kl, ce = head_losses(out.output_rows[keep], t_h[keep], labels.gather(1, nxt)[keep], s_head, t_head,
+                         w.temperature)
     n = max(int(num_items), 1)
-    parts = {"ce": out.loss.detach().float()}
-    loss = out.loss * w.ce if w.ce else out.loss.new_zeros(())
+    kl, ce = kl / n, ce / n
+    parts = {"ce": ce.detach()}
+    loss = ce * w.ce if w.ce else ce.new_zeros(())
     if w.kl:
-        kl = kl_sum(out.logits[keep], rows[keep], w.temperature) / n
         loss = loss + w.kl * kl
         parts["kl"] = kl.detach()
     if on:
