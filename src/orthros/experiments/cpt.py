@@ -170,6 +170,12 @@ PRESETS = {
     "smollm2-h200": CPTPreset(passkey_samples=4, retrieval_share=0.0),  # the 2026-12-01 table's preset
     # Distillation and the controls, 16K tokens a step, up to 6 arms side by side on one H200.
     "smollm2-kd-h200": CPTPreset(steps=320),
+    # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
+    # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
+    # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone
+    # (benchmarks/cpt_steps.py, before the LM heads were chunked): 0.697 s at 2 rows with
+    # recomputation (23.5K tokens/s), 0.48 s at 2 rows without (34K), 1.14 s at 8 rows without (57.5K).
+    "smollm2-kd-h200-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
