@@ -21,12 +21,12 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def start_server(model_dir, **engine):
+def start_server(model_dir, api_key=None, **engine):
     from orthros.serve.launch import build_app, load_model, serve_in_thread
 
     model, tok, name = load_model(str(model_dir), None, "cpu")
     cfg = dict(block_size=4, num_blocks=512, max_num_batched_tokens=32, max_num_seqs=16, max_model_len=256)
-    app, eng = build_app(model, tok, name, EngineConfig(**{**cfg, **engine}))
+    app, eng = build_app(model, tok, name, EngineConfig(**{**cfg, **engine}), api_key=api_key)
     return serve_in_thread(app, eng), model, tok, name
 
 

@@ -246,6 +246,35 @@ def test_queue_full_is_503(model_dir):
         srv.stop()
 
 
+def test_api_key_guards_the_api(model_dir):
+    """With a key, /v1 answers 401 (OpenAI's error body) without it or with another, and serves
+    with it; /health and /metrics stay open."""
+    srv, model, tok, name = start_server(model_dir, api_key="s3cret")
+    try:
+        for key in ("none", "s3cret-not"):
+            c = openai.OpenAI(base_url=srv.url, api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                c.completions.create(model=name, prompt="a", max_tokens=2)
+            assert e.value.status_code == 401 and e.value.response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(srv.url + "/models").status_code == 401  # no header at all
+        ok = openai.OpenAI(base_url=srv.url, api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=name, prompt="a", max_tokens=2, temperature=0).choices[0].text is not None
+        assert httpx.get(srv.base + "/health").status_code == 200
+        assert httpx.get(srv.base + "/metrics").status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_open_access_warning():
+    from orthros.serve.launch import open_access_warning
+
+    for host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        assert open_access_warning(host, None) is None
+    for host in ("0.0.0.0", "::", "10.1.2.3", "my-host"):
+        assert "without an API key" in open_access_warning(host, None)
+        assert open_access_warning(host, "k") is None
+
+
 def test_health_503_when_the_engine_died(model_dir):
     srv, model, tok, name = start_server(model_dir)
     try:

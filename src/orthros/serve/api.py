@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 
 # This module is the HTTP layer itself: FastAPI is imported here, and this module only
@@ -99,8 +100,10 @@ class Job:
                      self.cached_tokens())
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, metrics=None):
-    """The FastAPI app serving `engine` (started / stopped with the app)."""
+def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key: str | None = None):
+    """The FastAPI app serving `engine` (started / stopped with the app). With `api_key`, every
+    /v1 request must carry `Authorization: Bearer <api_key>` (a 401 otherwise, as the OpenAI API
+    answers); /health and /metrics stay open for probes and scrapers."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if engine._thread is None:
@@ -115,6 +118,20 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None):
         if metrics:
             metrics.rejected.labels(str(code or status)).inc()
         return JSONResponse(error_body(message, type_, code, param), status_code=status)
+
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("--api-key: the key is empty")
+        want = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if request.url.path.startswith("/v1"):
+                got = request.headers.get("authorization", "").encode()
+                if not hmac.compare_digest(got, want):
+                    return error(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                                 "invalid_request_error", "invalid_api_key")
+            return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, e: ApiError):

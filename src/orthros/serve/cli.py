@@ -10,6 +10,8 @@ Needs the `serve` extra: pip install 'orthros[serve]'.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
@@ -58,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (config.json, weights, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("ORTHROS_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $ORTHROS_API_KEY; none: open)")
     add_model_arguments(p)
     add_engine_arguments(p)
 
@@ -68,12 +72,18 @@ def run(args) -> int:
         import uvicorn
     except ImportError as e:
         raise ValueError(f"orthros serve needs the serving extra: pip install 'orthros[serve]' ({e})") from e
-    from .launch import bind, build_app, load_model
+    from .launch import bind, build_app, load_model, open_access_warning
+
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key: the key is empty")
 
     model, tok, name = load_model(args.model, args.preset, args.device, args.dtype, args.attention, args.window,
                                   args.layers, args.max_model_len)
-    app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args))
+    app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args), args.api_key)
     sock = bind(args.host, args.port)
+    warning = open_access_warning(args.host, args.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     kv = engine.pool.memory_bytes / 2**30
     print(f"orthros serve: {name} ({model.config.attention}) on {args.device}, {engine.blocks.num_blocks} KV blocks "
           f"x {engine.blocks.block_size} tokens ({kv:.2f} GiB, {engine.pool.storage}), "

@@ -66,13 +66,33 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def build_app(model, tokenizer, name: str, engine_config: EngineConfig):
+def build_app(model, tokenizer, name: str, engine_config: EngineConfig, api_key: str | None = None):
     from .api import create_app
     from .metrics import ServerMetrics
 
     metrics = ServerMetrics()
     engine = Engine(model, engine_config, eos_token_ids=eos_ids(model, tokenizer), metrics=metrics)
-    return create_app(engine, tokenizer, name, metrics), engine
+    return create_app(engine, tokenizer, name, metrics, api_key), engine
+
+
+def open_access_warning(host: str, api_key: str | None) -> str | None:
+    """What `orthros serve` warns about before it listens, or None."""
+    if api_key is None and not is_loopback(host):
+        return (f"orthros serve: warning: listening on {host} without an API key: anyone who can reach this port "
+                "can use the model (set --api-key or $ORTHROS_API_KEY)")
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: assume others can reach it
+        return False
 
 
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
