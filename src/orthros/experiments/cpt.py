@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,9 @@ class CPTPreset:
     """distilled arms: weight of the per-layer K/V alignment, in the first align_frac of the steps"""
     align_on: str = "kv"
     align_frac: float = 0.25
+    checkpoint_every: int = 100
+    """steps between an arm's training checkpoints (run_arm: out/checkpoints/ARM; 0: none); a cut
+    run continues from the newest"""
     save_weights: bool = True
     """every trained arm saves its weights under out/models before its evaluation: an arm that
     teaches another needs them, and a run cut during an evaluation resumes there"""
@@ -219,16 +223,45 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))
 
 
+class _History:
+    """What a resumed arm needs beside weights and optimizer: its curves and its time so far
+    (the `data` entry of a training checkpoint)."""
+
+    def __init__(self):
+        self.losses, self.parts, self.synced, self.seconds = [], [], [], 0.0
+
+    def state_dict(self) -> dict:
+        return {"losses": self.losses, "parts": self.parts, "synced": self.synced, "seconds": self.seconds}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.losses, self.parts, self.synced, self.seconds = s["losses"], s["parts"], s["synced"], s["seconds"]
+
+
+class _NoScheduler:  # the learning rate is a function of the step (lr_factor)
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, s: dict) -> None:
+        pass
+
+
 def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, desc: str, position: int = 0,
-              mask: np.ndarray | None = None, teacher=None, on_step=None):
+              mask: np.ndarray | None = None, teacher=None, on_step=None, ckpt_dir: Path | None = None):
     """Training of one arm on `rows` [steps * batch, seq_len] (the same rows, in order, for every
     arm) with target masks `mask` (default: every token). With a `teacher`, the loss is
     `train.distill`'s (KL, the K/V alignment in the first align_frac of the steps, CE) on the
     same output positions the CE would use. `on_step(step)` runs after each step (a profiler's
-    schedule, say)."""
-    from ..models.adapter import make_trainable
+    schedule, say).
+
+    `ckpt_dir`: every `preset.checkpoint_every` steps the trainable weights, the optimizer, the
+    RNG and the curves so far are written there (`train.checkpoint`: atomic, safetensors), and a
+    later call with the same directory continues from the newest one exactly: an arm longer than
+    one sitting runs in several."""
+    from ..models.adapter import load_trainable, make_trainable
     from ..models.compat import set_checkpointing
+    from ..train import checkpoint as C
     from ..train.config import OptimArgs
+    from ..train.dist import Dist
     from ..train.distill import LossWeights, distill_loss
     from ..train.trainer import param_groups as optim_groups
 
@@ -244,11 +277,22 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     opt = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
     weights = LossWeights(preset.ce, preset.kl, preset.temperature, preset.align, preset.align_on)
     align_steps = round(preset.align_frac * preset.steps)
+    hist, sched, start = _History(), _NoScheduler(), 0
+    resume = C.resolve_resume("auto", Path(ckpt_dir)) if ckpt_dir is not None else None
+    if resume is not None:
+        if mode == "all":
+            from ..loading import load_model
+
+            model.load_state_dict(load_model(resume, dtype=torch.float32).state_dict())
+        else:
+            load_trainable(model, resume / "adapter.safetensors")
+        start = C.load_train_state(resume, model, opt, sched, hist, Dist())
     model.train()
-    losses, parts_log, synced, t0 = [], [], [], time.time()
-    bar = tqdm(total=preset.steps, desc=desc, unit="step", leave=False, position=position)
+    losses = list(hist.losses)  # floats from a checkpoint, then this run's loss tensors
+    parts_log, synced, t0 = list(hist.parts), [tuple(x) for x in hist.synced], time.time() - hist.seconds
+    bar = tqdm(total=preset.steps, initial=start, desc=desc, unit="step", leave=False, position=position)
     B = preset.batch_size
-    for step in range(preset.steps):
+    for step in range(start, preset.steps):
         f = lr_factor(step, preset.warmup, preset.steps)
         for g in opt.param_groups:
             g["lr"] = g["peak"] * f
@@ -269,15 +313,22 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
         losses.append(loss.detach())
         parts_log.append(parts)
         bar.update(1)
-        if on_step is not None:
-            on_step(step)
         if step % 10 == 0 or not cuda:  # .item() syncs: the times below are exact there
             bar.set_postfix_str(f"loss {loss.item():.3f}")
             synced.append((step + 1, time.time() - t0))
+        done = step + 1
+        if ckpt_dir is not None and preset.checkpoint_every and done % preset.checkpoint_every == 0 \
+                and done < preset.steps:
+            hist.losses = [float(x) for x in losses]
+            hist.parts = [{k: float(v) for k, v in p.items()} for p in parts_log]
+            hist.synced, hist.seconds = [list(x) for x in synced], time.time() - t0
+            C.save(Path(ckpt_dir), done, model, opt, sched, hist, None, "", Dist(), keep=1)
+        if on_step is not None:
+            on_step(step)
     bar.close()
     if preset.gradient_checkpointing:
         set_checkpointing(model, False)
-    curve = torch.stack(losses).float().cpu().tolist() if losses else []
+    curve = [float(x) for x in losses]
     part_curves = {k: [float(p[k]) for p in parts_log if k in p] for k in ("ce", "kl", "align")}
     return model.eval(), {"steps": preset.steps, "tokens": preset.train_tokens, "seconds": time.time() - t0,
                           "loss_curve": curve, "synced": synced,
@@ -384,7 +435,9 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
         elif spec.teacher is not None:
             teacher = load_teacher(work / "models" / spec.teacher, device, torch.float32)
         rows, mask = arm_rows(work, spec, preset)
-        model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position, mask, teacher)
+        ckpts = work / "checkpoints" / arm
+        model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position, mask, teacher,
+                                 ckpt_dir=ckpts)
         del teacher
         if mode != "all":
             save_adapter(model, saved, {"arm": arm, "mode": mode, "window": model.config.window_size,
@@ -394,6 +447,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
         if preset.save_weights or train_only or any(a.teacher == arm for a in ARMS.values()):
             model.save_pretrained(trained)
             (trained / "train_stats.json").write_text(json.dumps(stats))
+        shutil.rmtree(ckpts, ignore_errors=True)  # the finished weights (or adapter) are kept instead
     if train_only:
         return {"arm": arm, "train": stats}
     heldout = {k: np.load(work / f"heldout_{k}.npy") for k in HELDOUT}

@@ -1,0 +1,52 @@
+"""An experiment arm cut mid-training continues from its newest checkpoint exactly: the same
+loss curve, the same weights, as the arm trained in one sitting (full weights, LoRA + SO, and a
+distilled arm whose teacher runs in the same step)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from orthros.experiments.cpt import PRESETS, train_arm
+from orthros.train.checkpoint import list_checkpoints
+
+from ..conftest import DEVICE, make_model
+
+STEPS, EVERY = 5, 2
+
+
+class Cut(Exception):
+    pass
+
+
+def arm(mode, ckpt_dir, teacher=False, cut_after=None):
+    torch.manual_seed(0)  # the model, and LoRA's initial factors
+    model = make_model(perturb_so=False)
+    t = make_model("full", perturb_so=False, seed=1).requires_grad_(False) if teacher else None
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=32, steps=STEPS, warmup=2, lr=5e-3,
+                            light_lr=5e-2, lora_lr=5e-2, checkpoint_every=EVERY, align_frac=0.4)
+    rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (STEPS * p.batch_size, 32)).astype(np.int32)
+
+    def stop(step):
+        if cut_after is not None and step + 1 == cut_after:
+            raise Cut
+
+    return train_arm(model, mode, p, rows, str(DEVICE), mode, teacher=t, on_step=stop, ckpt_dir=ckpt_dir)
+
+
+@pytest.mark.parametrize("mode, teacher", [("all", False), ("lora+so", False), ("all", True)],
+                         ids=["all", "lora+so", "distilled"])
+def test_a_cut_arm_resumes_exactly(tmp_path, mode, teacher):
+    straight, s_stats = arm(mode, tmp_path / "straight", teacher)
+    with pytest.raises(Cut):
+        arm(mode, tmp_path / "cut", teacher, cut_after=3)  # after step 3: the newest checkpoint is step 2
+    assert [c.name for c in list_checkpoints(tmp_path / "cut")] == ["step_00000002"]
+    resumed, r_stats = arm(mode, tmp_path / "cut", teacher)
+    assert r_stats["loss_curve"] == s_stats["loss_curve"] and len(r_stats["loss_curve"]) == STEPS
+    if teacher:
+        assert r_stats["part_curves"] == s_stats["part_curves"] and len(s_stats["part_curves"]["align"]) == 2
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    start = make_model(perturb_so=False).state_dict()
+    assert any(not torch.equal(a[k], start[k]) for k in start)  # it trained
