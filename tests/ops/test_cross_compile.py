@@ -117,6 +117,23 @@ def test_every_kernel_builds_for_sm90():
                      "rms_norm_bwd", "heads_bwd"}, names
 
 
+def test_fused_moe_kernels_build_for_sm90():
+    """The fused MoE step's two kernels as a decode step launches them: bf16, the Qwen3-30B-A3B
+    expert shape (C 2048, I 768, k 8), 1 and 64 rows."""
+    from orthros.ops.moe import fused_moe
+
+    C, I, E, k = 2048, 768, 16, 8
+    bf = dict(dtype=torch.bfloat16)
+    tables = tuple(torch.zeros(E, dtype=torch.int64) for _ in range(3))
+    for R in (1, 64):
+        experts = torch.arange(R * k).reshape(R, k) % E
+        launches = _launches_of(fused_moe, torch.zeros(R, C, **bf), torch.rand(R, k), experts, tables, I)
+        assert [kern.__name__ for kern, _, _ in launches] == ["moe_up", "moe_down"]
+        for kernel, args, meta in launches:
+            r = compile_for(kernel, args, meta)
+            assert 0 < r["registers"] <= 255 and r["shared_bytes"] <= H200_SHARED, (kernel.__name__, R, r)
+
+
 def test_splitkv_register_cap_reaches_the_build():
     """`splitkv_attention(maxnreg=...)` caps the sm_90 build: fp8 keys, Llama-3.1-8B shape, the
     decode pair, 64-key tiles, 4 warps: at most 168 registers (3 programs an SM), with little

@@ -8,9 +8,11 @@ its base row (`OrthrosConfig.output_routing`, docs/moe.md):
     rebind(x, chosen)   x's own gate weights over the experts `chosen` [R, k], renormalised
     forward(x, r)       x [*, C] -> [*, C], sum_k weights * expert_k(x) (+ shared expert)
 
-The experts run as a plain loop (each expert on the rows that chose it): correct first. Where no
-host read of the routing may happen (a compiled or captured decode step), every expert runs on
-every row with weight 0 where it was not chosen: the same sum, E times the expert work.
+For a few rows (a decode step) on CUDA the experts run as one fused Triton step (`ops.moe`): each
+chosen expert's weights read once for all the rows routed to it, no host sync (CUDA graphs
+capture it). Otherwise they run as a plain loop (each expert on the rows that chose it). Where
+no host read of the routing may happen and the fused step does not apply (torch.compile), every
+expert runs on every row with weight 0 where it was not chosen: the same sum, E times the work.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.moe import MAX_ROWS, expert_tables, fused_moe
+from ..ops.splitkv.common import triton_available
 from .mlp import SwiGLU
 
 
@@ -44,6 +48,8 @@ class SparseMoE(nn.Module):
         self.top_k, self.norm_topk_prob = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(SwiGLU(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
+        self.fused: bool | None = None  # the fused step for few rows (ops.moe): None = on CUDA
+        self._tables, self._tables_key = None, None
         if c.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
@@ -69,7 +75,10 @@ class SparseMoE(nn.Module):
         if r is None:
             r = self.route(x)
         w, idx = r.weights.reshape(-1, self.top_k), r.experts.reshape(-1, self.top_k)
-        if _traced():
+        tables = self._fused_tables(x)
+        if tables is not None:
+            out = fused_moe(x, w, idx, tables, self.experts[0].gate_proj.out_features)
+        elif _traced():
             out = self._dense(x, w, idx)
         else:
             out = torch.zeros_like(x)
@@ -80,6 +89,23 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.reshape(shape)
+
+    def _fused_tables(self, x: torch.Tensor):
+        """The experts' address tables for the fused step (`ops.moe`), or None where the loop runs:
+        more than MAX_ROWS rows (a prefill), autograd, torch.compile, no Triton, or off CUDA unless
+        `fused` is set. Built on first use (outside any graph capture) and again when the weights
+        move."""
+        use = self.fused if self.fused is not None else x.is_cuda
+        if (not use or x.shape[0] > MAX_ROWS or (torch.is_grad_enabled() and x.requires_grad)
+                or torch.compiler.is_compiling() or not triton_available()):
+            return None
+        w = self.experts[0].gate_proj.weight
+        key = (x.device, w.device, w.data_ptr(), w.dtype)
+        if self._tables_key != key:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return None  # the tables' copy to the device cannot be captured: the dense sum runs
+            self._tables, self._tables_key = expert_tables(self.experts, x.device), key
+        return self._tables
 
     def _dense(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The same sum with no shape that depends on the routing (torch.compile, CUDA graphs):
