@@ -236,6 +236,41 @@ def test_qwen3_moe_layer_choices_equal_the_source(tmp_path, tok, overrides, rout
         assert rel_err(model(ids).logits, hf(ids).logits) < 1e-5
 
 
+def test_qwen3_moe_load_balancing_loss_equals_the_source(tmp_path, tok):
+    """With output_router_logits, the loss adds router_aux_loss_coef x the load-balancing loss over
+    the rows each layer routes. With every position an output position, the same-code Transformer
+    (`full`) and Orthros at W >= T (its output rows repeat its base rows) give transformers' loss and
+    aux_loss; with the labels' output positions the last layer routes one row fewer (the last
+    position predicts nothing and is not run there), within 1%. `--output-routing` sets the
+    converted config's mode, and a dense model refuses it."""
+    src = tmp_path / "src"
+    hf = make_tiny_checkpoint(src, "qwen3_moe", tokenizer=tok, router_aux_loss_coef=0.05).to(DEVICE)
+    dst = convert_checkpoint(src, tmp_path / "out", window_size=4096, dtype="fp32", progress=False)
+    model = load(dst)
+    full = AutoModelForCausalLM.from_pretrained(dst, attention="full").to(DEVICE).eval()
+    assert model.config.router_aux_loss_coef == 0.05 and not model.config.output_router_logits
+    ids = ids_of(tok)
+    every = torch.arange(ids.shape[1], device=DEVICE)[None].expand(ids.shape[0], -1)
+    with torch.no_grad():
+        ref = hf(ids, labels=ids, output_router_logits=True)
+        same = [m(ids, labels=ids, logits_to_keep=every, output_router_logits=True) for m in (full, model)]
+        got = model(ids, labels=ids, output_router_logits=True)
+        plain = model(ids, labels=ids)
+    assert plain.aux_loss is None and ref.aux_loss > 0
+    for out in same:
+        assert abs(out.aux_loss.item() - ref.aux_loss.item()) < 1e-5 * ref.aux_loss.item()
+        assert abs(out.loss.item() - ref.loss.item()) < 1e-5 * ref.loss.item()
+    assert abs(got.aux_loss.item() - ref.aux_loss.item()) < 1e-2 * ref.aux_loss.item()
+    assert abs(got.loss.item() - plain.loss.item() - 0.05 * got.aux_loss.item()) < 1e-5
+    bound = convert_checkpoint(src, tmp_path / "bound", window_size=16, dtype="fp32", progress=False,
+                               output_routing="bound")
+    assert load(bound).config.output_routing == "bound"
+    dense = tmp_path / "dense"
+    make_tiny_checkpoint(dense, "llama", tokenizer=tok)
+    with pytest.raises(ValueError, match="only a mixture-of-experts checkpoint"):
+        convert_checkpoint(dense, tmp_path / "d-out", output_routing="bound", progress=False)
+
+
 def test_mixtral_converts_to_the_same_logits(tmp_path, tok):
     """Mixtral's tensors are renamed to Qwen3-MoE's layout (`block_sparse_moe.experts.{e}.w1` ->
     `mlp.experts.{e}.gate_proj`); at W >= T the logits are the source model's."""

@@ -139,3 +139,30 @@ def test_padded_batch_and_fast_decode_equal_a_row_alone(routing):
     for t in range(8, 15):
         logits = decode_one_token_fast(model, ids[:1, t], cache)
         assert rel_err(logits[0], alone[t - 4]) < TOL, t
+
+
+@pytest.mark.parametrize("routing", MODES)
+def test_load_balancing_loss_counts_the_rows_that_route_themselves(routing, monkeypatch):
+    """Each sparse layer balances its base rows (padding left out) and the output rows that chose
+    their own experts (every mode's last layer; `independent` everywhere); the loss adds coef x
+    aux_loss, and the router gets a gradient from it alone."""
+    import orthros.models.model as mm
+
+    seen = []
+    real = mm.balance_loss
+    monkeypatch.setattr(mm, "balance_loss", lambda layers, E: seen.append(
+        [[p.shape[0] for p, _ in rec] for rec in layers]) or real(layers, E))
+    model = moe_model(window=3, routing=routing, router_aux_loss_coef=0.5).train()
+    ids = ids_for(10, B=2)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # three left-padding positions in row 0
+    out = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
+    valid, outs = 17, 16  # 10 + 7 tokens; the output rows: every valid position with a next label
+    first = [valid, outs] if routing == "independent" else [valid]
+    assert seen == [[first, [outs]]]
+    plain = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    assert plain.aux_loss is None
+    torch.testing.assert_close(out.loss, plain.loss + 0.5 * out.aux_loss)
+    model.zero_grad()
+    out.aux_loss.backward()
+    assert all(b.mlp.gate.weight.grad.abs().sum() > 0 for b in model.model.layers if b.sparse)

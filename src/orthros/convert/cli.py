@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(OUT_DTYPES), default=None,
                    help="output dtype (default: fp32 for an all-fp32 checkpoint, else bf16)")
     p.add_argument("--max-shard-size", default="5GB", help="output shard size, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--output-routing", choices=("independent", "bound", "base"), default=None,
+                   help="a mixture-of-experts model: how output rows pick their experts (docs/moe.md; "
+                        "default independent)")
     p.add_argument("--adapter", default=None,
                    help="a light-CPT adapter directory (adapter.json) to merge into the converted weights, "
                         "e.g. adapters/smollm2-135m-w128-lora")
@@ -45,7 +48,8 @@ def run(args) -> int:
         out = convert_with_adapter(args)
     else:
         out = convert_checkpoint(args.src, args.dst, window_size=args.window_size, scale_offset=args.scale_offset,
-                                 dtype=args.dtype, max_shard_size=args.max_shard_size)
+                                 dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                 output_routing=args.output_routing)
     print(f"wrote {out}")
     return 0
 
@@ -72,7 +76,8 @@ def convert_with_adapter(args) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.adapter-", dir=dst.parent))
     try:
         conv = convert_checkpoint(args.src, staging / "conv", window_size=args.window_size,
-                                  scale_offset=args.scale_offset, dtype=args.dtype, max_shard_size=args.max_shard_size)
+                                  scale_offset=args.scale_offset, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                  output_routing=args.output_routing)
         model = load_model(conv)
         apply_adapter(model, args.adapter)
         out = staging / "out"

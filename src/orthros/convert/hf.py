@@ -45,7 +45,8 @@ SO_INIT = {"so_alpha": 1.0, "so_beta": 0.0, "so_alpha_out": 1.0, "so_beta_out": 
 
 
 # ---------------------------------------------------------------- config
-def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True, dtype: str = "bf16") -> OrthrosConfig:
+def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True, dtype: str = "bf16",
+                   output_routing: str | None = None) -> OrthrosConfig:
     """A Llama / Qwen3 / Qwen3-MoE / Mixtral `config.json` dict -> OrthrosConfig (ValueError naming what is
     unsupported). Qwen3-MoE's tensors already carry Orthros' names (`mlp.gate`, `mlp.experts.{e}.*`);
     Mixtral's are renamed (`MIXTRAL_NAMES`)."""
@@ -76,6 +77,10 @@ def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True,
     kind_rope = rope.get("rope_type", rope.get("type", "default"))
     rope_scaling = None if kind_rope == "default" else rope
 
+    moe = kind in ("qwen3_moe", "mixtral")
+    if output_routing is not None and not moe:
+        raise ValueError(f"output_routing={output_routing!r}: only a mixture-of-experts checkpoint (Qwen3-MoE, "
+                         f"Mixtral) routes, not a {kind} one")
     heads = src["num_attention_heads"]
     need(type(heads) is int and heads >= 1, "num_attention_heads", "must be a positive integer")
     need(src.get("head_dim") or (type(src["hidden_size"]) is int and src["hidden_size"] % heads == 0),
@@ -99,6 +104,9 @@ def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True,
         attention="orthros",
         scale_offset=scale_offset,
         **(_moe_fields(src) if kind == "qwen3_moe" else _mixtral_fields(src) if kind == "mixtral" else {}),
+        **({"output_routing": output_routing or "independent",
+            "output_router_logits": bool(src.get("output_router_logits", False)),
+            "router_aux_loss_coef": src.get("router_aux_loss_coef", 0.001)} if moe else {}),
         pad_token_id=src.get("pad_token_id"),
         bos_token_id=src.get("bos_token_id"),
         eos_token_id=src.get("eos_token_id"),
@@ -195,7 +203,8 @@ class Plan:
     dropped: list[str]
 
 
-def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str | None) -> Plan:
+def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str | None,
+                    output_routing: str | None = None) -> Plan:
     """Read config and shard headers, check every tensor; nothing is written."""
     src = Path(src)
     if not src.is_dir():
@@ -214,7 +223,7 @@ def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str 
     if dtype not in OUT_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     try:
-        config = orthros_config(src_cfg, window_size, scale_offset, dtype)
+        config = orthros_config(src_cfg, window_size, scale_offset, dtype, output_routing)
     except KeyError as e:
         raise UserError(f"{cfg_path}: lacks {e.args[0]!r}") from None
     except (ValueError, TypeError, ZeroDivisionError) as e:  # unsupported or out-of-range values
@@ -250,7 +259,8 @@ def _natural(name: str):
 # ---------------------------------------------------------------- convert
 def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128, scale_offset: bool = True,
                        dtype: str | None = None, max_shard_size: str | int = "5GB",
-                       block_bytes: int = BLOCK_BYTES, progress: bool = True) -> Path:
+                       block_bytes: int = BLOCK_BYTES, progress: bool = True,
+                       output_routing: str | None = None) -> Path:
     """Convert the Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoint `src` into an Orthros one at `dst`.
 
     `src` is a Hugging Face directory, or a GGUF file (or a directory holding one),
@@ -262,6 +272,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128,
         dtype: "bf16" or "fp32"; None keeps an all-fp32 checkpoint fp32 and makes anything else bf16.
         max_shard_size: output shard size ("5GB", "500MB", bytes).
         block_bytes: at most this many bytes of one tensor are in memory at a time.
+        output_routing: a mixture-of-experts model's output-row routing (docs/moe.md); default
+            "independent"; an error for a dense model.
     Returns:
         `dst`, holding config.json, generation_config.json, safetensors shards
         (+ index) and the source's tokenizer files.
@@ -276,10 +288,11 @@ def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128,
         staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.gguf-", dir=dst.parent))
         try:
             hf = gguf_to_hf(src, staging / "hf", dtype="fp32", progress=progress)
-            return convert_checkpoint(hf, dst, window_size, scale_offset, dtype, max_shard_size, block_bytes, progress)
+            return convert_checkpoint(hf, dst, window_size, scale_offset, dtype, max_shard_size, block_bytes, progress,
+                                      output_routing)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    plan = plan_conversion(src, window_size, scale_offset, dtype)
+    plan = plan_conversion(src, window_size, scale_offset, dtype, output_routing)
     shards = plan_shards(plan.out, parse_size(max_shard_size))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))

@@ -41,6 +41,22 @@ class Routing(NamedTuple):
     experts: torch.Tensor  # [R, k] expert indices
 
 
+def balance_loss(layers: list[list], num_experts: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss as transformers' Qwen3-MoE computes it over layers:
+    E * sum_e f_e * P_e, f_e the share of top-k assignments to expert e and P_e its mean router
+    probability, each the mean over layers of that layer's share. `layers`: per sparse layer, the
+    (probs [M, E], experts [M, k]) of its routing decisions (a layer's base and output rows pooled:
+    equal rows give equal shares, so at W >= T this is the source model's loss). k for a perfect
+    balance."""
+    f = p = 0.0
+    for records in layers:
+        rows = max(sum(pr.shape[0] for pr, _ in records), 1)
+        f = f + sum(torch.bincount(e.reshape(-1), minlength=num_experts).float() for _, e in records) / rows
+        p = p + sum(pr.sum(0) for pr, _ in records) / rows
+    n = max(len(layers), 1)
+    return num_experts * ((f / n) * (p / n)).sum()
+
+
 class SparseMoE(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -49,15 +65,20 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
         self.experts = nn.ModuleList(SwiGLU(c.hidden_size, c.moe_intermediate_size) for _ in range(c.num_experts))
         self.fused: bool | None = None  # the fused step for few rows (ops.moe): None = on CUDA
+        self.balance: list | None = None  # while a list, each routing decision's (probs, experts) lands here
         self._tables, self._tables_key = None, None
         if c.shared_expert_intermediate_size:
             self.shared_expert = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
-    def route(self, x: torch.Tensor) -> Routing:
-        """x [..., C] -> its top-k experts: softmax over all experts, top k, renormalised over
-        those k when `norm_topk_prob` (Qwen3-MoE)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., C] -> the router's softmax over all experts [..., E] (fp32)."""
+        return F.softmax(self.gate(x).float(), dim=-1)
+
+    def route(self, x: torch.Tensor, probs: torch.Tensor | None = None) -> Routing:
+        """x [..., C] -> its top-k experts: softmax over all experts (`probs`, if already made),
+        top k, renormalised over those k when `norm_topk_prob` (Qwen3-MoE)."""
+        probs = self.probs(x) if probs is None else probs
         w, idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)

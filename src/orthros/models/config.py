@@ -45,6 +45,9 @@ class OrthrosConfig(PreTrainedConfig):
             "independent" (its own router), "bound" (its base row's experts,
             its own gate weights over them) or "base" (its base row's
             experts and weights).
+        output_router_logits, router_aux_loss_coef: with labels, add
+            router_aux_loss_coef x the load-balancing loss (Switch /
+            Qwen3-MoE's) to the loss (transformers' names and defaults).
     """
 
     model_type = "orthros"
@@ -81,6 +84,8 @@ class OrthrosConfig(PreTrainedConfig):
         mlp_only_layers: list[int] | None = None,
         shared_expert_intermediate_size: int = 0,
         output_routing: str = "independent",
+        output_router_logits: bool = False,
+        router_aux_loss_coef: float = 0.001,
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -115,6 +120,8 @@ class OrthrosConfig(PreTrainedConfig):
         self.mlp_only_layers = list(mlp_only_layers or [])
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
         self.output_routing = output_routing
+        self.output_router_logits = output_router_logits
+        self.router_aux_loss_coef = router_aux_loss_coef
         self.validate()  # before transformers' own checks, so errors name our fields
         super().__init__(
             pad_token_id=pad_token_id,
@@ -159,6 +166,8 @@ class OrthrosConfig(PreTrainedConfig):
                     bad(f, "must be a positive integer")
             if self.num_experts_per_tok > self.num_experts:
                 bad("num_experts_per_tok", f"must be <= num_experts={self.num_experts}")
+        if not (isinstance(self.router_aux_loss_coef, (int, float)) and self.router_aux_loss_coef >= 0):
+            bad("router_aux_loss_coef", "must be a number >= 0")
         if self.output_routing not in ROUTING_MODES:
             bad("output_routing", f"must be one of {ROUTING_MODES}")
         if not self.rms_norm_eps > 0:

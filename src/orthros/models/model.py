@@ -53,8 +53,9 @@ from transformers.utils import logging
 
 from ..layers.attention import OrthrosAttention, rows
 from ..layers.mlp import RMSNorm, SwiGLU
-from ..layers.moe import SparseMoE
+from ..layers.moe import SparseMoE, balance_loss
 from ..layers.rope import RotaryEmbedding, rope_inv_freq
+from ..ops.masks import PAD_DOC
 from .cache import OrthrosCache
 from .compat import GENERATE_CACHE_KEY, OUTPUT_CACHE_FIELD
 from .config import OrthrosConfig
@@ -83,6 +84,7 @@ class OrthrosOutput(CausalLMOutputWithPast):
     base_hidden_states: tuple[torch.Tensor, ...] | None = None
     base_attentions: tuple[torch.Tensor, ...] | None = None
     output_rows: torch.Tensor | None = None  # [B, N, C] what the LM head reads (only with lm_head=False)
+    aux_loss: torch.Tensor | None = None  # the MoE load-balancing loss (with labels and output_router_logits)
 
 
 @_cache_alias
@@ -173,11 +175,19 @@ class OrthrosBlock(GradientCheckpointingLayer):
         else:
             xb = None if hs[0] is None else hs[0][1]
             xo = hs[1][1] if len(hs) > 1 else None
-        rb = None if xb is None else self.mlp.route(xb)  # [B, T, k]
+        bal = self.mlp.balance  # a list while the load-balancing loss is wanted (training)
+        pb = None if xb is None or bal is None else self.mlp.probs(xb)
+        rb = None if xb is None else self.mlp.route(xb, pb)  # [B, T, k]
+        if pb is not None:
+            keep = layout.base_doc != PAD_DOC
+            bal.append((pb[keep], rb.experts[keep]))
         ro = None
         if xo is not None:
             if self.output_routing == "independent" or last:
-                ro = self.mlp.route(xo)
+                po = None if bal is None else self.mlp.probs(xo)
+                ro = self.mlp.route(xo, po)
+                if po is not None:  # rows routed by their own choice (bound / base reuse the base row's)
+                    bal.append((po[layout.out_valid], ro.experts[layout.out_valid]))
             else:
                 if layout.shard:
                     raise NotImplementedError(f"output_routing={self.output_routing!r} with context parallelism")
@@ -463,6 +473,7 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         output_base_stream: bool = False,
         lm_head: bool = True,
+        output_router_logits: bool | None = None,
         **unused,
     ) -> OrthrosOutput | tuple:
         """
@@ -487,6 +498,9 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
                 (`base_hidden_states`, `base_attentions`).
             return_dict: False returns `OrthrosOutput.to_tuple()` (the fields that
                 are not None, in order); default: the config's.
+            output_router_logits: with `labels`, a MoE model adds router_aux_loss_coef x the
+                load-balancing loss over every routing decision (`aux_loss`); default: the
+                config's (transformers' name; the router logits themselves are not returned).
             lm_head: False skips the LM head and the loss: `output_rows` [B, N, C] holds
                 what the head would read, for a loss that applies it a chunk of rows at a
                 time and never holds [B, N, V] logits (`train.distill`).
@@ -495,11 +509,21 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
                                        past_key_values, use_cache, output_hidden_states, output_attentions,
                                        output_base_stream, labels, logits_to_keep)
         out_idx, out_valid = call.out_idx, call.out_valid
-        h = self.model.forward_streams(call.embeds, call.layout, call.cache, call.trace)
+        want = output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        moes = [b.mlp for b in self.model.layers if b.sparse] if labels is not None and want else []
+        for m in moes:
+            m.balance = []
+        try:
+            h = self.model.forward_streams(call.embeds, call.layout, call.cache, call.trace)
+            records = [m.balance for m in moes if m.balance]
+        finally:
+            for m in moes:
+                m.balance = None
+        aux = balance_loss(records, self.config.num_experts) if moes else None
         if call.trace is not None:  # every position ran: the requested rows make the logits
             h = h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1]))
         if not lm_head:
-            out = OrthrosOutput(output_positions=torch.where(out_valid, out_idx, -1), output_rows=h,
+            out = OrthrosOutput(output_positions=torch.where(out_valid, out_idx, -1), output_rows=h, aux_loss=aux,
                                 **(call.trace.fields() if call.trace is not None else {}),
                                 **{OUTPUT_CACHE_FIELD: call.cache})
             return out if _return_dict(return_dict, self.config) else out.to_tuple()
@@ -510,9 +534,11 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
             nxt = (out_idx + 1).clamp_max(T - 1)
             target = torch.where(out_valid & (out_idx + 1 < T), labels.gather(1, nxt), IGNORE_INDEX)
             loss = lm_loss(logits, target, num_items_in_batch)
+            if aux is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux
         fields = call.trace.fields() if call.trace is not None else {}
         out = OrthrosOutput(loss=loss, logits=logits, output_positions=torch.where(out_valid, out_idx, -1), **fields,
-                            **{OUTPUT_CACHE_FIELD: call.cache})
+                            aux_loss=aux, **{OUTPUT_CACHE_FIELD: call.cache})
         return out if _return_dict(return_dict, self.config) else out.to_tuple()
 
 

@@ -242,6 +242,9 @@ def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, 
     if w.kl:
         loss = loss + w.kl * kl
         parts["kl"] = kl.detach()
+    if out.aux_loss is not None:  # a MoE student's load-balancing term (output_router_logits)
+        loss = loss + student.config.router_aux_loss_coef * out.aux_loss
+        parts["aux"] = out.aux_loss.detach()
     if on:
         mask = batch.get("attention_mask")
         mask = torch.ones_like(labels, dtype=torch.bool) if mask is None else mask.bool()
