@@ -41,6 +41,10 @@ CASES = {
     # a one-token shard keeps its two streams apart (joined, its last layer would ask alone for a halo)
     "w4-orthros-one-token-shards": dict(world=4, attention="orthros", W=5, T=23, sizes=[1, 20, 1, 1]),
     "w4-padded-batch-shard-of-padding": dict(world=4, attention="orthros", W=7, T=33, B=2, pad=[9, 2]),
+    # MoE: an output row routed by its base row, which only the last rank holds
+    "w2-moe-bound": dict(world=2, attention="orthros", W=6, T=29, moe="bound"),
+    "w4-moe-base-padded": dict(world=4, attention="orthros", W=5, T=27, sizes=[6, 9, 2, 10], B=2, pad=[0, 7],
+                               moe="base"),
 }
 GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)
 CLI_PROMPT = "def main():\n    return sum(range(10))\n"
@@ -51,6 +55,8 @@ BENCH = ["--preset", "tiny", "--window", "8", "--lengths", "37,64", "--attention
 def build_case(spec: dict, seed: int):
     """(case for the ranks, single-process reference logits [STEPS + 1, B, V])."""
     extra = {"qk_norm": True} if spec.get("qk_norm") else {}
+    if spec.get("moe"):
+        extra.update(base="tiny-moe", output_routing=spec["moe"])
     model = make_model(spec["attention"], window=spec["W"], seed=seed, **extra).cpu()
     g = torch.Generator().manual_seed(seed)
     B, T = spec.get("B", 1), spec["T"]

@@ -143,11 +143,14 @@ class OrthrosBlock(GradientCheckpointingLayer):
         self.mlp = SparseMoE(config) if self.sparse else SwiGLU(config.hidden_size, config.intermediate_size)
         self.output_routing = config.output_routing
 
-    def forward(self, hb, ho, layout, ropes, cache=None, last: bool = False, probs: list | None = None):
+    def forward(self, hb, ho, layout, ropes, cache=None, last: bool = False, probs: list | None = None,
+                take: Callable | None = None):
         """hb: [B, T, C] base stream; ho: [B, N, C] output stream, or None. Or both streams as one
         group of rows, hb [B, T + N, C] (base rows first; `Ropes.joined` set), ho None.
         In the last layer a base stream alone only makes K/V; its output is None.
         probs: a list that receives the attention probabilities (see `OrthrosAttention`).
+        take: the output positions' rows of a base-stream tensor (`forward_streams`' gather: a
+        context-parallel shard's fetches them from the rank that holds them).
         -> (hb, ho) after the layer."""
         hs = [hb] if ho is None else [hb, ho]
         T = ropes.base[0].shape[1]
@@ -159,12 +162,12 @@ class OrthrosBlock(GradientCheckpointingLayer):
         hs = [None if a is None else self.post_attention_layernorm.add_norm(h, a) for h, a in zip(hs, attn)]
         del attn
         if self.sparse:
-            return self._moe(hs, layout, T, last)
+            return self._moe(hs, layout, T, last, take)
         mlp = iter(rows(self.mlp, [h[1] for h in hs if h is not None and not _chunked(h[0])], layout.shard))
         out = [None if h is None else self._mlp_chunks(*h) if _chunked(h[0]) else h[0] + next(mlp) for h in hs]
         return out[0], (out[1] if len(out) > 1 else None)
 
-    def _moe(self, hs, layout, T, last):
+    def _moe(self, hs, layout, T, last, take=None):
         """The sparse MLP of both streams, the output rows routed by `output_routing` (docs/moe.md).
         hs: [(h, x)] as in `forward` (a joined group: base rows [:T], output rows [T:]).
         In the last layer the base stream makes K/V only (it has no MLP input), so there the output
@@ -189,12 +192,10 @@ class OrthrosBlock(GradientCheckpointingLayer):
                 if po is not None:  # rows routed by their own choice (bound / base reuse the base row's)
                     bal.append((po[layout.out_valid], ro.experts[layout.out_valid]))
             else:
-                if layout.shard:
-                    raise NotImplementedError(f"output_routing={self.output_routing!r} with context parallelism")
-                idx = layout.out_idx[..., None].expand(*layout.out_idx.shape, rb.experts.shape[-1])
-                chosen = rb.experts.gather(1, idx)  # [B, N, k]: the experts of each output row's base row
+                take = take or (lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1])))
+                chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
                 ro = (self.mlp.rebind(xo, chosen) if self.output_routing == "bound"
-                      else type(rb)(rb.weights.gather(1, idx), chosen))
+                      else type(rb)(take(rb.weights), chosen))
         if joined:
             h, x = hs[0]
             r = type(rb)(*(torch.cat([b, o], 1) for b, o in zip(rb, ro)))
@@ -399,7 +400,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
                 if trace.base:
                     trace.base_hidden.append(hb)
                 trace.out_hidden.append(ho if ho is not None else gather(hb))
-            hb, ho = block(hb, ho, layout, ropes, cache, last, probs=probs)
+            hb, ho = block(hb, ho, layout, ropes, cache, last, probs=probs, take=gather)
             if probs is not None:  # [base rows (all but the last layer), output rows (if a group of their own)]
                 if trace.base and not last:
                     trace.base_attn.append(probs[0])

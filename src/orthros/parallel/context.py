@@ -24,8 +24,10 @@ talk; no block math:
                    ids) with its base rows cut to the shard; slots stay global.
     _last_token    the model's `take_outputs`: rows at the output position
                    (the output stream's embedding; for the baselines, the last
-                   layer's input) are the last prompt token's, held by the last
-                   rank and broadcast from it (one [B, 1, C] message).
+                   layer's input; for a MoE layer routing output rows by their
+                   base row, that row's experts and weights) are the last prompt
+                   token's, held by the last rank and broadcast from it (one
+                   [B, 1, C] or [B, 1, k] message).
     ShardedCache   storage, halo and merge (`parallel/comm.py`), read by
                    `ops.attend`.
 
