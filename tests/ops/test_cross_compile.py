@@ -117,6 +117,27 @@ def test_every_kernel_builds_for_sm90():
                      "rms_norm_bwd", "heads_bwd"}, names
 
 
+def test_a_long_prompt_compiles_no_new_paged_or_merge_kernel():
+    """The paged reader and the merge are specialized alike (Triton's cache key: signature,
+    constants, attributes) for every table width and split count a request's length brings, so
+    the first long prompt after a server's warm-up compiles nothing. SmolLM2's 9 heads make the
+    partials' strides vary with the split count too."""
+    from orthros.ops.splitkv.paged import paged_attention_kernel
+
+    bf = dict(dtype=torch.bfloat16)
+    pool = torch.zeros(64 * 16, 3, 64, **bf)
+    keys = set()
+    for width, per, rows in ((5, 64, 2), (8, 64, 2), (17, 64, 2), (40, 128, 2), (64, 64, 2), (16, 64, 1)):
+        table, pos = torch.zeros(rows, width, dtype=torch.int32), torch.full((rows,), width * 16 - 1)
+        launches = _launches_of(paged_attention_kernel, torch.zeros(rows, 9, 64, **bf), pool, pool, table, pos, 16,
+                                keys_per_split=per)
+        assert [k.__name__ for k, _, _ in launches] == ["paged_fwd", "splitkv_merge"], width
+        for kernel, args, meta in launches:
+            sig, const, attrs = signature(kernel, args, {k: v for k, v in meta.items() if k not in OPTIONS})
+            keys.add((kernel.__name__, repr(sig), repr(sorted(const.items())), repr(sorted(attrs.items()))))
+    assert sorted(k[0] for k in keys) == ["paged_fwd", "splitkv_merge"], keys
+
+
 def test_fused_moe_kernels_build_for_sm90():
     """The fused MoE step's two kernels as a decode step launches them: bf16, the Qwen3-30B-A3B
     expert shape (C 2048, I 768, k 8), 1 and 64 rows."""

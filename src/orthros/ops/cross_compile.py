@@ -78,7 +78,9 @@ def signature(kernel, args: list, meta: dict) -> tuple[dict, dict, dict]:
             continue
         if not isinstance(a, (torch.Tensor, bool, int)):
             raise ValueError(f"{name}: cannot type {type(a).__name__}")
-        kind, attr = native_specialize_impl(BaseBackend, a, False, True, True)
+        param = kernel.params[i]  # do_not_specialize: no divisibility / == 1 attributes, as at a launch
+        kind, attr = native_specialize_impl(BaseBackend, a, False, not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
         sig[name] = kind
         if kind == "constexpr":
             const[name] = a

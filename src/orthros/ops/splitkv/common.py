@@ -109,6 +109,10 @@ def use_fp16_dots(q: torch.Tensor, k: torch.Tensor, want: bool | None = None) ->
     return bool(want)
 
 
+MERGE_BLOCK_P = 32
+"""Splits the merge reads at a time, whatever their number P (a loop): one build for every P."""
+
+
 def merge_splits_kernel(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, return_lse: bool = False,
                         out: torch.Tensor | None = None):
     """Partial results o [B, P, M, H, D], lse [B, P, M, H] (fp32) of P splits -> [B, M, H, D] in
@@ -130,6 +134,6 @@ def merge_splits_kernel(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, 
         o, lse, out, lse_out, P, M, H,
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2), lse_out.stride(0), lse_out.stride(1),
-        D=D, BLOCK_P=min(64, triton.next_power_of_2(P)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        D=D, BLOCK_P=MERGE_BLOCK_P, BLOCK_D=max(16, triton.next_power_of_2(D)),
     )
     return (out, lse_out) if return_lse else out

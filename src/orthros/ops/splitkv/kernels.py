@@ -129,7 +129,9 @@ def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
     tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
 
 
-@triton.jit
+# Values that change with a request's length are not specialized on (divisibility by 16, == 1):
+# each new class would compile the kernel again, in the middle of serving a long prompt.
+@triton.jit(do_not_specialize=["s_table", "slr"])
 def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
               sqr, sqh, sks, skh, svs, svh, s_table, sor, sop, soh, slr, slp,
               Hkv, scale, window, keys_per_split,
@@ -171,7 +173,7 @@ def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
     tl.store(LSE + r * slr + split * slp + h, lse, mask=gvalid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "slb"])
 def splitkv_merge(O, LSE, OUT, LSE_OUT, P, M, H,
                   sob, sop, som, soh, slb, slp, slm, s_out_b, s_out_m, s_out_h, s_lo_b, s_lo_m,
                   D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
