@@ -52,3 +52,39 @@ def test_prefix_caching_off():
     t = BlockTable(pool.allocate(2))
     pool.register_full([1, 2, 3, 4], 4, t)
     assert pool.match_prefix([1, 2, 3, 4, 5], BlockTable()) == 0
+
+
+def test_a_hot_prefix_survives_a_flood_of_one_off_prompts():
+    """Segmented LRU: a document whose blocks served a prefix hit outlives blocks that never did,
+    however recently those were freed; it goes once nothing else is left to evict."""
+    pool = BlockPool(8, 2)
+    doc = [7, 7, 8, 8]  # a hot document: two full blocks
+
+    def serve(prompt):
+        t = BlockTable()
+        hit = pool.match_prefix(prompt, t)
+        t.blocks += pool.allocate(pool.blocks_for(len(prompt)) - len(t.blocks))
+        pool.register_full(prompt, len(prompt), t)
+        pool.release(t)
+        return hit
+
+    assert serve(doc + [1]) == 0  # first reader computes it
+    assert serve(doc + [2]) == 4  # a second user: a hit; its blocks are now protected
+    for i in range(20):  # one-off prompts of three blocks each, all freed after the document
+        assert serve([100 + i] * 6) == 0
+    assert pool.num_free == 8
+    assert serve(doc + [3]) == 4  # still cached (least-recently-freed alone would have evicted it)
+    pool.allocate(8)  # everything: the protected blocks go last, but they go
+    assert pool.match_prefix(doc + [4], BlockTable()) == 0
+
+
+def test_without_hits_eviction_is_least_recently_freed():
+    pool = BlockPool(4, 2)
+    a, b = BlockTable(pool.allocate(2)), BlockTable(pool.allocate(2))
+    pool.register_full([1, 1, 2, 2], 4, a)
+    pool.register_full([3, 3, 4, 4], 4, b)
+    pool.release(a)
+    pool.release(b)
+    pool.allocate(2)  # a's blocks, freed first, go first
+    assert pool.match_prefix([1, 1, 2, 2, 0], BlockTable()) == 0
+    assert pool.match_prefix([3, 3, 4, 4, 0], BlockTable()) == 4

@@ -11,9 +11,16 @@ the tokens 0..t (sliding-window or causal attention over earlier base tokens;
 output tokens never make K/V), so a full block is identified by the hash of
 its tokens chained with its parent's hash, and any request whose prompt
 starts with the same tokens can read it instead of recomputing it. Blocks
-whose last holder finished stay in the cache until their memory is needed:
-the free list is ordered by eviction priority (least recently freed first,
-and a request's tail blocks before its head), as in vLLM's block manager.
+whose last holder finished stay in the cache until their memory is needed.
+
+Eviction keeps hot prefixes (a document many users ask about) through a flood
+of one-off prompts: a segmented LRU. A cached block that was never read back
+from the cache waits in the *probation* list; one that served a prefix hit at
+least once goes to the *protected* list when it is freed. New memory comes
+from empty blocks first, then from probation, then from protected, each in
+order of eviction priority (least recently freed first, and a request's tail
+blocks before its head). So a hot document's blocks are evicted only once
+every block that served no hit is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class Block:
     id: int
     ref: int = 0
     hash: int | None = None  # set once the block is full and registered in the prefix cache
+    hits: int = 0  # prefix-cache hits it served since it was filled
 
 
 @dataclass
@@ -54,7 +62,8 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # and probation
+        self.protected: OrderedDict[int, None] = OrderedDict()  # free cached blocks that served a hit
         self.cached: dict[int, int] = {}  # chained hash -> block id
         self.hit_tokens = 0  # prompt tokens served from the prefix cache (for metrics)
         self.query_tokens = 0
@@ -63,11 +72,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (free, or cached but unused: evictable)."""
-        return len(self.free)
+        return len(self.free) + len(self.protected)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -76,22 +85,23 @@ class BlockPool:
     def _take(self, block_id: int) -> None:
         b = self.blocks[block_id]
         if b.ref == 0:
-            del self.free[block_id]
+            (self.protected if block_id in self.protected else self.free).pop(block_id)
         b.ref += 1
 
     def allocate(self, n: int) -> list[int]:
-        """n fresh blocks (evicting cached ones, oldest first); ValueError if fewer are free."""
-        if n > len(self.free):
-            raise ValueError(f"{n} KV blocks asked for, {len(self.free)} free")
+        """n fresh blocks (evicting cached ones: probation before protected, oldest first);
+        ValueError if fewer are free."""
+        if n > self.num_free:
+            raise ValueError(f"{n} KV blocks asked for, {self.num_free} free")
         out = []
         for _ in range(n):
-            bid, _ = self.free.popitem(last=False)
+            bid, _ = (self.free or self.protected).popitem(last=False)
             b = self.blocks[bid]
             if b.hash is not None:  # evicted from the prefix cache
                 if self.cached.get(b.hash) == bid:
                     del self.cached[b.hash]
                 b.hash = None
-            b.ref = 1
+            b.ref, b.hits = 1, 0
             out.append(bid)
         return out
 
@@ -104,6 +114,8 @@ class BlockPool:
                 if b.hash is None:
                     self.free[bid] = None
                     self.free.move_to_end(bid, last=False)  # nothing cached in it: reuse first
+                elif b.hits:
+                    self.protected[bid] = None
                 else:
                     self.free[bid] = None
         table.blocks, table.hashes = [], []
@@ -124,6 +136,7 @@ class BlockPool:
             if bid is None:
                 break
             self._take(bid)
+            self.blocks[bid].hits += 1
             table.blocks.append(bid)
             table.hashes.append(h)
             parent = h
@@ -149,8 +162,10 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds (e.g. after the fp8 scales change)."""
-        for bid in list(self.free):
+        for bid in list(self.free) + list(self.protected):
             b = self.blocks[bid]
             if b.hash is not None:
                 self.cached.pop(b.hash, None)
-                b.hash = None
+                b.hash, b.hits = None, 0
+        self.free.update(self.protected)  # nothing cached in them now
+        self.protected.clear()
