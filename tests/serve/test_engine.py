@@ -275,6 +275,21 @@ def test_bad_requests_and_queue_bound():
         eng.submit([1], SamplingParams(), sink)
 
 
+def test_max_model_len_auto_is_what_the_pool_holds():
+    """'auto': one request may fill the pool, past the model's max_position_embeddings; a longer
+    one is a clear error, as is a limit that is not a length."""
+    model = make_model("orthros", max_position_embeddings=16)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=10, max_model_len="auto"))
+    assert eng.max_model_len == eng.capacity_tokens == 40
+    sink = Collector().sink(0)
+    eng.submit([1] * 30, SamplingParams(max_tokens=10), sink)  # 40 tokens: past the model's 16
+    with pytest.raises(ValueError, match="maximum context length is 40"):
+        eng.submit([1] * 30, SamplingParams(max_tokens=11), sink)
+    for bad in (0, "all", 2.5):
+        with pytest.raises(ValueError, match="max_model_len"):
+            Engine(model, EngineConfig(block_size=4, num_blocks=10, max_model_len=bad))
+
+
 @pytest.mark.parametrize("attention", ["orthros", "full"])
 @torch.no_grad()
 def test_static_decode_buffers_equal_the_eager_step(attention):

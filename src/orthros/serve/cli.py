@@ -28,12 +28,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="token budget of one step (decodes first, then prompt chunks)")
     g.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     g.add_argument("--max-queue", type=int, default=256, help="waiting requests before 503")
-    g.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit (default: the model's)")
+    g.add_argument("--max-model-len", type=_model_len, default=None,
+                   help="prompt + output limit: tokens, or 'auto' for what the KV pool holds "
+                        "(default: the model's max_position_embeddings)")
     g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode-only steps eagerly on CUDA")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="append one JSON line per engine step (what it ran, its time) to PATH")
+
+
+def _model_len(s: str) -> int | str:
+    if s == "auto":
+        return s
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of tokens or 'auto', not {s!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def engine_config(args) -> EngineConfig:
@@ -81,6 +95,10 @@ def run(args) -> int:
                                   args.layers, args.max_model_len)
     app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args), args.api_key)
     sock = bind(args.host, args.port)
+    if engine.max_model_len > engine.capacity_tokens:
+        print(f"orthros serve: the KV pool holds {engine.capacity_tokens:,} tokens, fewer than --max-model-len "
+              f"{engine.max_model_len:,}: longer requests get a 400 (--max-model-len auto sizes the limit to the "
+              "pool; --kv-dtype fp8 or more --kv-cache-gib hold more)", file=sys.stderr, flush=True)
     warning = open_access_warning(args.host, args.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)

@@ -13,7 +13,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget
     max_num_seqs: int = 64
     max_queue: int = 256  # waiting requests before `submit` raises QueueFull
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # prompt + output limit of a request. None: the model's max_position_embeddings; "auto": what
+    # the KV pool holds (one request may fill it), whatever the model's trained length
+    max_model_len: int | str | None = None
     kv_dtype: str = "auto"
     prefix_caching: bool = True
     cuda_graphs: bool = True  # decode-only steps on CUDA replay captured graphs

@@ -40,9 +40,12 @@ __all__ = ["Engine", "EngineConfig", "EngineDead", "QueueFull", "Request", "Samp
 class Engine:
     def __init__(self, model, config: EngineConfig | None = None, eos_token_ids=(), metrics=None):
         self.cfg = cfg = config or EngineConfig()
-        self.max_model_len = cfg.max_model_len or model.config.max_position_embeddings
+        limit = cfg.max_model_len if cfg.max_model_len is not None else model.config.max_position_embeddings
+        if not (limit == "auto" or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1)):
+            raise ValueError(f"max_model_len must be a positive number of tokens or 'auto', got {limit!r}")
         check_limits(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_queue)
-        self.runner = runner = ModelRunner(model, cfg, self.max_model_len)
+        self.runner = runner = ModelRunner(model, cfg, limit)
+        self.max_model_len = runner.max_model_len
         self.model, self.device, self.dtype = runner.model, runner.device, runner.dtype
         self.blocks = BlockPool(runner.num_blocks, cfg.block_size, cfg.prefix_caching)
         last = cfg.decode_last_prompt_token

@@ -19,7 +19,7 @@ DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": t
 
 def load_model(model_dir: str | None, preset: str | None, device: str, dtype: str = "auto",
                attention: str | None = None, window: int | None = None, layers: int | None = None,
-               max_model_len: int | None = None, seed: int = 0):
+               max_model_len: int | str | None = None, seed: int = 0):
     """(model, tokenizer or None, served name): a saved model directory, or a preset with
     random weights (no tokenizer: prompts are token ids)."""
     from ..models import OrthrosConfig
@@ -37,7 +37,7 @@ def load_model(model_dir: str | None, preset: str | None, device: str, dtype: st
         from ..random_model import build_model
 
         cfg = OrthrosConfig.from_name(preset, **over)
-        if max_model_len:
+        if isinstance(max_model_len, int):
             cfg.max_position_embeddings = max(cfg.max_position_embeddings, max_model_len)
         torch.manual_seed(seed)
         return build_model(cfg, dev, want), None, preset

@@ -40,12 +40,15 @@ def blocks_from_memory(model, device: torch.device, dtype: torch.dtype, cfg: Eng
 
 
 class ModelRunner:
-    def __init__(self, model, config: EngineConfig, max_model_len: int):
+    def __init__(self, model, config: EngineConfig, max_model_len: int | str):
         self.model = model.eval()
         cfg = config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.num_blocks = cfg.num_blocks or blocks_from_memory(model, self.device, self.dtype, cfg)
+        if max_model_len == "auto":  # one request may hold the whole pool
+            max_model_len = self.num_blocks * cfg.block_size
+        self.max_model_len = max_model_len
         # one block more than the block manager hands out: a scratch block for padded rows
         self.pool = PagedKVPool(model.config, self.num_blocks + 1, cfg.block_size, self.device, self.dtype,
                                 cfg.kv_dtype)
