@@ -214,6 +214,63 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert float(aborted.split()[-1]) >= 2
 
 
+def test_disconnect_mid_prefill_frees_its_blocks(server):
+    """A long prompt, prefilled a 32-token chunk a step: the client leaves before its first token,
+    and the request's blocks come back without it ever producing one."""
+    srv, model, tok, name = server
+    eng = srv.engine
+    real, steps = eng.runner.forward, []
+
+    def slow(segments):
+        steps.append(len(segments))
+        time.sleep(0.1)
+        return real(segments)
+
+    eng.runner.forward = slow
+    try:
+        body = dict(model=name, prompt=[5] * 230, max_tokens=4, temperature=0, stream=True)
+        with httpx.stream("POST", srv.url + "/completions", json=body):
+            assert wait_for(lambda: len(steps) >= 2 and eng.blocks.num_used > 0)  # chunks under way
+            assert eng.running and eng.running[0].computed < 229  # not prefilled yet
+        assert wait_for(lambda: _engine_idle(eng), timeout=3), (eng.running, eng.blocks.num_used)
+    finally:
+        eng.runner.forward = real
+
+
+def test_a_burst_gets_503s_for_the_overflow_and_loses_no_accepted_request(model_dir):
+    """64 long requests at once at a server with 4 seats and a queue of 8: the overflow gets 503
+    (queue_full) at once, and every accepted request completes with its own greedy tokens."""
+    srv, model, tok, name = start_server(model_dir, max_num_seqs=4, max_queue=8)
+    prompts = [[(7 * i + j) % 250 + 3 for j in range(120 + i)] for i in range(64)]
+
+    async def one(client, i):
+        try:
+            r = await client.post("/completions", json=dict(model=name, prompt=prompts[i], max_tokens=6,
+                                                            temperature=0, return_token_ids=True))
+        except httpx.HTTPError as e:  # a lost request: the test fails below
+            return i, type(e).__name__, None
+        body = r.json()
+        return i, r.status_code, body["choices"][0]["token_ids"] if r.status_code == 200 else body["error"]["code"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    try:
+        got = asyncio.run(main())
+        codes = [c for _, c, _ in got]
+        assert set(codes) <= {200, 503}, codes
+        assert codes.count(200) >= 8 and codes.count(503) >= 1, codes  # the queue of 8 at least
+        for i, code, out in got:
+            if code == 503:
+                assert out == "queue_full"
+            else:
+                assert out == reference(model, tok, prompts[i], 6), i
+        assert wait_for(lambda: _engine_idle(srv.engine))
+    finally:
+        srv.stop()
+
+
 def test_queue_full_is_503(model_dir):
     """One seat, a queue of one: with the engine held inside a step, a third request is refused."""
     srv, model, tok, name = start_server(model_dir, max_num_seqs=1, max_queue=1)
