@@ -144,6 +144,55 @@ def test_n_seed_and_logprobs(server, client):
     assert len(content) == c.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in content)
 
 
+def test_penalties_and_logit_bias_as_vllm_applies_them(server, client):
+    """presence / frequency penalties over the request's own output and logit_bias, greedy: the
+    tokens of a plain loop that applies them to the model's logits; out-of-range values are 400s."""
+    import torch
+
+    srv, model, tok, name = server
+    ids = encode(tok, "def f(x):\n    return")
+    V = model.config.vocab_size
+
+    def ref(n, presence=0.0, frequency=0.0, bias=None):
+        seq, out = list(ids), []
+        for _ in range(n):
+            with torch.no_grad():
+                logits = model(torch.tensor([seq])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V)[:V]
+            logits = logits - frequency * counts - presence * (counts > 0)
+            for t, b in (bias or {}).items():
+                logits[t] += b
+            out.append(int(logits.argmax()))
+            seq.append(out[-1])
+        return out
+
+    def served(**kw):
+        r = client.completions.create(model=name, prompt=ids, max_tokens=12, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True}, **kw)
+        return r.choices[0].model_extra["token_ids"]
+
+    plain = served()
+    assert plain == ref(12)
+    changed = 0
+    for kw in (dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(frequency_penalty=-2.0),
+               dict(presence_penalty=-2.0, frequency_penalty=-2.0)):
+        got = served(**kw)
+        assert got == ref(12, kw.get("presence_penalty", 0.0), kw.get("frequency_penalty", 0.0)), kw
+        changed += got != plain
+    assert changed  # the penalties changed some answer: the comparison can tell
+    forced = (plain[0] + 1) % V
+    assert served(logit_bias={str(forced): 100}) == [forced] * 12
+    banned = served(logit_bias={str(plain[0]): -100})
+    assert banned == ref(12, bias={plain[0]: -100.0}) and plain[0] not in banned
+    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100}, presence_penalty=0.5)
+    assert chat.choices[0].message.content is not None
+    for kw in (dict(presence_penalty=2.5), dict(logit_bias={"x": 1}), dict(logit_bias={"5": 101}),
+               dict(logit_bias={str(V): 1})):
+        with pytest.raises(openai.BadRequestError):
+            served(**kw)
+
+
 def test_error_paths(server, client):
     srv, model, tok, name = server
 

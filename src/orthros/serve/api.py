@@ -175,7 +175,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                 top_p=None if body.top_p >= 1 else body.top_p, top_k=body.top_k_value(),
                 seed=None if body.seed is None else body.seed + seed_offset,
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
-                min_tokens=body.min_tokens, logprobs=logprobs)
+                min_tokens=body.min_tokens, logprobs=logprobs, presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty, logit_bias=body.token_bias())
         except ValueError as e:
             raise ApiError(400, str(e)) from e
 

@@ -103,6 +103,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         self.check(len(prompt), params.max_tokens)
         if not self.alive:
             raise EngineDead(str(self.error) if self.error else "the engine is stopped")
@@ -225,7 +227,7 @@ class Engine:
     def _emit(self, req: Request, logits: torch.Tensor, greedy: int, now: float) -> None:
         """Sample the next token of `req` from logits [V] (`greedy`: their argmax), send it,
         finish the request if it is done."""
-        ev = sample_event(logits, greedy, req.params, req.generator)
+        ev = sample_event(logits, greedy, req.params, req.generator, req.tokens[len(req.prompt):])
         req.tokens.append(ev.token_id)
         if self.metrics:
             self.metrics.on_token(req, now)

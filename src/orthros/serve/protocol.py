@@ -1,8 +1,8 @@
 """OpenAI API schemas: request models (validated by pydantic) and response builders.
 
-Requests follow the OpenAI completions / chat completions APIs; beside them a
-few fields that vLLM and SGLang also take (`top_k`, `stop_token_ids`,
-`ignore_eos`, `min_tokens`, `return_token_ids`). Unknown fields are errors,
+Requests follow the OpenAI completions / chat completions APIs (penalties and
+`logit_bias` included); beside them a few fields that vLLM and SGLang also take
+(`top_k`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`). Unknown fields are errors,
 so a misspelt parameter is a 400 rather than silently ignored. Responses are
 plain dicts in the OpenAI shapes (what the official client parses).
 """
@@ -37,15 +37,15 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
     return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _supported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
+        self.token_bias()  # keys are token ids, values in [-100, 100]
         stops = self.stop_strings()
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
@@ -58,6 +58,20 @@ class _Sampling(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def token_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out = {}
+        for k, v in self.logit_bias.items():
+            try:
+                tok = int(k)
+            except ValueError:
+                raise ValueError(f"logit_bias keys are token ids, got {k!r}") from None
+            if tok < 0 or not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias: token ids >= 0 and values in [-100, 100], got {k}: {v}")
+            out[tok] = float(v)
+        return out
+
     def top_k_value(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k
 
@@ -69,7 +83,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _completion_supported(self):
@@ -79,8 +92,6 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, self.n):
             raise ValueError("best_of is not supported (it must equal n)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         p = self.prompt
         if (isinstance(p, (str, list)) and len(p) == 0) or (isinstance(p, list) and any(
                 isinstance(x, (str, list)) and len(x) == 0 for x in p)):

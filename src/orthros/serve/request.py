@@ -35,6 +35,12 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-sequence tokens
     min_tokens: int = 0  # no stop before this many tokens
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's and the top k
+    # OpenAI's / vLLM's: subtract presence x [token generated before] + frequency x (its count in
+    # this request's output) from a token's logit, and add logit_bias[token] (before sampling;
+    # logprobs stay those of the model's logits)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates
@@ -42,6 +48,19 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias keys are token ids, got {tok!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties or a bias change the logits before the choice."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 @dataclass

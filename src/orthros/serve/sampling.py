@@ -21,15 +21,34 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     return g
 
 
-def sample_event(logits: torch.Tensor, greedy: int, params: SamplingParams,
-                 generator: torch.Generator | None) -> TokenEvent:
-    """The next token from logits [V] (`greedy`: their argmax, computed for the whole step at
-    once), with its log-probability and the top ones if asked for."""
+def shape_logits(logits: torch.Tensor, params: SamplingParams, output: list[int]) -> torch.Tensor:
+    """logits [V] (fp32) less presence x [t was generated] + frequency x (t's count in `output`),
+    plus logit_bias[t]: vLLM's order and definitions (penalties over this request's output only)."""
     p = params
+    out = logits.float().clone()
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(output, device=out.device), minlength=out.shape[0])[: out.shape[0]]
+        out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=out.device)
+        out[ids] += torch.tensor(list(p.logit_bias.values()), device=out.device, dtype=out.dtype)
+    return out
+
+
+def sample_event(logits: torch.Tensor, greedy: int, params: SamplingParams,
+                 generator: torch.Generator | None, output: list[int] = ()) -> TokenEvent:
+    """The next token from logits [V] (`greedy`: their argmax, computed for the whole step at
+    once), with its log-probability and the top ones if asked for (from the model's logits).
+    `output`: the request's tokens so far, for its penalties."""
+    p = params
+    chosen = logits
+    if p.shapes_logits:
+        chosen = shape_logits(logits, p, list(output))
+        greedy = int(chosen.argmax())
     if p.temperature == 0:
         tok = greedy
     else:
-        tok = int(sample(logits[None], SamplingConfig(p.temperature, p.top_k, p.top_p), generator)[0])
+        tok = int(sample(chosen[None], SamplingConfig(p.temperature, p.top_k, p.top_p), generator)[0])
     ev = TokenEvent(tok)
     if p.logprobs is not None:
         lp = torch.log_softmax(logits, -1)
