@@ -32,6 +32,7 @@ from .outputs import ChoiceOutput, decode
 from .protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, error_body,
                        new_id, now, usage)
 from .request import EngineDead, QueueFull, SamplingParams
+from .tools import detect as detect_tools, openai_calls, parse as parse_tools
 
 
 class ApiError(Exception):
@@ -100,10 +101,12 @@ class Job:
                      self.cached_tokens())
 
 
-def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key: str | None = None):
+def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key: str | None = None,
+               tool_parser: str = "auto"):
     """The FastAPI app serving `engine` (started / stopped with the app). With `api_key`, every
     /v1 request must carry `Authorization: Bearer <api_key>` (a 401 otherwise, as the OpenAI API
-    answers); /health and /metrics stay open for probes and scrapers."""
+    answers); /health and /metrics stay open for probes and scrapers. `tool_parser`: how tool
+    calls are read from chat answers (`serve.tools`; "auto": the one the chat template implies)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         if engine._thread is None:
@@ -236,6 +239,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                     if not text and t0 == t1 and not out.finished:
                         continue
                     chunk = chunk_fn(i, out, text, t0, t1)
+                    if chunk is None:  # held back (an answer that may be a tool call: sent whole at its end)
+                        continue
                     chunk["usage"] = job.usage() if continuous else None
                     yield sse(chunk)
                 if include_usage:
@@ -308,11 +313,25 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
         msgs = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-        try:
-            text = tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt)
-        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-            raise ApiError(400, f"the chat template failed on these messages: {e}", param="messages") from e
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+        def render(**kw):
+            try:
+                return tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                     add_generation_prompt=body.add_generation_prompt, **kw)
+            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+                raise ApiError(400, f"the chat template failed on these messages: {e}", param="messages") from e
+
+        text = render(tools=tools) if tools else render()
+        parser = None
+        if tools:
+            if text == render():
+                raise ApiError(400, "this model's chat template does not take tools", param="tools")
+            if body.tool_choice != "none":
+                parser = detect_tools(tokenizer.chat_template) if tool_parser == "auto" else tool_parser
+                if parser is None:
+                    raise ApiError(400, "this model's chat template shows no tool-call format: start the server "
+                                   "with --tool-call-parser hermes|llama3_json", param="tools")
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = make_job(body, [prompt], body.max_new(), top)
@@ -330,10 +349,30 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                 c["token_ids"] = out.token_ids[t0:t1]
             return c
 
+        def message(o) -> tuple[dict, str | None]:
+            """The answer's message and finish reason, its tool calls parsed out."""
+            if parser is None:
+                return {"role": "assistant", "content": o.text}, o.finish_reason
+            content, calls = parse_tools(parser, o.text)
+            if not calls:
+                return {"role": "assistant", "content": o.text}, o.finish_reason
+            return ({"role": "assistant", "content": content, "tool_calls": openai_calls(calls)},
+                    "tool_calls" if o.finish_reason == "stop" else o.finish_reason)
+
         def chunk(i, out, text, t0, t1):
-            choices = [] if out is None else [extra(
-                {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs_of(out, t0, t1),
-                 "finish_reason": out.finish_reason if out.finished else None}, out, t0, t1)]
+            if out is not None and parser is not None:  # the whole answer at its end: it may be a call
+                if not out.finished:
+                    return None
+                msg, reason = message(out)
+                delta = {k: v for k, v in msg.items() if k != "role" and v is not None}
+                if "tool_calls" in delta:
+                    delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(delta["tool_calls"])]
+                choices = [extra({"index": i, "delta": delta, "logprobs": logprobs_of(out, 0, len(out.token_ids)),
+                                  "finish_reason": reason}, out, 0, len(out.token_ids))]
+            else:
+                choices = [] if out is None else [extra(
+                    {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs_of(out, t0, t1),
+                     "finish_reason": out.finish_reason if out.finished else None}, out, t0, t1)]
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": choices}
 
@@ -345,10 +384,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
         if body.stream:
             return stream(job, body, chunk, first)
         await collect(job, request)
+        choices = []
+        for i, o in enumerate(job.outputs):
+            msg, reason = message(o)
+            choices.append(extra({"index": i, "message": msg, "logprobs": logprobs_of(o, 0, len(o.token_ids)),
+                                  "finish_reason": reason}, o, 0, len(o.token_ids)))
         return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [extra({"index": i, "message": {"role": "assistant", "content": o.text},
-                                   "logprobs": logprobs_of(o, 0, len(o.token_ids)), "finish_reason": o.finish_reason},
-                                  o, 0, len(o.token_ids)) for i, o in enumerate(job.outputs)],
-                "usage": job.usage()}
+                "choices": choices, "usage": job.usage()}
 
     return app

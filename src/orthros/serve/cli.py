@@ -74,6 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (config.json, weights, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
+                   help="how tool calls are read from chat answers (default: the format the chat template shows)")
     p.add_argument("--api-key", default=os.environ.get("ORTHROS_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 requests (default: $ORTHROS_API_KEY; none: open)")
     add_model_arguments(p)
@@ -93,7 +95,8 @@ def run(args) -> int:
 
     model, tok, name = load_model(args.model, args.preset, args.device, args.dtype, args.attention, args.window,
                                   args.layers, args.max_model_len)
-    app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args), args.api_key)
+    app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args), args.api_key,
+                            args.tool_call_parser)
     sock = bind(args.host, args.port)
     if engine.max_model_len > engine.capacity_tokens:
         print(f"orthros serve: the KV pool holds {engine.capacity_tokens:,} tokens, fewer than --max-model-len "

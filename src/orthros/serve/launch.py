@@ -66,13 +66,14 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def build_app(model, tokenizer, name: str, engine_config: EngineConfig, api_key: str | None = None):
+def build_app(model, tokenizer, name: str, engine_config: EngineConfig, api_key: str | None = None,
+              tool_parser: str = "auto"):
     from .api import create_app
     from .metrics import ServerMetrics
 
     metrics = ServerMetrics()
     engine = Engine(model, engine_config, eos_token_ids=eos_ids(model, tokenizer), metrics=metrics)
-    return create_app(engine, tokenizer, name, metrics, api_key), engine
+    return create_app(engine, tokenizer, name, metrics, api_key, tool_parser), engine
 
 
 def open_access_warning(host: str, api_key: str | None) -> str | None:

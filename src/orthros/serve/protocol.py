@@ -125,8 +125,25 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -137,6 +154,11 @@ class ChatCompletionRequest(_Sampling):
     def _chat_supported(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
+            raise ValueError("tool_choice 'required' or a named function needs constrained decoding, which this "
+                             "server does not do: use tool_choice 'auto'")
         return self
 
     def max_new(self) -> int | None:
