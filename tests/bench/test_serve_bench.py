@@ -31,6 +31,10 @@ def test_paper_scenario_both_attentions(tmp_path):
         assert r["completed"] == 2 and r["failed"] == 0
         assert r["total_output_tokens"] == 2 * r["output"] and r["total_input_tokens"] == 2 * r["input"]
         assert 0 < r["ttft"]["p50"] <= r["e2el"]["p50"] and r["itl"]["n"] > 0 and r["output_throughput"] > 0
+    # the engine's step times beside the client's view, without asking (a step log per server)
+    assert set(res["steps"]) == {"orthros", "full"} and all(s["steps"] > 0 for s in res["steps"].values())
+    table = (tmp_path / "serve-paper.md").read_text()
+    assert "The engine's view" in table and "| orthros |" in table.split("The engine's view")[1]
 
 
 def test_traffic_scenario_subprocess_server_and_merge(tmp_path):

@@ -317,6 +317,10 @@ def measure(args) -> dict:
     import torch
 
     env = environment(torch.device(_device(args)))
+    if args.url is None and args.step_log_dir is None:  # the engine's step times, beside the client's view
+        import tempfile
+
+        args.step_log_dir = tempfile.mkdtemp(prefix="orthros-bench-steps-")
     rows, commands, steps = [], {}, {}
     variants = args.variants if not args.url else ["(server at --url)"]
     for variant in variants:
@@ -398,7 +402,7 @@ def table(res: dict) -> str:
             d, b = r["itl_during_prefill"], r["itl_before"]
             lines.append(f"| {r['variant']} | {r['budget']} | {_ms(r['long_ttft_ms'])} | {_ms(d['p50'])} | "
                          f"{_ms(d['p99'])} | {_ms(d['max'])} | {_ms(b['p50'])} |")
-        return head + "\n".join(lines)
+        return head + "\n".join(lines) + engine_table(res)
     lines = ["| attention | run | ok | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | ITL p99 "
              "| E2EL p50 | E2EL p99 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -406,7 +410,23 @@ def table(res: dict) -> str:
                      f"{r['request_throughput']:.3f} | {r['output_throughput']:.1f} | {_ms(r['ttft']['p50'])} | "
                      f"{_ms(r['ttft']['p99'])} | {_ms(r['tpot']['p50'])} | {_ms(r['itl']['p50'])} | "
                      f"{_ms(r['itl']['p99'])} | {_ms(r['e2el']['p50'])} | {_ms(r['e2el']['p99'])} |")
-    return head + "\n".join(lines) + equal_tail_table(res["rows"])
+    return head + "\n".join(lines) + equal_tail_table(res["rows"]) + engine_table(res)
+
+
+def engine_table(res: dict) -> str:
+    """The engine's own view beside the client's: each server's step times (its step log; every
+    step of its life, warm-up included), the slowest step and what it ran."""
+    steps = res.get("steps") or {}
+    if not steps:
+        return ""
+    lines = ["\n\nThe engine's view (`--step-log`: every step of each server, warm-up included):\n",
+             "| server | steps | step p50 | step p99 | step max | the slowest step ran |", "|---|---:|---:|---:|---:|---|"]
+    for key, st in steps.items():
+        slow = st.get("slowest") or [{}]
+        what = f"{slow[0].get('decode', 0)} decodes, chunks {slow[0].get('chunks', [])}" if slow[0] else "-"
+        lines.append(f"| {key} | {st['steps']} | {_ms(st['ms_p50'])} | {_ms(st['ms_p99'])} | {_ms(st['ms_max'])} "
+                     f"| {what} |")
+    return "\n".join(lines)
 
 
 def equal_tail_table(rows: list[dict], base: str = "full", other: str = "orthros") -> str:
