@@ -37,6 +37,15 @@ def sums_match_the_loop():
                 assert got.dtype == dtype and got.shape == (R, C)
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 assert rel(got, ref) < tol, (dtype, R, k, rel(got, ref))
+    # rows of another dtype than the weights (fp64 rows here; bf16 rows over fp32 weights under autocast)
+    torch.manual_seed(1)
+    cfg = OrthrosConfig.from_name("tiny-moe")
+    moe = SparseMoE(cfg).to(DEVICE)
+    x = torch.randn(3, cfg.hidden_size, device=DEVICE, dtype=torch.float64)
+    r = moe.route(x.float())
+    got = fused_moe(x, r.weights, r.experts, expert_tables(moe.experts, DEVICE), cfg.moe_intermediate_size)
+    assert got.dtype == torch.float64
+    assert rel(got, fused_moe_ref(x, r.weights, r.experts, moe.experts)) < 1e-5
 
 
 def the_layer_uses_it_for_few_rows():

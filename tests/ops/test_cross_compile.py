@@ -145,7 +145,7 @@ def test_fused_moe_kernels_build_for_sm90():
 
     C, I, E, k = 2048, 768, 16, 8
     bf = dict(dtype=torch.bfloat16)
-    tables = tuple(torch.zeros(E, dtype=torch.int64) for _ in range(3))
+    tables = (*(torch.zeros(E, dtype=torch.int64) for _ in range(3)), torch.zeros(8, **bf))  # bf16 weights
     for R in (1, 64):
         experts = torch.arange(R * k).reshape(R, k) % E
         launches = _launches_of(fused_moe, torch.zeros(R, C, **bf), torch.rand(R, k), experts, tables, I)

@@ -23,13 +23,15 @@ MAX_ROWS = 64
 """Rows one call takes (a decode step's rows: batch x 2 for Orthros); more go the loop's way."""
 
 
-def expert_tables(experts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_tables(experts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """int64 [E] tables of the gate, up and down weights' addresses (every expert a SwiGLU with
-    `gate_proj`, `up_proj`, `down_proj`; weights contiguous, one dtype)."""
+    `gate_proj`, `up_proj`, `down_proj`; weights contiguous, one dtype), and one of the weights
+    (what tells the kernels their dtype)."""
     ws = [(e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight) for e in experts]
     if any(not w.is_contiguous() or w.dtype != ws[0][0].dtype or w.device != ws[0][0].device for t in ws for w in t):
         raise ValueError("fused MoE: every expert weight must be contiguous, of one dtype, on one device")
-    return tuple(torch.tensor([t[j].data_ptr() for t in ws], dtype=torch.int64, device=device) for j in range(3))
+    ptrs = (torch.tensor([t[j].data_ptr() for t in ws], dtype=torch.int64, device=device) for j in range(3))
+    return (*ptrs, ws[0][0])
 
 
 def _segments(weights: torch.Tensor, experts: torch.Tensor):
@@ -55,7 +57,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, tab
               fp32_dots: bool | None = None) -> torch.Tensor:
     """sum_k weights[r, k] * SwiGLU_{experts[r, k]}(x[r]) for x [R, C] (R <= MAX_ROWS), weights
     [R, k], experts [R, k] (int), `tables` from `expert_tables`, `intermediate` the experts' width.
-    fp32_dots: exact fp32 dots for fp32 weights (default: where x is fp32)."""
+    x may be of another dtype than the weights (it is cast to theirs). fp32_dots: exact fp32 dots
+    (default: for fp32 weights)."""
     from .moe_kernels import moe_down, moe_up
 
     R, C = x.shape
@@ -63,18 +66,18 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, tab
         raise ValueError(f"fused MoE takes at most {MAX_ROWS} rows, got {R}")
     k = experts.shape[1]
     P, I = R * k, intermediate
-    gate, up, down = tables
+    gate, up, down, w0 = tables
     e_sorted, rows, w_sorted, order, start, count = _segments(weights, experts)
     x = x.contiguous()
-    ieee = x.dtype == torch.float32 if fp32_dots is None else fp32_dots
+    ieee = w0.dtype == torch.float32 if fp32_dots is None else fp32_dots
     block_m = max(16, 1 << (R - 1).bit_length())
     block_i = 64 if block_m <= 32 else 32
     block_c = 64
     h = torch.empty(P, I, device=x.device, dtype=x.dtype)
-    moe_up[(P, -(-I // block_i))](x, x.stride(0), gate, up, x, e_sorted, rows, start, count, h, C, I,
+    moe_up[(P, -(-I // block_i))](x, x.stride(0), gate, up, w0, e_sorted, rows, start, count, h, C, I,
                                   BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_C=block_c, IEEE=ieee)
     y = torch.empty(P, C, device=x.device, dtype=torch.float32)
-    moe_down[(P, -(-C // block_c))](h, down, x, e_sorted, w_sorted, start, count, y, C, I,
+    moe_down[(P, -(-C // block_c))](h, down, w0, e_sorted, w_sorted, start, count, y, C, I,
                                     BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_I=block_i, IEEE=ieee)
     y = torch.empty_like(y).index_copy_(0, order, y)  # back to (row, slot) order
     return y.view(R, k, C).sum(1).to(x.dtype)
