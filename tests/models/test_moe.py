@@ -151,7 +151,7 @@ def test_load_balancing_loss_counts_the_rows_that_route_themselves(routing, monk
     seen = []
     real = mm.balance_loss
     monkeypatch.setattr(mm, "balance_loss", lambda layers, E: seen.append(
-        [[p.shape[0] for p, _ in rec] for rec in layers]) or real(layers, E))
+        [[int(m.sum()) for _, _, m in rec] for rec in layers]) or real(layers, E))
     model = moe_model(window=3, routing=routing, router_aux_loss_coef=0.5).train()
     ids = ids_for(10, B=2)
     mask = torch.ones_like(ids)
@@ -166,3 +166,17 @@ def test_load_balancing_loss_counts_the_rows_that_route_themselves(routing, monk
     model.zero_grad()
     out.aux_loss.backward()
     assert all(b.mlp.gate.weight.grad.abs().sum() > 0 for b in model.model.layers if b.sparse)
+    # with activation checkpointing (non-reentrant, as orthros train runs it): the same loss and gradient
+    from orthros.models.compat import set_checkpointing
+
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    set_checkpointing(model, True)
+    model.zero_grad()
+    again = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
+    torch.testing.assert_close(again.aux_loss, out.aux_loss)
+    again.aux_loss.backward()
+    for n, g in want.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, g, msg=n)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="non-reentrant"):
+        model(ids, labels=ids, output_router_logits=True)

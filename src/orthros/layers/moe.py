@@ -45,14 +45,15 @@ def balance_loss(layers: list[list], num_experts: int) -> torch.Tensor:
     """Switch Transformer's load-balancing loss as transformers' Qwen3-MoE computes it over layers:
     E * sum_e f_e * P_e, f_e the share of top-k assignments to expert e and P_e its mean router
     probability, each the mean over layers of that layer's share. `layers`: per sparse layer, the
-    (probs [M, E], experts [M, k]) of its routing decisions (a layer's base and output rows pooled:
-    equal rows give equal shares, so at W >= T this is the source model's loss). k for a perfect
-    balance."""
+    (probs [..., E], experts [..., k], rows that count [...] bool) of its routing decisions (a
+    layer's base and output rows pooled: equal rows give equal shares, so at W >= T this is the
+    source model's loss). k for a perfect balance."""
     f = p = 0.0
     for records in layers:
-        rows = max(sum(pr.shape[0] for pr, _ in records), 1)
-        f = f + sum(torch.bincount(e.reshape(-1), minlength=num_experts).float() for _, e in records) / rows
-        p = p + sum(pr.sum(0) for pr, _ in records) / rows
+        kept = [(pr[m], e[m]) for pr, e, m in records]
+        rows = max(sum(pr.shape[0] for pr, _ in kept), 1)
+        f = f + sum(torch.bincount(e.reshape(-1), minlength=num_experts).float() for _, e in kept) / rows
+        p = p + sum(pr.sum(0) for pr, _ in kept) / rows
     n = max(len(layers), 1)
     return num_experts * ((f / n) * (p / n)).sum()
 

@@ -178,19 +178,21 @@ class OrthrosBlock(GradientCheckpointingLayer):
         else:
             xb = None if hs[0] is None else hs[0][1]
             xo = hs[1][1] if len(hs) > 1 else None
-        bal = self.mlp.balance  # a list while the load-balancing loss is wanted (training)
-        pb = None if xb is None or bal is None else self.mlp.probs(xb)
+        # While the load-balancing loss is wanted (training), each routing decision is recorded as
+        # (probs, experts, rows that count); the same ops run either way, so a checkpointed block's
+        # recomputation (which records nothing) matches its forward.
+        bal = self.mlp.balance
+        pb = None if xb is None else self.mlp.probs(xb)
         rb = None if xb is None else self.mlp.route(xb, pb)  # [B, T, k]
-        if pb is not None:
-            keep = layout.base_doc != PAD_DOC
-            bal.append((pb[keep], rb.experts[keep]))
+        if bal is not None and pb is not None:
+            bal.append((pb, rb.experts, layout.base_doc != PAD_DOC))
         ro = None
         if xo is not None:
             if self.output_routing == "independent" or last:
-                po = None if bal is None else self.mlp.probs(xo)
+                po = self.mlp.probs(xo)
                 ro = self.mlp.route(xo, po)
-                if po is not None:  # rows routed by their own choice (bound / base reuse the base row's)
-                    bal.append((po[layout.out_valid], ro.experts[layout.out_valid]))
+                if bal is not None:  # rows routed by their own choice (bound / base reuse the base row's)
+                    bal.append((po, ro.experts, layout.out_valid))
             else:
                 take = take or (lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1])))
                 chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
@@ -520,6 +522,10 @@ class OrthrosForCausalLM(OrthrosPreTrainedModel, GenerationMixin):
         finally:
             for m in moes:
                 m.balance = None
+        if moes and self.training and torch.is_grad_enabled() and records and not records[0][0][0].requires_grad:
+            raise ValueError("the load-balancing loss gets no gradient under reentrant activation checkpointing "
+                             "(its forward runs without autograd): use non-reentrant checkpointing "
+                             "(gradient_checkpointing_kwargs={'use_reentrant': False}, as orthros train does)")
         aux = balance_loss(records, self.config.num_experts) if moes else None
         if call.trace is not None:  # every position ran: the requested rows make the logits
             h = h.gather(1, out_idx[..., None].expand(-1, -1, h.shape[-1]))
