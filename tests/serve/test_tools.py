@@ -33,7 +33,8 @@ def test_llama3_json_calls():
     assert parse("llama3_json", '{"name": "f", "parameters": {"x": 1}}') == (None, [{"name": "f", "arguments": {"x": 1}}])
     assert parse("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}')[1] \
         == [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]
-    for text in ("The answer is 4.", '{"x": 1}', '{"name": "f"} trailing'):
+    assert parse("llama3_json", '{"name": "q", "parameters": {"sql": "a; b"}}') == (None, [{"name": "q", "arguments": {"sql": "a; b"}}])
+    for text in ("The answer is 4.", '{"x": 1}', '{"name": "f"} trailing', ""):
         assert parse("llama3_json", text) == (text, [])
     assert detect(HERMES) == "hermes" and detect("{{ messages }}") is None
     with pytest.raises(ValueError, match="unknown tool-call parser"):

@@ -59,15 +59,18 @@ def parse(parser: str, text: str) -> tuple[str | None, list[dict]]:
         return (rest or None) if calls else text, calls
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        calls = []
-        for part in body.split(";") if body.startswith("{") else []:
+        calls, i, dec = [], 0, json.JSONDecoder()
+        while i < len(body):  # JSON objects separated by ';' (a ';' inside a string is the string's)
             try:
-                call = _call(json.loads(part))
+                obj, i = dec.raw_decode(body, i)
             except ValueError:
                 return text, []
+            call = _call(obj)
             if call is None:
                 return text, []
             calls.append(call)
+            while i < len(body) and body[i] in "; \n\t":
+                i += 1
         return (None, calls) if calls else (text, [])
     raise ValueError(f"unknown tool-call parser {parser!r}; one of {', '.join(PARSERS)}")
 
