@@ -80,6 +80,26 @@ def test_bench_fp8_agreement(tmp_path):
     assert "top-1 agreement" in doc
 
 
+def test_bench_decode_moe_counts_the_experts_read(tmp_path):
+    """A MoE shape: each row says how many experts a sparse layer read in a step; a pair routed by its
+    base row (bound / base) reads no more than one routed independently, and never more than the
+    batch's rows x k; the step's bytes count those experts, not all."""
+    doc = tmp_path / "bench.md"
+    doc.write_text("<!-- decode-table:begin -->\n(pending)\n<!-- decode-table:end -->\n")
+    assert main(["bench", "decode", "--model", "tiny-moe", "--no-compile", "--out-dir", str(tmp_path), "--docs",
+                 str(doc), "--contexts", "40", "--batches", "1", "4", "--steps", "2", "--warmup", "1", "--window", "8",
+                 "--variants", "full", "orthros", "orthros-bound", "orthros-base"]) == 0
+    rows = {(r["variant"], r["batch"]): r for r in json.loads((tmp_path / "decode.json").read_text())["rows"]}
+    E, k = 4, 2  # tiny-moe
+    for (v, B), r in rows.items():
+        assert r["status"] == "ok" and 1 <= r["experts_per_layer"] <= min(E, 2 * B * k) and r["expert_bytes"] > 0
+    for B in (1, 4):
+        assert rows[("orthros-bound", B)]["experts_per_layer"] <= rows[("orthros", B)]["experts_per_layer"]
+    assert rows[("full", 1)]["experts_per_layer"] <= k
+    assert "experts a layer" in doc.read_text()
+    assert main(["bench", "decode", "--model", "tiny", "--variants", "orthros-bound", "--out-dir", str(tmp_path)]) == 2
+
+
 def test_bench_decode_lowbit_reads_fewer_bytes(tmp_path):
     """--kv-dtype int2 (Orthros only): the step's byte count uses the packed size beyond the window."""
     common = ("decode", "--contexts", "300", "--batches", "1", "--steps", "2", "--warmup", "1", "--window", "8",

@@ -46,11 +46,16 @@ def free_memory():
 
 
 def variant_config(args, variant: str, positions: int) -> OrthrosConfig:
-    """The preset `args.model` as `variant` (window `args.window`, `args.layers` if set), long enough for `positions`."""
-    over = dict(window_size=args.window, attention=variant)
+    """The preset `args.model` as `variant` (window `args.window`, `args.layers` if set), long enough for `positions`.
+    `orthros-bound` / `orthros-base`: Orthros with a mixture of experts' output rows routed that way."""
+    attention, _, routing = variant.partition("-")
+    over = dict(window_size=args.window, attention=attention, **({"output_routing": routing} if routing else {}))
     if args.layers:
         over["num_hidden_layers"] = args.layers
     cfg = OrthrosConfig.from_name(args.model, **over)
+    if routing and not cfg.num_experts:
+        raise ValueError(f"variant {variant!r} routes experts: {args.model} has none (a MoE shape: tiny-moe, "
+                         "qwen3-30b-a3b)")
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, positions)
     return cfg
 

@@ -37,14 +37,16 @@ from .common import (DTYPES, build_model, environment, free_memory, is_oom, kern
                      render, result_from, save_figure, save_partial, subplots, sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
-VARIANTS = ("orthros", "full")
+VARIANTS = ("orthros", "full", "orthros-bound", "orthros-base")
+"""orthros-bound / orthros-base: a mixture-of-experts model's output rows routed by their base row
+(docs/moe.md); plain "orthros" routes them independently."""
 
 
 def add_arguments(p):
     p.add_argument("--model", default="llama-3.1-8b", help="config name (shape)")
     p.add_argument("--contexts", nargs="+", type=parse_len, default=[parse_len(x) for x in ("4K", "32K", "128K")])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 2])
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["orthros", "full"])
     p.add_argument("--window", type=int, default=128, help="Orthros window size")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per row")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, graph capture)")
@@ -108,13 +110,49 @@ def fill_random(cache, context: int, seed: int = 0) -> None:
     cache.last_doc.fill_(0)
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads (the embedding table excepted: one row is gathered)."""
+def weight_bytes(model, experts_read: float | None = None) -> int:
+    """Bytes of the weights one decode step reads (the embedding table excepted: one row is gathered).
+    A mixture-of-experts model reads only the experts its rows chose: `experts_read` (the mean number
+    a sparse layer read, `experts_per_step`) of each sparse layer's experts."""
+    from ..layers.moe import SparseMoE
+
     emb = model.model.embed_tokens.weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+    experts = {id(p) for m in model.modules() if isinstance(m, SparseMoE) for p in m.experts.parameters()}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb and id(p) not in experts)
     if model.lm_head.weight is emb:  # tied: the LM head still reads the whole table
         weights += emb.numel() * emb.element_size()
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if moes:
+        one = sum(p.numel() * p.element_size() for p in moes[0].experts[0].parameters())
+        n = len(moes[0].experts) if experts_read is None else experts_read
+        weights += int(len(moes) * n * one)
     return weights
+
+
+def experts_per_step(model, cache, batch: int, step_fn) -> float | None:
+    """The mean number of distinct experts a sparse layer reads in one decode step (the union over
+    the step's rows: a pair's two rows, every sequence of the batch), from one more step's routing;
+    None for a dense model."""
+    from ..layers.moe import SparseMoE
+
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not moes:
+        return None
+    seen = {id(m): set() for m in moes}
+
+    def hook(m, args):
+        r = args[1] if len(args) > 1 else None
+        chosen = r.experts if r is not None else m.route(args[0]).experts
+        seen[id(m)].update(chosen.unique().tolist())
+
+    handles = [m.register_forward_pre_hook(hook) for m in moes]
+    try:
+        tok = torch.zeros(batch, dtype=torch.long, device=next(model.parameters()).device)
+        decode_one_token_fast(model, tok, cache, step_fn)
+    finally:
+        for h in handles:
+            h.remove()
+    return sum(len(v) for v in seen.values()) / len(moes)
 
 
 def kv_read_bytes(model, cache, batch: int, context: int) -> float:
@@ -132,9 +170,9 @@ def kv_read_bytes(model, cache, batch: int, context: int) -> float:
     return batch * (L * out + base)
 
 
-def step_bytes(model, cache, batch: int, context: int) -> int:
-    """Bytes one decode step must read: weights + K/V."""
-    return int(weight_bytes(model) + kv_read_bytes(model, cache, batch, context))
+def step_bytes(model, cache, batch: int, context: int, experts_read: float | None = None) -> int:
+    """Bytes one decode step must read: weights (a MoE's chosen experts only) + K/V."""
+    return int(weight_bytes(model, experts_read) + kv_read_bytes(model, cache, batch, context))
 
 
 def group_bandwidth(profile: dict, model, cache, batch: int, context: int) -> dict:
@@ -181,7 +219,16 @@ def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> tuple
 def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
-    step_fn = fast_decode_step if args.no_compile else compiled_decode_step()
+    compiled = None if args.no_compile else compiled_decode_step()
+
+    def steps_for(cfg):
+        if compiled is None:
+            return fast_decode_step
+        if cfg.num_experts:  # compiled, a sparse layer would run every expert (no host read of the routing)
+            progress(f"{cfg.num_experts} experts: eager decode steps (the fused MoE step reads only the chosen ones)")
+            return fast_decode_step
+        return compiled
+
     rows, profiles = [], {}
     tok = torch.zeros(max(args.batches), dtype=torch.long, device=device)
 
@@ -194,6 +241,7 @@ def measure(args) -> dict:
         cfg = variant_config(args, variant, max(args.contexts) + args.steps + args.warmup + 1)
         progress(f"{variant}: building {args.model} (random {args.dtype} weights)")
         model = build_model(cfg, device, dtype)
+        step_fn = steps_for(cfg)
         for B in args.batches:
             for C in sorted(args.contexts):
                 row = dict(variant=variant, batch=B, context=C, layers=cfg.num_hidden_layers)
@@ -215,7 +263,10 @@ def measure(args) -> dict:
                                 device, top=40)}
                             prof["gb_per_s"] = group_bandwidth(prof, model, cache, B, cache.length - 5)  # mid-run context
                             profiles[variant] = prof
-                    nbytes = step_bytes(model, cache, B, C + args.warmup + args.steps // 2)
+                        read = experts_per_step(model, cache, B, step_fn)
+                    nbytes = step_bytes(model, cache, B, C + args.warmup + args.steps // 2, read)
+                    if read is not None:
+                        row.update(experts_per_layer=read, expert_bytes=weight_bytes(model, read) - weight_bytes(model, 0))
                     rows.append({**row, "status": "ok", "step_s": dt, "tokens_per_s": B / dt, "bytes": nbytes,
                                  "gb_per_s": nbytes / dt / 1e9, "roofline": nbytes / dt / (args.bandwidth * 1e12),
                                  "roofline_tok_s": B * args.bandwidth * 1e12 / nbytes,
@@ -265,6 +316,18 @@ def table(result) -> str:
             ok = o and f and o["status"] == f["status"] == "ok"
             ratio = f"{o['tokens_per_s'] / f['tokens_per_s']:.3f}×" if ok else "–"
             out.append(f"| {_fmt_len(C)} | {B} | {cell(o)} | {cell(f)} | {ratio} | {bw(o)} | {bw(f)} |")
+    moe = [r for r in rows if "experts_per_layer" in r]
+    if moe:
+        out += ["", "Mixture of experts: distinct experts a sparse layer read in a step (the union over the "
+                "step's rows) and their bytes over all sparse layers:", "",
+                "| variant | context | batch | tok/s | / full | experts a layer | expert GB a step |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sorted(moe, key=lambda r: (r["context"], r["batch"], r["variant"])):
+            f = idx.get(("full", r["batch"], r["context"]))
+            ratio = (f"{r['tokens_per_s'] / f['tokens_per_s']:.3f}×"
+                     if f and f["status"] == "ok" and r["variant"] != "full" else "–")
+            out.append(f"| {r['variant']} | {_fmt_len(r['context'])} | {r['batch']} | {cell(r)} | {ratio} | "
+                       f"{r['experts_per_layer']:.2f} | {r['expert_bytes'] / 1e9:.3f} |")
     prof = result.get("profiles") or {}
     if prof:
         first = next(iter(prof.values()))

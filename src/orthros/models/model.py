@@ -200,6 +200,8 @@ class OrthrosBlock(GradientCheckpointingLayer):
                       else type(rb)(take(rb.weights), chosen))
         if joined:
             h, x = hs[0]
+            if last:  # the base rows run only to keep the pair one group, then are dropped: they take
+                rb = ro  # their output rows' experts, so the step reads no expert for them alone
             r = type(rb)(*(torch.cat([b, o], 1) for b, o in zip(rb, ro)))
             return h + self.mlp(x, r), None
         out = [None if h is None else h[0] + self.mlp(h[1], r) for h, r in zip(hs, [rb, ro])]
