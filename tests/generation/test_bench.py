@@ -93,8 +93,10 @@ def test_bench_decode_moe_counts_the_experts_read(tmp_path):
     E, k = 4, 2  # tiny-moe
     for (v, B), r in rows.items():
         assert r["status"] == "ok" and 1 <= r["experts_per_layer"] <= min(E, 2 * B * k) and r["expert_bytes"] > 0
-    for B in (1, 4):
-        assert rows[("orthros-bound", B)]["experts_per_layer"] <= rows[("orthros", B)]["experts_per_layer"]
+    # one pair routed by its base row reads exactly its k experts a layer; routed alone, at least those
+    # (at batch 4 the output rows' own last-layer choices differ between modes: no order there)
+    assert rows[("orthros-bound", 1)]["experts_per_layer"] == rows[("orthros-base", 1)]["experts_per_layer"] == k
+    assert rows[("orthros", 1)]["experts_per_layer"] >= k
     assert rows[("full", 1)]["experts_per_layer"] <= k
     assert "experts a layer" in doc.read_text()
     assert main(["bench", "decode", "--model", "tiny", "--variants", "orthros-bound", "--out-dir", str(tmp_path)]) == 2

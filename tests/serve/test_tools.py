@@ -60,10 +60,12 @@ def scripted(monkeypatch, tok, text):
     from orthros.serve.request import TokenEvent
 
     script = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    state = {}
+    state = {}  # per request (each has its own SamplingParams, held here so its id stays its own): tokens sent
 
     def fake(logits, greedy, params, generator, output=()):
-        return TokenEvent(script[len(output)])
+        i = state.get(id(params), (params, -1))[1] + 1
+        state[id(params)] = (params, i)
+        return TokenEvent(script[i])
 
     monkeypatch.setattr(engine_mod, "sample_event", fake)
     return state

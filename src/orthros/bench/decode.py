@@ -121,12 +121,19 @@ def weight_bytes(model, experts_read: float | None = None) -> int:
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb and id(p) not in experts)
     if model.lm_head.weight is emb:  # tied: the LM head still reads the whole table
         weights += emb.numel() * emb.element_size()
+    return weights + expert_bytes(model, experts_read)
+
+
+def expert_bytes(model, experts_read: float | None = None) -> int:
+    """Bytes of `experts_read` experts (default: all) in every sparse layer; 0 for a dense model."""
+    from ..layers.moe import SparseMoE
+
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
-    if moes:
-        one = sum(p.numel() * p.element_size() for p in moes[0].experts[0].parameters())
-        n = len(moes[0].experts) if experts_read is None else experts_read
-        weights += int(len(moes) * n * one)
-    return weights
+    if not moes:
+        return 0
+    one = sum(p.numel() * p.element_size() for p in moes[0].experts[0].parameters())
+    n = len(moes[0].experts) if experts_read is None else experts_read
+    return int(len(moes) * n * one)
 
 
 def experts_per_step(model, cache, batch: int, step_fn) -> float | None:
@@ -266,7 +273,7 @@ def measure(args) -> dict:
                         read = experts_per_step(model, cache, B, step_fn)
                     nbytes = step_bytes(model, cache, B, C + args.warmup + args.steps // 2, read)
                     if read is not None:
-                        row.update(experts_per_layer=read, expert_bytes=weight_bytes(model, read) - weight_bytes(model, 0))
+                        row.update(experts_per_layer=read, expert_bytes=expert_bytes(model, read))
                     rows.append({**row, "status": "ok", "step_s": dt, "tokens_per_s": B / dt, "bytes": nbytes,
                                  "gb_per_s": nbytes / dt / 1e9, "roofline": nbytes / dt / (args.bandwidth * 1e12),
                                  "roofline_tok_s": B * args.bandwidth * 1e12 / nbytes,

@@ -11,17 +11,23 @@ from .splitkv.kernels import _dot
 
 
 @triton.jit
+def _segment(SEG_START, SEG_COUNT, E_SORTED, TABLE, W0):
+    """Segment program_id(0): (its pair count, its first pair, its expert's weight pointer)."""
+    s = tl.program_id(0)
+    n = tl.load(SEG_COUNT + s)
+    start = tl.load(SEG_START + s)
+    e = tl.load(E_SORTED + start, mask=n > 0, other=0)  # a past-the-end segment reads nothing
+    return n, start, tl.load(TABLE + e).to(W0.dtype)
+
+
+@triton.jit
 def moe_up(X, sxr, GATE, UP, W0, E_SORTED, ROWS, SEG_START, SEG_COUNT, H, C, I,
            BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
     """h[pair, i] = silu(x[row] . gate_e[i]) * (x[row] . up_e[i]) for the pairs of segment
     program_id(0), columns of tile program_id(1); each weight tile loaded once."""
-    s = tl.program_id(0)
-    n = tl.load(SEG_COUNT + s)
+    n, start, g_ptr = _segment(SEG_START, SEG_COUNT, E_SORTED, GATE, W0)
     if n > 0:
-        start = tl.load(SEG_START + s)
-        e = tl.load(E_SORTED + start)
-        g_ptr = tl.load(GATE + e).to(W0.dtype)
-        u_ptr = tl.load(UP + e).to(W0.dtype)
+        u_ptr = tl.load(UP + tl.load(E_SORTED + start)).to(W0.dtype)
         i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         im = i < I
         for m0 in range(0, n, BLOCK_M):  # one pass unless a segment outgrows the tile (a row repeating an expert)
@@ -51,12 +57,8 @@ def moe_down(H, DOWN, W0, E_SORTED, W_SORTED, SEG_START, SEG_COUNT, Y, C, I,
              BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, IEEE: tl.constexpr):
     """y[pair, c] = weight[pair] * (h[pair] . down_e[c]) for the pairs of segment program_id(0),
     columns of tile program_id(1)."""
-    s = tl.program_id(0)
-    n = tl.load(SEG_COUNT + s)
+    n, start, d_ptr = _segment(SEG_START, SEG_COUNT, E_SORTED, DOWN, W0)
     if n > 0:
-        start = tl.load(SEG_START + s)
-        e = tl.load(E_SORTED + start)
-        d_ptr = tl.load(DOWN + e).to(W0.dtype)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         cm = c < C
         for m0 in range(0, n, BLOCK_M):

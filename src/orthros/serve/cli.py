@@ -90,9 +90,6 @@ def run(args) -> int:
         raise ValueError(f"orthros serve needs the serving extra: pip install 'orthros[serve]' ({e})") from e
     from .launch import bind, build_app, load_model, open_access_warning
 
-    if args.api_key is not None and not args.api_key:
-        raise ValueError("--api-key: the key is empty")
-
     model, tok, name = load_model(args.model, args.preset, args.device, args.dtype, args.attention, args.window,
                                   args.layers, args.max_model_len)
     app, engine = build_app(model, tok, args.served_model_name or name, engine_config(args), args.api_key,

@@ -227,7 +227,8 @@ class Engine:
     def _emit(self, req: Request, logits: torch.Tensor, greedy: int, now: float) -> None:
         """Sample the next token of `req` from logits [V] (`greedy`: their argmax), send it,
         finish the request if it is done."""
-        ev = sample_event(logits, greedy, req.params, req.generator, req.tokens[len(req.prompt):])
+        output = req.tokens[len(req.prompt):] if req.params.shapes_logits else ()  # penalties only
+        ev = sample_event(logits, greedy, req.params, req.generator, output)
         req.tokens.append(ev.token_id)
         if self.metrics:
             self.metrics.on_token(req, now)

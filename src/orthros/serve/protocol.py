@@ -45,7 +45,7 @@ class _Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self):
-        self.token_bias()  # keys are token ids, values in [-100, 100]
+        self.token_bias()  # keys are token ids
         stops = self.stop_strings()
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
@@ -59,18 +59,13 @@ class _Sampling(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with int keys (OpenAI sends them as strings); SamplingParams checks the ranges."""
         if not self.logit_bias:
             return None
-        out = {}
-        for k, v in self.logit_bias.items():
-            try:
-                tok = int(k)
-            except ValueError:
-                raise ValueError(f"logit_bias keys are token ids, got {k!r}") from None
-            if tok < 0 or not -100.0 <= v <= 100.0:
-                raise ValueError(f"logit_bias: token ids >= 0 and values in [-100, 100], got {k}: {v}")
-            out[tok] = float(v)
-        return out
+        try:
+            return {int(k): float(v) for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise ValueError(f"logit_bias keys are token ids, got {list(self.logit_bias)}") from None
 
     def top_k_value(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k

@@ -21,13 +21,13 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     return g
 
 
-def shape_logits(logits: torch.Tensor, params: SamplingParams, output: list[int]) -> torch.Tensor:
+def shape_logits(logits: torch.Tensor, params: SamplingParams, output) -> torch.Tensor:
     """logits [V] (fp32) less presence x [t was generated] + frequency x (t's count in `output`),
     plus logit_bias[t]: vLLM's order and definitions (penalties over this request's output only)."""
     p = params
     out = logits.float().clone()
     if output and (p.presence_penalty or p.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output, device=out.device), minlength=out.shape[0])[: out.shape[0]]
+        counts = torch.bincount(torch.tensor(list(output), device=out.device), minlength=out.shape[0])[: out.shape[0]]
         out -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=out.device)
@@ -43,7 +43,7 @@ def sample_event(logits: torch.Tensor, greedy: int, params: SamplingParams,
     p = params
     chosen = logits
     if p.shapes_logits:
-        chosen = shape_logits(logits, p, list(output))
+        chosen = shape_logits(logits, p, output)
         greedy = int(chosen.argmax())
     if p.temperature == 0:
         tok = greedy
