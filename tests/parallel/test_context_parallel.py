@@ -90,7 +90,9 @@ def results(tmp_path_factory):
     model_dir = out / "model"
     make_model("orthros", window=5, seed=7).cpu().save_pretrained(model_dir)
     cli = [str(model_dir), "--prompt", CLI_PROMPT, "--max-new-tokens", "12", "--device", "cpu"]
-    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), bench, cli, start_method="fork")
+    # a fork after CUDA (and its autograd threads) started in this process can kill a child
+    method = "spawn" if torch.cuda.is_initialized() else "fork"
+    spawn(cases_worker, 4, [c for c, _ in built] + [gen_case, bad_case], str(out), bench, cli, start_method=method)
     res = {}
     for i, (name, (case, ref)) in enumerate(zip(names, built)):
         res[name] = ref, [torch.load(out / f"case{i}_rank{r}.pt") for r in range(case["world"])]

@@ -194,7 +194,8 @@ class OrthrosBlock(GradientCheckpointingLayer):
                 if bal is not None:  # rows routed by their own choice (bound / base reuse the base row's)
                     bal.append((po, ro.experts, layout.out_valid))
             else:
-                take = take or (lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1])))
+                if take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
+                    take = lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
                 chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
                 ro = (self.mlp.rebind(xo, chosen) if self.output_routing == "bound"
                       else type(rb)(take(rb.weights), chosen))

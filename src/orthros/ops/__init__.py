@@ -20,7 +20,7 @@ the fast paths below compute the same function:
 
 `backend="auto"` picks, on CUDA: split-KV for few queries without autograd,
 SDPA for a plain causal batch (a prefix, or a later chunk without autograd),
-FlexAttention otherwise; on CPU: chunked (naive under torch.export).
+FlexAttention otherwise; on CPU: chunked. An exported program (torch.export) runs naive.
 A named backend is used where it applies and falls back (in the order
 above) where it does not, e.g. "triton" with autograd runs FlexAttention.
 Kernels are imported lazily: `import orthros` never needs Triton.
@@ -60,8 +60,12 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
     M = q.shape[1]
+    # torch.export traces neither the Triton kernels' launch arithmetic (split counts guard on the
+    # symbolic length), the chunked op's host sync (its chunks' key ranges) nor FlexAttention's
+    # block mask: an exported program attends with the reference op, on every device
+    exporting = torch.compiler.is_exporting()
     if window is not None and window_rows is not None and window_rows < M:
-        if _splitkv_applies(q, k, v, backend):
+        if not exporting and _splitkv_applies(q, k, v, backend):
             from .splitkv.dense import splitkv_attention
 
             return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
@@ -71,7 +75,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         a = attention(q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend)
         b = attention(q[:, r:], k, v, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend)
         return torch.cat([a, b], 1)
-    if backend == "naive":
+    if backend == "naive" or exporting:
         return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     if _splitkv_applies(q, k, v, backend):
         from .splitkv.dense import splitkv_attention
@@ -80,9 +84,6 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
             a = max(0, dense_start - window + 1)
             k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
         return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
-    if not q.is_cuda and torch.compiler.is_exporting():
-        # torch.export cannot trace the chunked op's host sync (its chunks' key ranges)
-        return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     if not q.is_cuda or backend == "chunked":
         if backend == "flex":  # uncompiled FlexAttention on CPU: for tests of the mask logic
             from .flex import flex_attention_op
@@ -101,10 +102,6 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         from .dense import sdpa_causal_offset  # a later chunk of a chunked prefill
 
         return sdpa_causal_offset(q, k, v, dense_start, scale=scale)
-    if torch.compiler.is_exporting():
-        # FlexAttention's block mask does not trace with symbolic sizes: the reference op
-        # (T x T scores) in an exported program
-        return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
     from .flex import flex_attention_op
 
     return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)

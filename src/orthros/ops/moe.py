@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 64
-"""Rows one call takes (a decode step's rows: batch x 2 for Orthros); more go the loop's way."""
+MAX_ROWS = 256
+"""Rows one call takes (a decode step's rows: batch x 2 for Orthros, up to batch 128); more (a
+prefill) go the loop's way. A segment's rows go through the kernels up to 64 at a time."""
 
 
 def expert_tables(experts, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +71,7 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, tab
     e_sorted, rows, w_sorted, order, start, count = _segments(weights, experts)
     x = x.contiguous()
     ieee = w0.dtype == torch.float32 if fp32_dots is None else fp32_dots
-    block_m = max(16, 1 << (R - 1).bit_length())
+    block_m = min(64, max(16, 1 << (R - 1).bit_length()))
     block_i = 64 if block_m <= 32 else 32
     block_c = 64
     h = torch.empty(P, I, device=x.device, dtype=x.dtype)
