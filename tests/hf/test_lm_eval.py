@@ -125,6 +125,25 @@ def test_loglikelihood_is_the_sum_over_continuation_positions(runs):
     assert abs(want - samples(runs["wide"], "orthros_test_mc")[0]["filtered_resps"][0][0]) > 1e-3  # W matters
 
 
+def test_loglikelihood_batches_are_padded_to_a_few_lengths(runs):
+    """The model sees a multiple of PAD_TO tokens (compiled kernels are built per length); the
+    logits handed back are the unpadded call's, cut to the request's length."""
+    from orthros.eval.lm_eval_adapter import PAD_TO, OrthrosLM
+
+    lm = OrthrosLM(pretrained=str(runs["dirs"]["narrow"]), batch_size=1, device=DEV, dtype="float32")
+    seen = []
+    hook = lm.model.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0] if a else kw["input_ids"]).shape[1]),
+                                              with_kwargs=True)
+    ids = torch.randint(0, lm.model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0)).to(DEV)
+    try:
+        got = lm._model_call(ids)
+    finally:
+        hook.remove()
+    assert seen == [PAD_TO] and got.shape[:2] == (2, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(got, lm.model(ids).logits)
+
+
 def test_generate_until_matches_the_source_and_orthros_generate(runs):
     ref, wide = samples(runs["hf"], "orthros_test_gen"), samples(runs["wide"], "orthros_test_gen")
     assert [s["resps"] for s in wide] == [s["resps"] for s in ref]

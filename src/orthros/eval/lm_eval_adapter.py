@@ -10,7 +10,11 @@ classes. This module registers that as lm-eval model `orthros` too:
 What lm-eval asks of the model, and what it gets:
   * loglikelihood / multiple choice: `model(input_ids).logits`, right-padded,
     no mask, no `logits_to_keep` -> every position is an output position
-    (logits [B, T, V]); lm-eval reads the continuation's slice.
+    (logits [B, T, V]); lm-eval reads the continuation's slice. The batch is
+    padded further on the right to a multiple of `PAD_TO` tokens (causal: no
+    earlier position changes) and the logits cut back, so a task's requests
+    come in a few lengths and compiled kernels (FlexAttention on CUDA, one per
+    shape) are built a few times instead of once per request length.
   * generate_until: `model.generate(..., attention_mask)` on left-padded
     prompts -> transformers' generate with an OrthrosCache: one output token
     in the prefill (linear time), then one (base, output) pair per step.
@@ -18,10 +22,15 @@ What lm-eval asks of the model, and what it gets:
 
 from __future__ import annotations
 
+import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import orthros  # noqa: F401  (registers OrthrosConfig / OrthrosForCausalLM with the Auto classes)
+
+
+PAD_TO = 128
+"""loglikelihood batches are right-padded to a multiple of this many tokens"""
 
 
 @register_model("orthros")
@@ -31,6 +40,15 @@ class OrthrosLM(HFLM):
     def __init__(self, pretrained, **kwargs):
         kwargs.setdefault("backend", "causal")  # "orthros" is not in transformers' own causal-LM table
         super().__init__(pretrained=pretrained, **kwargs)
+
+    def _model_call(self, inps, attn_mask=None, labels=None):
+        T = inps.shape[1]
+        pad = -T % PAD_TO
+        if attn_mask is not None or labels is not None or not pad:
+            return super()._model_call(inps, attn_mask, labels)
+        filler = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        padded = torch.nn.functional.pad(inps, (0, pad), value=filler)
+        return super()._model_call(padded)[:, :T]
 
 
 def _task_manager(tasks: list[str], include_path: str | None):
