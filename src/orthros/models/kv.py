@@ -8,6 +8,7 @@ answers with a description of what attention reads (`ops.kv`: `DenseKV`, `PagedK
     StaticOrthrosCache  preallocated bf16 / fp8, capturable decode steps         -> DenseKV
     LowBitStaticCache   bf16 window + sinks, int4 / int2 beyond                  -> LowBitKV
     PagedStepCache      one forward over a serving engine's block pool           -> PagedKV
+                        (over a low-bit pool, `PagedLowBitPool`)                 -> PagedLowBitKV
     ShardedCache        this rank's shard of a context-parallel cache            -> ShardedKV
 """
 
@@ -17,9 +18,9 @@ from typing import Protocol, Union, runtime_checkable
 
 import torch
 
-from ..ops.kv import DenseKV, LowBitKV, PagedKV, ShardedKV
+from ..ops.kv import DenseKV, LowBitKV, PagedKV, PagedLowBitKV, ShardedKV
 
-KVRead = Union[DenseKV, PagedKV, LowBitKV, ShardedKV]
+KVRead = Union[DenseKV, PagedKV, LowBitKV, PagedLowBitKV, ShardedKV]
 
 
 @runtime_checkable

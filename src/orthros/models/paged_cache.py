@@ -36,13 +36,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.kv import PagedChunk, PagedKV, PagedRows
+from ..ops.kv import PagedChunk, PagedKV, PagedLowBitKV, PagedRows
 from .layout import Layout
-from .static_cache import FP8, FP8_MARGIN, FP8_MAX, kv_storage_dtype
+from .paged_lowbit import PagedLowBitPool, lowbit_bytes_per_token
+from .static_cache import FP8, FP8_MARGIN, FP8_MAX, LOWBIT_KV_DTYPES, kv_storage_dtype
 
 
-def kv_bytes_per_token(config, model_dtype: torch.dtype, kv_dtype: str = "auto") -> int:
-    """Bytes of K + V one token takes over all layers."""
+def kv_bytes_per_token(config, model_dtype: torch.dtype, kv_dtype: str = "auto") -> float:
+    """Bytes of K + V one token takes over all layers (a low-bit pool: packed, with the scales'
+    share; its bf16 twin blocks are a fixed cost apart, `paged_lowbit.twin_bytes_per_block`)."""
+    if kv_dtype in LOWBIT_KV_DTYPES:
+        return lowbit_bytes_per_token(config, kv_dtype)
     item = torch.empty(0, dtype=kv_storage_dtype(kv_dtype, model_dtype)).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * item
 
@@ -130,11 +134,13 @@ class PagedStepCache:
 
     reference_reads = False
 
-    def __init__(self, pool: PagedKVPool, config, segments: list[Segment]):
+    def __init__(self, pool: PagedKVPool | PagedLowBitPool, config, segments: list[Segment]):
         if not segments:
             raise ValueError("a forward needs at least one segment")
         self.pool = pool
         dev, bs = pool.device, pool.block_size
+        kg = pool.key_group if isinstance(pool, PagedLowBitPool) else None
+        groups = []  # low-bit: (pool slot, position) of the first slot of each key group completed here
         self.base_window = None if config.attention == "full" else config.window_size
         tokens, pos, doc, out_idx, slots = [], [], [], [], []
         base_single, out_single, dense = [], [], []  # (segment, position) / _Dense
@@ -152,6 +158,9 @@ class PagedStepCache:
             pos.append(p)
             doc += [i] * n
             slots.append(table[i].long()[p // bs] * bs + p % bs)
+            if kg:
+                gp = torch.arange(-(-(s.start + 1) // kg) - 1, (s.start + n) // kg) * kg
+                groups.append(torch.stack([table[i].long()[gp // bs] * bs + gp % bs, gp]))
             if n == 1:
                 base_single.append((r0, i, s.start))
             else:
@@ -183,6 +192,8 @@ class PagedStepCache:
             out_slot=oi.clone(), out_pos=base_pos.gather(1, oi), out_doc=base_doc.gather(1, oi),
             next_pos=base_pos[:, -1] + 1, last_doc=base_doc[:, -1], pairs=not dense and N == T)
         self.num_outputs = N
+        self._groups = tuple(torch.cat(groups, 1).to(dev)) if kg else None
+        self._lowbit = None  # the low-bit pool's plan of this forward (made by its first layer)
 
     @classmethod
     def static_decode(cls, pool: PagedKVPool, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
@@ -206,6 +217,7 @@ class PagedStepCache:
                              out_pos=base_pos, out_doc=doc, next_pos=base_pos[:, -1] + 1, last_doc=doc[:, -1],
                              pairs=True)
         self.num_outputs = B
+        self._groups = self._lowbit = None
         return self
 
     def _padded_rows(self, n: int, dense_start: int) -> int:
@@ -230,10 +242,14 @@ class PagedStepCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # every slot is addressed through the plan, not a shared key axis
 
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedKV:
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> PagedKV | PagedLowBitKV:
         """Write the new tokens' k, v [1, T, Hkv, D] to their blocks; return what this forward's rows
         read (`ops.attend` plans them by stream)."""
         pool = self.pool
+        if isinstance(pool, PagedLowBitPool):
+            if layer_idx == 0:  # every forward (a captured one too) makes its addresses again
+                self._lowbit = pool.plan(self, self._groups)
+            return pool.write(layer_idx, self._lowbit, self._out_single, k[0], v[0], self.slots)
         pool.write(layer_idx, self.slots, k[0], v[0])
         scales = (pool.k_scale[layer_idx], pool.v_scale[layer_idx]) if pool.fp8 else (None, None)
         return PagedKV(pool.k[layer_idx], pool.v[layer_idx], pool.block_size, self._base_single, self._out_single,

@@ -9,6 +9,7 @@ A cache writes and describes its storage (`ops.kv`); this module reads it:
     LowBitKV  windowed queries read the bf16 window; the others the low-bit reader of the
               split-KV op where it takes the call, else dequantize-then-attend.
     PagedKV   single queries by the paged reader, prompt chunks by gathering their keys.
+    PagedLowBitKV  base rows read the bf16 twins as `PagedKV`; output rows the paged low-bit reader.
     ShardedKV a prefill shard's base rows read its halo as `DenseKV`; every other row reads this
               rank's keys (`partial_attention`, with the log-sum-exp) and the cache's `merge`
               combines the ranks' partials.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import attention
-from .kv import DenseKV, LowBitKV, PagedKV, ShardedKV
+from .kv import DenseKV, LowBitKV, PagedKV, PagedLowBitKV, ShardedKV
 from .lowbit.format import dense_kv
 from .lse import partial_attention
 from .splitkv.common import splitkv_takes
@@ -37,13 +38,17 @@ def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = 
         from .paged_read import paged_attend
 
         return paged_attend(q, kv, window, scale, backend, window_rows, base_rows)
+    if isinstance(kv, PagedLowBitKV):
+        from .paged_read import paged_lowbit_attend
+
+        return paged_lowbit_attend(q, kv, window, scale, backend, window_rows, base_rows)
     if isinstance(kv, DenseKV):
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
     if isinstance(kv, LowBitKV):
         return _lowbit(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
     if isinstance(kv, ShardedKV):
         return _sharded(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, base_rows)
-    raise TypeError(f"attend reads DenseKV, LowBitKV, PagedKV or ShardedKV, got {type(kv).__name__}")
+    raise TypeError(f"attend reads DenseKV, LowBitKV, PagedKV, PagedLowBitKV or ShardedKV, got {type(kv).__name__}")
 
 
 def _joined(q_slot, q_doc, B: int):

@@ -11,6 +11,8 @@ A cache writes new K/V and hands the op one of these (`models.kv.KVCache.write`)
               gathering their visible keys.
     LowBitKV  a low-bit cache layer: bf16 sinks and ring, int4 / int2 packed slots with their
               scales (`ops/lowbit/format.py`, `LowBitStaticCache`).
+    PagedLowBitKV  the same format in a block pool (`PagedLowBitPool`): packed blocks read through
+              block tables, their bf16 twins (sinks, window) read as a `PagedKV`.
     ShardedKV one rank's shard of a context-parallel cache (`parallel.ShardedCache`): dense
               K/V of its slots, and the exchanges that reach the other ranks' keys.
 """
@@ -126,6 +128,41 @@ class LowBitKV:
         v_zero, rk, rv)."""
         return (self.sk, self.sv, self.kq, self.vq, self.k_scale, self.k_zero, self.v_scale, self.v_zero,
                 self.rk, self.rv)
+
+
+@dataclass
+class PagedLowBitKV:
+    """One layer of a low-bit block pool as one forward's rows read it (`models.paged_lowbit`).
+
+    Every block holds its slots packed (`ops/lowbit/format.py`; a key group lies inside one block):
+    kq / vq [N * block_size, Hkv, D * bits / 8], key scale / zero [N * block_size / key_group, Hkv, D],
+    value scale / zero [N * block_size, Hkv, D / VG]. A block a reader still needs in bf16 (its
+    window, the sinks of block 0) also has a bf16 twin block; `window` describes the twins as a
+    `PagedKV` (block tables of twin blocks), which the base rows read. The output rows `out`
+    (block tables of packed blocks, `out_twins` [R, max_blocks] the twin of each) read, for a
+    query at position t: positions below `sinks` from block 0's twin, [sinks, bound(t + 1)) packed,
+    the rest from the twins, bound(n) = max(0, n - recent) // key_group * key_group (what
+    `LowBitStaticCache` reads at that position). rotation: R [D, D] fp32 of a rotated pool, else None."""
+
+    window: PagedKV
+    out: PagedRows
+    out_twins: torch.Tensor
+    kq: torch.Tensor
+    vq: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    key_bits: int
+    value_bits: int
+    key_group: int
+    sinks: int
+    recent: int
+    rotation: torch.Tensor | None = None
+
+    def packed(self) -> tuple[torch.Tensor, ...]:
+        """(kq, vq, k_scale, k_zero, v_scale, v_zero): the kernels' argument order."""
+        return self.kq, self.vq, self.k_scale, self.k_zero, self.v_scale, self.v_zero
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""Attention over a block pool as one forward's rows read it (`ops.kv.PagedKV`, from `PagedStepCache`).
+"""Attention over a block pool as one forward's rows read it (`ops.kv.PagedKV`, from `PagedStepCache`;
+a low-bit pool's `PagedLowBitKV`: its base rows as below over the bf16 twins, its output rows by the
+paged low-bit reader, `splitkv/lowbit_paged.py`).
 
     single queries (a decode's base and output rows, a prompt's output row)
         the paged reader of the split-KV op: each reads its own blocks through the block
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import attention
-from .kv import PagedKV, PagedRows
+from .kv import PagedKV, PagedLowBitKV, PagedRows
 from .splitkv.paged import paged_attention
 
 FP8 = torch.float8_e4m3fn
@@ -79,3 +81,19 @@ def _gather(kv: PagedKV, slots: torch.Tensor, dtype: torch.dtype):
     else:
         k, v = k[slots], v[slots]
     return k[None].to(dtype), v[None].to(dtype)
+
+
+def paged_lowbit_attend(q, kv: PagedLowBitKV, window, scale, backend, window_rows, base_rows: int):
+    """`paged_attend` over a low-bit pool: base rows read the bf16 twins (`kv.window`), output rows
+    (the rows after `window_rows` of a decode pair, or a group without base rows) the low-bit reader."""
+    from .splitkv.lowbit_paged import paged_lowbit_attention
+
+    if window_rows is not None:  # both streams of decodes: [base rows | output rows]
+        r = window_rows
+        o = q.new_empty(q.shape)
+        _single(kv.window, q[:, :r], kv.window.base, window, scale, out=o[:, :r])
+        paged_lowbit_attention(q[0, r:], kv, kv.out, kv.out_twins, scale, out=o[0, r:])
+        return o
+    if base_rows:
+        return paged_attend(q, kv.window, window, scale, backend, None, base_rows)
+    return paged_lowbit_attention(q[0], kv, kv.out, kv.out_twins, scale)[None]

@@ -165,12 +165,18 @@ def lowbit_attention_tuned(q, kv: LowBitKV, q_slot, q_doc, k_doc, window=None, s
     B, P, M, H, nparts, D = plan.o.shape
     if nparts == 1:
         return merge_splits_kernel(plan.o.view(B, P, M, H, D), plan.lse, q.dtype)
-    # both parts share each split's softmax: merge them as 2H heads, then add the packed part
-    # (out of V R space for a rotated cache)
-    out = merge_splits_kernel(plan.o.view(B, P, M, 2 * H, D), plan.lse.repeat_interleave(2, dim=-1), torch.float32)
+    return merge_parts(plan.o, plan.lse, rotation, q.dtype)
+
+
+def merge_parts(o: torch.Tensor, lse: torch.Tensor, rotation, dtype: torch.dtype) -> torch.Tensor:
+    """Partials of P splits in two parts, o [B, P, M, H, 2, D] (the bf16 slots' values, the packed
+    slots' values) sharing each split's softmax, lse [B, P, M, H] -> [B, M, H, D] in `dtype`: merged
+    as 2H heads, then the packed part (out of V R space for a rotated cache) added to the other."""
+    B, P, M, H, _, D = o.shape
+    out = merge_splits_kernel(o.view(B, P, M, 2 * H, D), lse.repeat_interleave(2, dim=-1), torch.float32)
     out = out.view(B, M, H, 2, D)
     packed = out[..., 1, :] if rotation is None else out[..., 1, :] @ rotation
-    return (out[..., 0, :] + packed).to(q.dtype)
+    return (out[..., 0, :] + packed).to(dtype)
 
 
 # ------------------------------------------------------------------ the Gluon packed kernel
