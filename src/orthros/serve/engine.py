@@ -47,7 +47,7 @@ class Engine:
         self.runner = runner = ModelRunner(model, cfg, limit)
         self.max_model_len = runner.max_model_len
         self.model, self.device, self.dtype = runner.model, runner.device, runner.dtype
-        self.blocks = BlockPool(runner.num_blocks, cfg.block_size, cfg.prefix_caching)
+        self.blocks = BlockPool(runner.num_blocks, cfg.block_size, cfg.prefix_caching, twins=runner.twins)
         last = cfg.decode_last_prompt_token
         self.scheduler = Scheduler(self.blocks, cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.max_queue,
                                    chunk_align=cfg.chunk_align or (128 if self.device.type == "cuda" else 1),
@@ -187,6 +187,7 @@ class Engine:
         if not chunks:
             return 0
         t0 = time.perf_counter()
+        self.runner.sync_twins()
         logits = self.runner.forward([Segment(c.tokens, c.start, c.req.table.blocks, c.output) for c in chunks])
         n_tokens = sum(len(c.tokens) for c in chunks)
         now = time.perf_counter()

@@ -56,11 +56,13 @@ def chain_hash(parent: int | None, tokens) -> int:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True, twins=None):
+        """twins: a low-bit pool's `kv_twins.TwinBlocks` (which blocks keep a bf16 copy), or None."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.prefix_caching = prefix_caching
+        self.twins = twins
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # and probation
         self.protected: OrderedDict[int, None] = OrderedDict()  # free cached blocks that served a hit
@@ -102,6 +104,8 @@ class BlockPool:
                     del self.cached[b.hash]
                 b.hash = None
             b.ref, b.hits = 1, 0
+            if self.twins is not None:
+                self.twins.drop(bid)
             out.append(bid)
         return out
 
@@ -124,22 +128,28 @@ class BlockPool:
     def match_prefix(self, tokens: list[int], table: BlockTable) -> int:
         """Take the longest cached run of full blocks that starts `tokens` into `table`
         (which must be empty); return how many tokens it covers. At least one token is
-        always left to compute: the last prompt token's forward makes the first output."""
+        always left to compute: the last prompt token's forward makes the first output.
+        A low-bit pool's run ends where the bf16 twins its continuation reads are kept."""
         assert not table.blocks
         if not self.prefix_caching:
             return 0
         bs = self.block_size
         parent = None
+        run = []
         for i in range((len(tokens) - 1) // bs):
             h = chain_hash(parent, tokens[i * bs:(i + 1) * bs])
             bid = self.cached.get(h)
             if bid is None:
                 break
+            run.append((h, bid))
+            parent = h
+        while run and self.twins is not None and not self.twins.has([b for _, b in run], len(run) * bs):
+            run.pop()
+        for h, bid in run:
             self._take(bid)
             self.blocks[bid].hits += 1
             table.blocks.append(bid)
             table.hashes.append(h)
-            parent = h
         n = len(table.blocks) * bs
         self.hit_tokens += n
         self.query_tokens += len(tokens)

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import torch
 
+from ..models.lowbit_cache import KEY_GROUP, SINKS
 from ..models.paged_cache import PagedKVPool, PagedStepCache, Segment, kv_bytes_per_token
+from ..models.paged_lowbit import PagedLowBitPool, check_lowbit_pool, twin_bytes_per_block
+from ..models.static_cache import LOWBIT_KV_DTYPES
 from .config import EngineConfig
 from .kv_blocks import BlockPool, BlockTable
+from .kv_twins import TwinBlocks, twins_for
 
 
-def blocks_from_memory(model, device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> int:
+def blocks_from_memory(model, device: torch.device, dtype: torch.dtype, cfg: EngineConfig, fixed: int = 0) -> int:
     """KV blocks that fit `cfg.kv_cache_gib` (None: on CUDA 90% of the free memory, less the
-    activations of a full token budget and 2 GiB; elsewhere 1 GiB), less the scratch block."""
+    activations of a full token budget and 2 GiB; elsewhere 1 GiB), less the scratch block and
+    `fixed` bytes (a low-bit pool's bf16 twin blocks)."""
     per_block = kv_bytes_per_token(model.config, dtype, cfg.kv_dtype) * cfg.block_size
     gib = cfg.kv_cache_gib
     if gib is None:
@@ -33,9 +38,11 @@ def blocks_from_memory(model, device: torch.device, dtype: torch.dtype, cfg: Eng
             budget = 1 << 30
     else:
         budget = gib * 2**30
-    n = int(budget // per_block) - 1
+    n = int((budget - fixed) // per_block) - 1
     if n < 2:
-        raise ValueError(f"no memory for the KV cache ({budget / 2**30:.2f} GiB for blocks of {per_block} bytes)")
+        extra = f", {fixed / 2**30:.2f} GiB of it for the bf16 twin blocks" if fixed else ""
+        raise ValueError(f"no memory for the KV cache ({budget / 2**30:.2f} GiB for blocks of {per_block:.0f} bytes"
+                         f"{extra})")
     return n
 
 
@@ -45,14 +52,28 @@ class ModelRunner:
         cfg = config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.num_blocks = cfg.num_blocks or blocks_from_memory(model, self.device, self.dtype, cfg)
+        mc = model.config
+        lowbit = cfg.kv_dtype in LOWBIT_KV_DTYPES
+        twins = 0
+        if lowbit:  # packed blocks, and bf16 twins for what the running requests read in bf16 (`kv_twins`)
+            check_lowbit_pool(mc, cfg.kv_dtype, cfg.block_size)
+            twins = twins_for(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.block_size, mc.window_size, KEY_GROUP)
+        fixed = twins * twin_bytes_per_block(mc, self.dtype, cfg.block_size)
+        self.num_blocks = cfg.num_blocks or blocks_from_memory(model, self.device, self.dtype, cfg, fixed)
         if max_model_len == "auto":  # one request may hold the whole pool
             max_model_len = self.num_blocks * cfg.block_size
         self.max_model_len = max_model_len
         # one block more than the block manager hands out: a scratch block for padded rows
-        self.pool = PagedKVPool(model.config, self.num_blocks + 1, cfg.block_size, self.device, self.dtype,
-                                cfg.kv_dtype)
         self.scratch_block = self.num_blocks
+        self.twins = None
+        if lowbit:
+            self.pool = PagedLowBitPool(mc, self.num_blocks + 1, cfg.block_size, self.device, self.dtype,
+                                        cfg.kv_dtype, twins)
+            self.twins = TwinBlocks(twins, self.num_blocks + 1, cfg.block_size, SINKS, mc.window_size, KEY_GROUP,
+                                    reserved=(self.scratch_block,))
+            self.sync_twins()
+        else:
+            self.pool = PagedKVPool(mc, self.num_blocks + 1, cfg.block_size, self.device, self.dtype, cfg.kv_dtype)
         self.split_mixed_steps = cfg.split_mixed_steps
         self.used_graph = False  # whether the last `forward` replayed a graph (for the step log)
         self.graphs = None
@@ -60,6 +81,11 @@ class ModelRunner:
             from .graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(model, self.pool, self.scratch_block, max_model_len, cfg.max_num_seqs)
+
+    def sync_twins(self) -> None:
+        """A low-bit pool: copy the twin blocks the scheduler changed into the device's map (before a step)."""
+        if self.twins is not None:
+            self.pool.set_twins(*self.twins.take_changes())
 
     # ------------------------------------------------------------ forwards
     def forward(self, segments: list[Segment]) -> torch.Tensor:
@@ -155,11 +181,16 @@ class ModelRunner:
             return
         tables = [blocks.allocate(k) for k in need]
         try:
+            if self.twins is not None:  # (before serving: no request holds a twin)
+                self.twins.retain(x for (n, start, _), b in zip(parts, tables) for x in self.twins.needed(b, start, n))
+                self.sync_twins()
             # eager: the graphs are captured from real steps (an fp8 pool's scales come later)
             self.eager_forward([Segment([0] * n, start, b, out) for (n, start, out), b in zip(parts, tables)])
         finally:
             for b in tables:
                 blocks.release(BlockTable(blocks=b))
+            if self.twins is not None:
+                self.twins.retain(())
         if self.pool.fp8:  # the warm-up's tokens must not choose the scales
             self.pool.scaled = [False] * self.pool.num_layers
             self.pool.k_scale.fill_(1.0)

@@ -185,6 +185,10 @@ class Scheduler:
             budget -= n
             if self.metrics:
                 self.metrics.on_admit(req, time.perf_counter())
+        if self.blocks.twins is not None:  # a low-bit pool: the bf16 twins the running requests read or write
+            new = {id(r): n for r, n in plan}
+            self.blocks.twins.retain(b for r in self.running
+                                     for b in self.blocks.twins.needed(r.table.blocks, r.computed, new.get(id(r), 0)))
         return [ScheduledChunk(req, req.tokens[req.computed:req.computed + n], req.computed,
                                req.computed + n == len(req.tokens)) for req, n in plan]
 
