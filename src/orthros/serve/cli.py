@@ -15,12 +15,16 @@ import sys
 
 import torch
 
+from ..models.static_cache import LOWBIT_KV_DTYPES
 from .config import EngineConfig
+
+LOWBIT_BLOCK_SIZE = 64  # a low-bit pool's blocks hold whole key groups (`models.paged_lowbit`)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default 16; with a low-bit --kv-dtype 64, whole key groups)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-gib)")
     g.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV cache memory (default: CUDA 90%% of what is free after loading, CPU 1 GiB)")
@@ -31,7 +35,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_model_len, default=None,
                    help="prompt + output limit: tokens, or 'auto' for what the KV pool holds "
                         "(default: the model's max_position_embeddings)")
-    g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
+    g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8", "int4", "int2", "k4v2"),
+                   help="KV storage: the model's dtype, bf16 / fp16 / fp32, fp8 (e4m3), or, Orthros models only, "
+                        "int4 / int2 / k4v2 (int4 keys, int2 values): the sink tokens and each request's window "
+                        "in bf16, older tokens group-quantized after a Hadamard rotation (as generate's low-bit "
+                        "cache): ~3.5x (int4), ~4.5x (k4v2), ~6.4x (int2) the tokens of bf16 in the same memory (head size 128)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode-only steps eagerly on CUDA")
     g.add_argument("--step-log", default=None, metavar="PATH",
@@ -51,7 +59,8 @@ def _model_len(s: str) -> int | str:
 
 
 def engine_config(args) -> EngineConfig:
-    return EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
+    block_size = args.block_size or (LOWBIT_BLOCK_SIZE if args.kv_dtype in LOWBIT_KV_DTYPES else 16)
+    return EngineConfig(block_size=block_size, num_blocks=args.num_blocks, kv_cache_gib=args.kv_cache_gib,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_queue=args.max_queue, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
                         prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
@@ -98,7 +107,7 @@ def run(args) -> int:
     if engine.max_model_len > engine.capacity_tokens:
         print(f"orthros serve: the KV pool holds {engine.capacity_tokens:,} tokens, fewer than --max-model-len "
               f"{engine.max_model_len:,}: longer requests get a 400 (--max-model-len auto sizes the limit to the "
-              "pool; --kv-dtype fp8 or more --kv-cache-gib hold more)", file=sys.stderr, flush=True)
+              "pool; --kv-dtype fp8 / int4 / int2 or more --kv-cache-gib hold more)", file=sys.stderr, flush=True)
     warning = open_access_warning(args.host, args.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
