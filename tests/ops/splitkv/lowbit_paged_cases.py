@@ -1,0 +1,93 @@
+"""Run under TRITON_INTERPRET=1 (`python -m tests.ops.splitkv.lowbit_paged_cases`, as test_lowbit_paged.py
+does), or as is on a GPU: the paged low-bit reader's kernel (`ops/splitkv/lowbit_paged.py`) against its
+reference (every row's slots gathered and dequantized, then the fp32 naive op) over scattered blocks and
+twin blocks: int4 / int2 / k4v2, rotated or not (a head size that is not a power of two), GQA (2 and 3
+query heads a KV head), sinks or none, positions before the first bound, at key-group edges and far past
+them, one split and several, fp32 and 16-bit queries (fp16 under the interpreter: its bf16 dots are
+wrong). Twins of blocks no row reads in bf16 are absent (-1): the kernel must not read them."""
+
+import os
+import sys
+
+import torch
+
+from orthros.ops.kv import PagedKV, PagedLowBitKV, PagedRows
+from orthros.ops.lowbit import BITS, quantize_keys, quantize_values, rotate, rotation_matrix
+from orthros.ops.splitkv.lowbit_paged import (lowbit_bound, paged_lowbit_attention_kernel,
+                                              paged_lowbit_attention_ref)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
+
+
+def pool(kv_dtype, Hkv, D, bs, kg, sinks, recent, rotated, table, pos, seed=0):
+    """A PagedLowBitKV over random K/V written in the pool's format: `table` [R, max_blocks] blocks of a
+    pool of table.max() + 3 blocks, twins in a permuted twin pool, present only where rows read bf16."""
+    torch.manual_seed(seed)
+    kb, vb = BITS[kv_dtype]
+    VG = min(16, D & -D)
+    N = int(table.max()) + 3
+    n = N * bs
+    k = 2 * torch.randn(n, Hkv, D) + torch.linspace(-3, 3, D)
+    v = torch.randn(n, Hkv, D)
+    j = torch.arange(n) % bs  # position in the block; block 0 of a row holds its sinks (none of a group's range)
+    valid = (j >= sinks).view(n // kg, kg)
+    kx, vx = (rotate(k), rotate(v)) if rotated else (k, v)
+    kq, ks, kz = quantize_keys(kx.view(n // kg, kg, Hkv, D), kb, kg, valid)
+    vq, vs, vz = quantize_values(vx, vb, VG)
+    perm = torch.randperm(N)
+    tk, tv = torch.zeros(n, Hkv, D, dtype=torch.bfloat16), torch.zeros(n, Hkv, D, dtype=torch.bfloat16)
+    twin_slot = (perm[:, None] * bs + torch.arange(bs)).flatten()
+    tk[twin_slot], tv[twin_slot] = k.bfloat16(), v.bfloat16()
+    twins = perm[table.long()].int()
+    blk = torch.arange(table.shape[1])
+    bound = lowbit_bound(pos, recent, kg)
+    gone = ((blk[None] + 1) * bs <= bound[:, None]) & (blk[None] > 0)  # wholly packed, not block 0: no twin
+    twins[gone] = -1
+    rows = PagedRows(torch.arange(len(pos)), table, pos, int(pos.max()) + 1)
+    window = PagedKV(tk, tv, bs, rows, rows)
+    kv = PagedLowBitKV(window, rows, twins, kq.flatten(0, 1), vq, ks[:, 0], kz[:, 0], vs, vz, kb, vb, kg, sinks, recent,
+                       rotation_matrix(D) if rotated else None)
+    return _to(kv, DEVICE)
+
+
+def _to(kv, dev):
+    f = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    rows = PagedRows(f(kv.out.rows), f(kv.out.table), f(kv.out.pos), kv.out.max_len)
+    w = PagedKV(f(kv.window.k), f(kv.window.v), kv.window.block_size, rows, rows)
+    return PagedLowBitKV(w, rows, f(kv.out_twins), *[f(t) for t in kv.packed()], kv.key_bits, kv.value_bits,
+                         kv.key_group, kv.sinks, kv.recent, f(kv.rotation))
+
+
+def check(kv_dtype, H=4, Hkv=2, D=16, bs=32, kg=16, sinks=4, recent=8, rotated=True, dtype=torch.float32,
+          per=None, pos=(0, 5, 23, 24, 40, 111, 200), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    R, mb = len(pos), -(-(max(pos) + 1) // bs)
+    table = torch.stack([torch.randperm(mb + 4, generator=g)[:mb] for _ in range(R)]).int()
+    pos_t = torch.tensor(pos)
+    kv = pool(kv_dtype, Hkv, D, bs, kg, sinks, recent, rotated, table, pos_t, seed)
+    q = torch.randn(R, H, D, generator=g).to(DEVICE)
+    ref = paged_lowbit_attention_ref(q, kv, kv.out.table, kv.out_twins, kv.out.pos)
+    out = paged_lowbit_attention_kernel(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos, keys_per_split=per,
+                                        max_len=kv.out.max_len)
+    assert out.dtype == dtype and out.shape == q.shape
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 2e-2), (kv_dtype, H, Hkv, D, bs, kg, sinks, rotated, dtype, per,
+                                                             err)
+    return err
+
+
+def main(which="all", device=None):
+    half = torch.float16 if DEVICE.type == "cpu" else torch.bfloat16
+    for kv in ("int4", "int2", "k4v2") if which == "all" else (which,):
+        for per in (None, 64):
+            check(kv, per=per)
+        check(kv, H=6, Hkv=2, D=32, bs=64, kg=32, sinks=0, per=64)  # G = 3, no sinks, two groups a block
+        check(kv, D=24, rotated=False, per=64)  # a padded tile, unrotated
+        check(kv, D=24, rotated=True)  # block-diagonal rotation (blocks of 8)
+        check(kv, dtype=half, per=64)
+        check(kv, H=8, Hkv=2, D=64, bs=64, kg=64, recent=16, dtype=half, pos=(3, 79, 80, 150, 300))
+    print("ok")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
