@@ -178,3 +178,18 @@ def test_cli_lowbit_flags(capsys):
                  "--port", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs an Orthros model" in err[0], err
+
+
+def test_twins_are_pinned_while_needed_and_evicted_least_recently_released_first():
+    twins = TwinBlocks(4, 10, 16, sinks=4, recent=8, key_group=16, reserved=(9,))
+    assert twins.needed([5, 6, 7], 40, 1) == [7, 5]  # bound(41) = 32: block 2, and block 0 (the sinks)
+    assert twins.needed([5, 6, 7], 30, 3) == [6, 7, 5]  # bound(31) = 16: blocks 1 and 2 (the new tokens')
+    twins.retain([1, 2])
+    twins.retain([3])  # 1 and 2 released (filled, evictable), 3 takes the last free twin
+    assert {twins.twin_of[b] >= 0 for b in (1, 2, 3)} == {True}
+    twins.retain([3, 4])  # no free twin: the least recently released one goes
+    assert sum(twins.twin_of[b] >= 0 for b in (1, 2)) == 1 and twins.twin_of[4] >= 0
+    with pytest.raises(RuntimeError, match="pinned"):
+        twins.retain([3, 4, 5, 6])
+    blocks, tw = twins.take_changes()
+    assert len(blocks) == len(tw) and not twins.take_changes()[0]
