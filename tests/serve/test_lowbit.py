@@ -193,3 +193,30 @@ def test_twins_are_pinned_while_needed_and_evicted_least_recently_released_first
         twins.retain([3, 4, 5, 6])
     blocks, tw = twins.take_changes()
     assert len(blocks) == len(tw) and not twins.take_changes()[0]
+
+
+@torch.no_grad()
+def test_static_decode_steps_equal_the_static_cache():
+    """What a CUDA graph captures, run eagerly on CPU: every decode-only step over the static buffers
+    (padded with scratch rows to its bucket; each row re-quantizes its key group every step, no plan
+    from the host) gives the tokens of the static low-bit cache."""
+    from .conftest import decode_graphs
+
+    model = make_model("orthros", window=W, initializer_range=0.3)
+    eng = _engine(model, "int4", max_num_seqs=4, max_model_len=320)
+    graphs, eager = decode_graphs(eng), eng.runner.forward
+    used = []
+
+    def forward(segments):
+        if len(eng.runner.decodes(segments)) < len(segments):
+            return eager(segments)
+        b = next(x for x in graphs.buckets if x >= len(segments))
+        graphs._fill(segments, b)
+        used.append(b)
+        return graphs._forward(graphs._cache(b))[:len(segments)]
+
+    eng.runner.forward = forward
+    prompts = _prompts([100, 60, 3], seed=6)
+    for p, g in zip(prompts, _serve(eng, prompts, 70)):
+        assert g == _static(model, p, 70, "int4")
+    assert 4 in used and len(used) > 50  # three rows padded to 4; most steps decode-only
