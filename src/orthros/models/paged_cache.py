@@ -4,7 +4,8 @@ and the cache object one mixed forward (decodes and prompt chunks) reads.
     PagedKVPool    — per layer K/V [num_blocks * block_size, Hkv, D] (the model's
                      dtype, bf16, or fp8 e4m3 with per-(layer, KV head) scales).
                      Which blocks belong to whom is the caller's bookkeeping
-                     (a serving engine's block manager).
+                     (a serving engine's block manager). Its low-bit form (int4 / int2 /
+                     k4v2, packed blocks and bf16 twins): `paged_lowbit.PagedLowBitPool`.
     Segment        — a run of new tokens of one sequence in a forward: its
                      tokens, the position of the first, the sequence's block
                      table, and whether its last token is an output position.

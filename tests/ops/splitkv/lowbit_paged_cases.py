@@ -76,7 +76,7 @@ def check(kv_dtype, H=4, Hkv=2, D=16, bs=32, kg=16, sinks=4, recent=8, rotated=T
     return err
 
 
-def main(which="all", device=None):
+def main(which="all"):
     half = torch.float16 if DEVICE.type == "cpu" else torch.bfloat16
     for kv in ("int4", "int2", "k4v2") if which == "all" else (which,):
         for per in (None, 64):
