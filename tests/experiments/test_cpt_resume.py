@@ -50,3 +50,36 @@ def test_a_cut_arm_resumes_exactly(tmp_path, mode, teacher):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     start = make_model(perturb_so=False).state_dict()
     assert any(not torch.equal(a[k], start[k]) for k in start)  # it trained
+
+
+def test_a_cut_evaluation_keeps_its_finished_probes(tmp_path, monkeypatch):
+    """Each probe's result is written as it finishes; a run cut in a later probe (here the pass
+    key) keeps the earlier ones, and the next run does only what is missing."""
+    import orthros.eval.longrange as lr
+    from orthros.experiments.cpt import evaluate_arm
+
+    model = make_model(perturb_so=False).eval()
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], lm_eval_tasks=[], copy_gaps=[8], short_len=16)
+    held = {"code": np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 32)).astype(np.int32)}
+    stream = torch.randint(0, model.config.vocab_size, (600,), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real_copy = lr.copy_probe
+
+    def copy_probe(*a, **k):
+        calls.append("copy")
+        return real_copy(*a, **k)
+
+    def cut(*a, **k):
+        raise Cut
+
+    monkeypatch.setattr(lr, "copy_probe", copy_probe)
+    monkeypatch.setattr(lr, "chat_passkey", cut)
+    partial = tmp_path / "arm-x.partial.json"
+    with pytest.raises(Cut):
+        evaluate_arm(model, None, p, held, stream, partial)
+    assert calls == ["copy"] and partial.exists()
+    monkeypatch.setattr(lr, "chat_passkey", lambda *a, **k: {"mean": 0.5})
+    out = evaluate_arm(model, None, p, held, stream, partial)
+    assert calls == ["copy"]  # not run again
+    assert out["passkey"] == {"mean": 0.5} and set(out) == {"code", "copy", "passkey"}
+    assert out["code"]["long"]["ppl"] == evaluate_arm(model, None, p, held, stream)["code"]["long"]["ppl"]

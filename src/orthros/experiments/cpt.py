@@ -337,24 +337,39 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
 
 
 # ---------------------------------------------------------------- evaluation
-def evaluate_arm(model, tok, preset: CPTPreset, heldout: dict, stream: torch.Tensor) -> dict:
+def evaluate_arm(model, tok, preset: CPTPreset, heldout: dict, stream: torch.Tensor,
+                 partial: Path | None = None) -> dict:
+    """Every probe of an arm. `partial`: a JSON file each finished probe is written to at once, and
+    read first: a run cut during a probe keeps the probes before it, and the next run does only
+    the rest."""
     from ..eval.longrange import chat_passkey, copy_probe, loss_summary, token_losses
 
-    out = {}
+    out = json.loads(partial.read_text()) if partial is not None and partial.exists() else {}
+
+    def probe(name, fn):
+        if name not in out:
+            out[name] = fn()
+            if partial is not None:
+                tmp = partial.with_suffix(".tmp")
+                tmp.write_text(json.dumps(out))
+                tmp.replace(partial)
+
+    def losses(rows):
+        rows = torch.from_numpy(rows.astype(np.int64))
+        long = token_losses(model, rows, preset.eval_batch)
+        short = token_losses(model, rows[:, : preset.short_len], preset.eval_batch)
+        return {"long": loss_summary(long), "short": loss_summary(short)}
+
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=next(model.parameters()).is_cuda):
         for dom, rows in heldout.items():
-            if len(rows) == 0:  # a domain this machine has no text for
-                continue
-            rows = torch.from_numpy(rows.astype(np.int64))
-            long = token_losses(model, rows, preset.eval_batch)
-            short_rows = rows[:, : preset.short_len]
-            short = token_losses(model, short_rows, preset.eval_batch)
-            out[dom] = {"long": loss_summary(long), "short": loss_summary(short)}
-        out["copy"] = copy_probe(model, stream, preset.copy_gaps, preset.copy_samples, batch_size=preset.eval_batch)
-        out["passkey"] = chat_passkey(model, tok, preset.passkey_lengths, preset.passkey_depths,
-                                      preset.passkey_samples, batch_size=preset.eval_batch * 8)
-        if preset.lm_eval_tasks:
-            out["lm_eval"] = lm_eval_scores(model, tok, preset)
+            if len(rows):  # a domain this machine has no text for is left out
+                probe(dom, lambda: losses(rows))
+        probe("copy", lambda: copy_probe(model, stream, preset.copy_gaps, preset.copy_samples,
+                                         batch_size=preset.eval_batch))
+        probe("passkey", lambda: chat_passkey(model, tok, preset.passkey_lengths, preset.passkey_depths,
+                                              preset.passkey_samples, batch_size=preset.eval_batch * 8))
+        if preset.lm_eval_tasks:  # last: the slowest, and the one that separates the arms least
+            probe("lm_eval", lambda: lm_eval_scores(model, tok, preset))
     return out
 
 
@@ -453,11 +468,13 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     heldout = {k: np.load(work / f"heldout_{k}.npy") for k in HELDOUT}
     stream = torch.from_numpy(np.load(work / "copy_stream.npy").astype(np.int64))
     t = time.time()
-    ev = evaluate_arm(model, tok, preset, heldout, stream)
+    partial = work / f"arm-{arm}.partial.json"
+    ev = evaluate_arm(model, tok, preset, heldout, stream, partial)
     res = {"arm": arm, "label": spec.label, "teacher": spec.teacher, "window": model.config.window_size,
            "seed": spec.seed, "recipe": spec.recipe, "retrieval_share": preset.retrieval_share if spec.mix else 0.0,
            "train": stats, "eval": ev, "eval_seconds": time.time() - t}
     (work / f"arm-{arm}.json").write_text(json.dumps(res, indent=2))
+    partial.unlink(missing_ok=True)
     return res
 
 
