@@ -66,6 +66,24 @@ def test_interference_scenario(tmp_path):
         assert r["long_ttft_ms"] > 0 and r["itl_during_prefill"]["n"] > 0 and r["itl_before"]["n"] > 0
 
 
+def test_documents_scenario_chats_reuse_their_documents(tmp_path):
+    """Multi-turn chats about shared documents: every turn completes, a later turn's prompt is the
+    earlier one + the server's answer + a question, and the prefix cache serves the documents and
+    the history (the hit rate the table reports)."""
+    res = run(tmp_path, "documents", "--server", "inprocess", "--rates", "inf", "--num-prompts", "6")
+    assert [r["variant"] for r in res["rows"]] == ["orthros", "full"]
+    for r in res["rows"]:
+        assert r["completed"] == 18 and r["failed"] == 0  # 6 chats x 3 turns
+        reqs = sorted(r["requests"], key=lambda q: (q["session"], q["turn"]))
+        for a, b in zip(reqs, reqs[1:]):
+            if a["session"] == b["session"]:  # the history resent: the previous prompt and answer, then more
+                assert b["turn"] == a["turn"] + 1 and b["prompt_len"] > a["prompt_len"] + a["output_len"]
+                assert b["cached"] >= a["prompt_len"] // 4 * 4 - 4  # (whole blocks of 4 tokens)
+        assert r["total_input_tokens"] > 0 and 0.5 < r["prefix_hit_rate"] < 1
+        assert r["prefix_hit_rate"] == sum(q["cached"] for q in reqs) / r["total_input_tokens"]
+    assert "prefix hits" in (tmp_path / "serve-documents.md").read_text()
+
+
 def test_each_run_draws_its_own_prompts():
     """Runs of one scenario never repeat each other's prompts (a repeat would be a prefix-cache
     hit, not a prefill); one run's prompts are the same for every variant (seeded per run); runs

@@ -9,6 +9,10 @@ Scenarios (`--scenario`), each for Orthros and the same server with
                   arrivals at several rates
     interference  the inter-token latency of running streams while a 128K prompt
                   is prefilled, against the per-step token budget
+    documents     multi-turn chats about 4 shared documents of 32K-128K tokens (a
+                  few hot: Zipf popularity), 3 questions a chat, each turn resending
+                  the history and the server's answer: prefix-cache hits, request
+                  throughput and TTFT at several chat arrival rates
     custom        --input-len / --output-len / --rates / --concurrency
 
 `--scale gpu` is the full setting (llama-3.1-8b shape, bf16); `--scale tiny`
@@ -20,6 +24,7 @@ the load at a running server instead (one attention, whatever it serves).
     orthros bench serve --scenario paper
     orthros bench serve --scenario traffic --rates 0.05 0.1 0.2
     orthros bench serve --scenario interference --budgets 2048 8192 16384
+    orthros bench serve --scenario documents --rates 0.05 0.1 0.2
     orthros bench serve --scenario custom --url http://127.0.0.1:8000/v1 --model-name NAME \\
         --input-len 4096 --output-len 128 --rates inf --concurrency 8 --num-prompts 64
 
@@ -42,7 +47,8 @@ import subprocess
 import sys
 import time
 
-from .serve_client import lengths, percentile, random_prompts, result_dict, run_interference, run_load, summarize
+from .serve_client import (lengths, percentile, random_prompts, result_dict, run_interference, run_load,
+                           run_sessions, summarize)
 
 VARIANTS = ("orthros", "full")
 K = 1024
@@ -54,6 +60,8 @@ SCENARIOS = {
     "traffic": dict(input=("loguniform", 8 * K, 128 * K), output=("uniform", 64, 256), num=16,
                     rates=[0.1, 0.2, 0.4, 0.8]),
     "interference": dict(background=4, background_input=K, long_input=128 * K, budgets=[1024, 2048, 4096, 8192, 16384]),
+    "documents": dict(docs=4, doc=("uniform", 32 * K, 128 * K), sessions=16, turns=3, question=("uniform", 64, 256),
+                      output=("uniform", 64, 128), zipf=1.0, rates=[0.02, 0.05, 0.1, 0.2]),
 }
 SCALES = {
     "gpu": dict(model="llama-3.1-8b", dtype="bf16", div_in=1, div_out=1, div_budget=1, max_model_len=129 * K + 1024,
@@ -90,9 +98,10 @@ def add_arguments(p):
     p.add_argument("--budget", type=int, default=None,
                    help="max_num_batched_tokens, not interference (default: 8192; tiny scale 64)")
     p.add_argument("--budgets", nargs="+", type=int, default=None, help="interference: token budgets")
-    p.add_argument("--rates", nargs="+", type=parse_rate, default=None, help="Poisson request rates (req/s; inf)")
+    p.add_argument("--rates", nargs="+", type=parse_rate, default=None,
+                   help="Poisson arrival rates (req/s, documents: chats/s; inf)")
     p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=None, help="requests a run (documents: chats)")
     p.add_argument("--input-len", type=parse_len, default=None, help="custom: prompt length (fixed)")
     p.add_argument("--input-range", type=parse_len, nargs=2, default=None, help="custom: log-uniform prompt lengths")
     p.add_argument("--output-len", type=int, default=None, help="custom: output length (fixed)")
@@ -273,6 +282,11 @@ def _load_runs(args) -> list[dict]:
     s = args.scenario
     if s == "paper":
         runs = [dict(r, rate=math.inf) for r in SCENARIOS["paper"]["runs"]]
+    elif s == "documents":
+        t = SCENARIOS["documents"]
+        runs = [dict(name=f"{r:g} chats/s", input=t["doc"], output=t["output"], question=t["question"],
+                     num=args.num_prompts or t["sessions"], rate=r, concurrency=None)
+                for r in (args.rates or t["rates"])]
     elif s == "traffic":
         t = SCENARIOS["traffic"]
         runs = [dict(name=f"rate {r:g}/s", input=t["input"], output=t["output"], num=args.num_prompts or t["num"],
@@ -286,6 +300,8 @@ def _load_runs(args) -> list[dict]:
         div_in = div_out = 1  # custom lengths are taken as given
     for r in runs:
         r["input"], r["output"] = _scale_len(r["input"], div_in), _scale_len(r["output"], div_out)
+        if "question" in r:
+            r["question"] = _scale_len(r["question"], div_in)
     return runs
 
 
@@ -307,6 +323,24 @@ def run_requests(args, i: int, run: dict) -> tuple[list[list[int]], list[int]]:
     ins = lengths(run["input"], run["num"], lens_rng)
     outs = lengths(run["output"], run["num"], lens_rng)
     return random_prompts(ins, _vocab(args), random.Random(f"{args.seed}/run {i}")), outs
+
+
+def document_sessions(args, i: int, run: dict) -> tuple[list[list[int]], list[dict]]:
+    """The documents and chats of run `i` of the documents scenario: the same lengths, popularity
+    draws and question lengths at every rate (one seed), new tokens in every run (no run finds
+    another's documents in the prefix cache). A chat picks document d with weight 1 / (d + 1)^zipf."""
+    t = SCENARIOS["documents"]
+    lens_rng, tok_rng = random.Random(f"{args.seed}/lengths"), random.Random(f"{args.seed}/run {i}")
+    docs = random_prompts(lengths(run["input"], t["docs"], lens_rng), _vocab(args), tok_rng)
+    weights = [1 / (d + 1) ** t["zipf"] for d in range(t["docs"])]
+    sessions = []
+    for _ in range(run["num"]):
+        doc = lens_rng.choices(range(t["docs"]), weights)[0]
+        qs = lengths(run["question"], t["turns"], lens_rng)
+        outs = lengths(run["output"], t["turns"], lens_rng)
+        sessions.append({"doc": doc, "turns": [(q, n) for q, n in zip(random_prompts(qs, _vocab(args), tok_rng),
+                                                                          outs)]})
+    return docs, sessions
 
 
 def measure(args) -> dict:
@@ -332,9 +366,14 @@ def measure(args) -> dict:
             rng = random.Random(args.seed)
             _warmup(args, srv, rng, args.budget)
             for i, run in enumerate(_load_runs(args)):
-                prompts, outs = run_requests(args, i, run)
-                results, duration = asyncio.run(run_load(srv.url, srv.model, prompts, outs, run["rate"],
-                                                         run["concurrency"], args.seed))
+                if args.scenario == "documents":
+                    docs, sessions = document_sessions(args, i, run)
+                    results, duration = asyncio.run(run_sessions(srv.url, srv.model, docs, sessions, run["rate"],
+                                                                 args.seed))
+                else:
+                    prompts, outs = run_requests(args, i, run)
+                    results, duration = asyncio.run(run_load(srv.url, srv.model, prompts, outs, run["rate"],
+                                                             run["concurrency"], args.seed))
                 row = dict(variant=variant, run=run["name"], rate=None if math.isinf(run["rate"]) else run["rate"],
                            concurrency=run["concurrency"], input=run["input"], output=run["output"],
                            budget=args.budget, **summarize(results, duration),
@@ -403,13 +442,16 @@ def table(res: dict) -> str:
             lines.append(f"| {r['variant']} | {r['budget']} | {_ms(r['long_ttft_ms'])} | {_ms(d['p50'])} | "
                          f"{_ms(d['p99'])} | {_ms(d['max'])} | {_ms(b['p50'])} |")
         return head + "\n".join(lines) + engine_table(res)
+    hits = res["scenario"] == "documents"  # the share of prompt tokens read from the prefix cache
     lines = ["| attention | run | ok | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | ITL p99 "
-             "| E2EL p50 | E2EL p99 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| E2EL p50 | E2EL p99 |" + (" prefix hits |" if hits else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if hits else "")]
     for r in res["rows"]:
         lines.append(f"| {r['variant']} | {r['run']} | {r['completed']}/{r['completed'] + r['failed']} | "
                      f"{r['request_throughput']:.3f} | {r['output_throughput']:.1f} | {_ms(r['ttft']['p50'])} | "
                      f"{_ms(r['ttft']['p99'])} | {_ms(r['tpot']['p50'])} | {_ms(r['itl']['p50'])} | "
-                     f"{_ms(r['itl']['p99'])} | {_ms(r['e2el']['p50'])} | {_ms(r['e2el']['p99'])} |")
+                     f"{_ms(r['itl']['p99'])} | {_ms(r['e2el']['p50'])} | {_ms(r['e2el']['p99'])} |"
+                     + (f" {100 * r.get('prefix_hit_rate', 0.0):.1f}% |" if hits else ""))
     return head + "\n".join(lines) + equal_tail_table(res["rows"]) + engine_table(res)
 
 
@@ -471,7 +513,7 @@ def plot(res: dict, path: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set(xlabel="token budget per step", ylabel="ITL of running streams (ms)",
                title="decode latency while a long prompt prefills")
-    elif res["scenario"] == "traffic" or len({r["run"] for r in rows}) > 2:
+    elif res["scenario"] in ("traffic", "documents") or len({r["run"] for r in rows}) > 2:
         # Tail TTFT against throughput, in tokens / s (prompt + output) and requests / s (runs at
         # every rate carry the same lengths, so the two agree), each point named by its run
         fig, axes = subplots(2, 5.5, 4)

@@ -10,7 +10,8 @@ Definitions follow `vllm bench serve`:
     output token throughput   generated tokens / benchmark duration
 
 Arrivals are a Poisson process at a given rate (exponential gaps; `inf`
-sends everything at once) and/or bounded by a fixed concurrency. Prompts are
+sends everything at once) and/or bounded by a fixed concurrency; in
+`run_sessions`, of multi-turn chats whose turns follow their answers. Prompts are
 random token ids (sent as ids: exact lengths, no tokenizer needed, distinct so
 the prefix cache cannot help), outputs run to exactly their length
 (`ignore_eos`).
@@ -36,7 +37,11 @@ class Result:
     ttft: float | None = None
     e2el: float | None = None
     tokens: int = 0  # generated, as the server's usage reports
+    cached: int = 0  # prompt tokens the server read from its prefix cache (usage.prompt_tokens_details)
     chunk_times: list[float] = field(default_factory=list)  # perf_counter of each token-carrying chunk
+    token_ids: list[int] = field(default_factory=list)  # the generated tokens (a chat's next turn resends them)
+    session: int | None = None  # run_sessions: the chat and its turn
+    turn: int | None = None
 
     @property
     def itl(self) -> list[float]:
@@ -96,8 +101,10 @@ async def stream_request(client, url: str, model: str, prompt: list[int], max_to
                     if res.ttft is None:
                         res.ttft = now - res.start
                     res.chunk_times.append(now)
+                    res.token_ids += obj["choices"][0]["token_ids"]
                 if obj.get("usage"):
                     res.tokens = obj["usage"]["completion_tokens"]
+                    res.cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         if res.chunk_times:
             res.e2el = res.chunk_times[-1] - res.start
             res.ok = res.tokens == max_tokens
@@ -134,6 +141,38 @@ async def run_load(url: str, model: str, prompts: list[list[int]], outputs: list
             if i + 1 < len(prompts) and math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
+        ends = [r.start + r.e2el for r in results if r.ok]
+    return results, (max(ends) if ends else time.perf_counter()) - t0
+
+
+async def run_sessions(url: str, model: str, docs: list[list[int]], sessions: list[dict], rate: float = math.inf,
+                       seed: int = 0) -> tuple[list[Result], float]:
+    """Multi-turn chats about shared documents. A session {"doc": i, "turns": [(question ids,
+    answer length), ...]} starts at a Poisson arrival (`rate` sessions / s); its first request is
+    docs[i] + the first question, each later one the previous prompt + the answer the server gave
+    (its token ids) + the next question, sent when that answer is complete. (results of every
+    request, each with its session and turn, duration s)."""
+    rng = random.Random(seed)
+    async with http_client(len(sessions)) as client:
+        async def one(k: int, s: dict) -> list[Result]:
+            out, prompt = [], list(docs[s["doc"]])
+            for turn, (question, n) in enumerate(s["turns"]):
+                prompt = prompt + list(question)
+                r = await stream_request(client, url, model, prompt, n)
+                r.session, r.turn = k, turn
+                out.append(r)
+                if not r.ok:
+                    break  # the chat cannot go on without its answer
+                prompt = prompt + r.token_ids
+            return out
+
+        t0 = time.perf_counter()
+        tasks = []
+        for k, s in enumerate(sessions):
+            tasks.append(asyncio.create_task(one(k, s)))
+            if k + 1 < len(sessions) and math.isfinite(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = [r for rs in await asyncio.gather(*tasks) for r in rs]
         ends = [r.start + r.e2el for r in results if r.ok]
     return results, (max(ends) if ends else time.perf_counter()) - t0
 
@@ -177,6 +216,7 @@ def summarize(results: list[Result], duration: float) -> dict:
          "output_throughput": out_tokens / duration if duration > 0 else 0.0,
          "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else 0.0,
          "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+         "prefix_hit_rate": sum(r.cached for r in ok) / in_tokens if in_tokens else 0.0,
          "errors": sorted({r.error for r in results if r.error})[:5]}
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok if r.tpot is not None]),
                          ("itl", [x for r in ok for x in r.itl]), ("e2el", [r.e2el for r in ok])):
@@ -203,4 +243,5 @@ def percentile(sorted_values: list[float], q: float) -> float:
 def result_dict(r: Result) -> dict:
     d = asdict(r)
     d.pop("chunk_times")
+    d.pop("token_ids")
     return d
