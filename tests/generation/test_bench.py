@@ -102,6 +102,31 @@ def test_bench_decode_moe_counts_the_experts_read(tmp_path):
     assert main(["bench", "decode", "--model", "tiny", "--variants", "orthros-bound", "--out-dir", str(tmp_path)]) == 2
 
 
+def test_graphed_step_falls_back_to_the_eager_step_and_says_why():
+    """Where a CUDA graph cannot be captured (here: no CUDA), the bench's graphed step gives the
+    eager step's logits and records why it runs eagerly."""
+    import torch
+
+    from orthros.bench.decode import GraphedStep
+    from orthros.generate import decode_one_token_fast, new_static_cache, prefill
+
+    from ..conftest import make_model
+
+    if torch.cuda.is_available():
+        pytest.skip("the capture itself runs in the GPU bench; this is the fallback")
+    model = make_model(window=3, base="tiny-moe", output_routing="bound")
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for step in (None, GraphedStep()):
+        cache = new_static_cache(model, 2, 16, "auto")
+        with torch.no_grad():
+            prefill(model, ids, cache=cache)
+            tok = ids[:, -1]
+            outs.append([decode_one_token_fast(model, tok, cache, *([step] if step else [])) for _ in range(2)])
+    torch.testing.assert_close(outs[1], outs[0])
+    assert step.note.startswith("capture failed") and step.graph is None
+
+
 def test_bench_decode_lowbit_reads_fewer_bytes(tmp_path):
     """--kv-dtype int2 (Orthros only): the step's byte count uses the packed size beyond the window."""
     common = ("decode", "--contexts", "300", "--batches", "1", "--steps", "2", "--warmup", "1", "--window", "8",

@@ -223,6 +223,54 @@ def time_decode(model, cache, steps: int, warmup: int, step_fn, device) -> tuple
     return (time.perf_counter() - t0) / steps, warm_s
 
 
+class GraphedStep:
+    """The eager decode step captured in one CUDA graph (for MoE models: compiled, a sparse layer
+    would run every expert; eager, the fused MoE step reads only the chosen ones, but a step is
+    then bound by its launches). Captured on its first call, after an eager run of the same
+    step, whose logits the first replay must reproduce; if the capture fails or differs, the
+    step stays eager (`self.note` says why)."""
+
+    def __init__(self):
+        self.graph, self.note, self.cache = None, None, None
+
+    def reset(self) -> None:
+        """Let go of the graph and the cache it writes (before the next cache is allocated)."""
+        self.graph = self.out = self.token = self.cache = None
+
+    def __call__(self, model, token, cache):
+        if self.note is not None:
+            return fast_decode_step(model, token, cache)
+        if self.graph is None or self.cache is not cache:
+            self._capture(model, token, cache)
+            if self.note is not None:
+                return fast_decode_step(model, token, cache)
+        self.token.copy_(token)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, model, token, cache) -> None:
+        # an eager run of this step (its K/V written at the cache's slot), then the capture and a
+        # replay, which write the same K/V at the same slot: the replay must give the same logits
+        eager = fast_decode_step(model, token, cache).float()
+        self.token, self.cache = token.clone(), cache
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up on a side stream, as a capture asks
+                fast_decode_step(model, self.token, cache)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = fast_decode_step(model, self.token, cache)
+            self.graph.replay()
+            err = ((self.out.float() - eager).norm() / eager.norm().clamp_min(1e-30)).item()
+        except Exception as e:  # noqa: BLE001 - the bench goes on eagerly, and says so
+            self.graph, self.note = None, f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:100]})"
+            return
+        if not err < 2e-2:
+            self.graph, self.note = None, f"the captured step's logits differ from the eager step's (rel. err {err:.2e})"
+
+
 def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
@@ -232,6 +280,10 @@ def measure(args) -> dict:
         if compiled is None:
             return fast_decode_step
         if cfg.num_experts:  # compiled, a sparse layer would run every expert (no host read of the routing)
+            if device.type == "cuda":
+                progress(f"{cfg.num_experts} experts: eager decode steps captured in a CUDA graph (the fused MoE "
+                         "step reads only the chosen experts)")
+                return GraphedStep()
             progress(f"{cfg.num_experts} experts: eager decode steps (the fused MoE step reads only the chosen ones)")
             return fast_decode_step
         return compiled
@@ -270,7 +322,12 @@ def measure(args) -> dict:
                                 device, top=40)}
                             prof["gb_per_s"] = group_bandwidth(prof, model, cache, B, cache.length - 5)  # mid-run context
                             profiles[variant] = prof
-                        read = experts_per_step(model, cache, B, step_fn)
+                        read = experts_per_step(model, cache, B, fast_decode_step)  # (hooks: not a replay)
+                    if isinstance(step_fn, GraphedStep):
+                        row["step"] = "eager" if step_fn.note else "eager, CUDA graph"
+                        if step_fn.note:
+                            row["note"] = step_fn.note
+                            progress(f"{what}: {step_fn.note}; timed eagerly")
                     nbytes = step_bytes(model, cache, B, C + args.warmup + args.steps // 2, read)
                     if read is not None:
                         row.update(experts_per_layer=read, expert_bytes=expert_bytes(model, read))
@@ -282,6 +339,8 @@ def measure(args) -> dict:
                     if not is_oom(e):
                         raise
                     rows.append({**row, "status": "oom", "note": str(e).splitlines()[0][:120]})
+                if isinstance(step_fn, GraphedStep):
+                    step_fn.reset()
                 del cache
                 free_memory()
                 save_partial(args.out_dir, args.tag, result())
@@ -295,6 +354,13 @@ def measure(args) -> dict:
 
 
 # ------------------------------------------------------------------- render
+def _step_kind(result) -> str:
+    kinds = {r.get("step") for r in result["rows"] if r.get("status") == "ok"} - {None}
+    if kinds:  # MoE rows: eager steps, captured where the capture held (a row's note says why not)
+        return " / ".join(sorted(kinds)) + " steps"
+    return "compiled (CUDA graphs)" if result["compiled"] else "eager"
+
+
 def table(result) -> str:
     rows, env = result["rows"], result["env"]
     idx = {(r["variant"], r["batch"], r["context"]): r for r in rows}
@@ -302,7 +368,7 @@ def table(result) -> str:
     out = [f"Command: `{result['command']}`  ",
            f"Date: {env['date']}; GPU: {env['gpu']}; torch {env['torch']}{', triton ' + env['triton'] if 'triton' in env else ''}; "
            f"{result['model']} shape ({layers} layers), random {result['dtype']} weights, KV cache {result['kv_dtype']}, "
-           f"window {result['window']}, {'compiled (CUDA graphs)' if result['compiled'] else 'eager'}; "
+           f"window {result['window']}, {_step_kind(result)}; "
            f"mean of {result['steps']} steps. KV cache filled with random values (no real prefill). "
            f"Roofline: bytes per step (weights + K/V read) at {result['bandwidth_tb_s']} TB/s.", "",
            "| context | batch | Orthros tok/s | full tok/s | Orthros / full | Orthros GB/s (roofline) | full GB/s (roofline) |",
