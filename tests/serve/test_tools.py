@@ -62,7 +62,7 @@ def scripted(monkeypatch, tok, text):
     script = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     state = {}  # per request (each has its own SamplingParams, held here so its id stays its own): tokens sent
 
-    def fake(logits, greedy, params, generator, output=()):
+    def fake(logits, greedy, params, generator, output=(), masked=None):
         i = state.get(id(params), (params, -1))[1] + 1
         state[id(params)] = (params, i)
         return TokenEvent(script[i])

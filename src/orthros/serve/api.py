@@ -32,6 +32,7 @@ from .outputs import ChoiceOutput, decode
 from .protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, error_body,
                        new_id, now, usage)
 from .request import EngineDead, QueueFull, SamplingParams
+from .structured import Grammars
 from .tools import detect as detect_tools, openai_calls, parse as parse_tools
 
 
@@ -116,6 +117,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
 
     app = FastAPI(title="orthros", lifespan=lifespan)
     app.state.engine = engine
+    grammars = Grammars(tokenizer, engine.model.config.vocab_size, engine.eos)
 
     def error(status: int, message: str, type_: str, code=None, param=None):
         if metrics:
@@ -170,7 +172,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
             d.setdefault(decode(tokenizer, [a]), b)
         return d
 
-    def sampling(body, prompt_len: int, max_new: int | None, logprobs: int | None, seed_offset: int):
+    async def guide_of(body):
+        """The request's compiled grammar (`serve.structured`), or None; compiled off the event loop."""
+        opt = body.guide_option()
+        if opt is None:
+            return None
+        field, kind, spec = opt
+        try:
+            return await asyncio.to_thread(grammars.compile, kind, spec)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=field) from e
+
+    def sampling(body, prompt_len: int, max_new: int | None, logprobs: int | None, seed_offset: int, guide):
         max_tokens = max_new if max_new is not None else engine.max_model_len - prompt_len
         try:
             return SamplingParams(
@@ -179,11 +192,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                 seed=None if body.seed is None else body.seed + seed_offset,
                 stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
                 min_tokens=body.min_tokens, logprobs=logprobs, presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty, logit_bias=body.token_bias())
+                frequency_penalty=body.frequency_penalty, logit_bias=body.token_bias(), guide=guide)
         except ValueError as e:
             raise ApiError(400, str(e)) from e
 
-    def make_job(body, prompts: list[list[int]], max_new, logprobs) -> Job:
+    def make_job(body, prompts: list[list[int]], max_new, logprobs, guide=None) -> Job:
         for p in prompts:
             if not p:
                 raise ApiError(400, "the prompt is empty", param="prompt")
@@ -192,7 +205,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                 raise ApiError(400, f"this model's maximum context length is {engine.max_model_len} tokens; the "
                                f"request asks for {want} ({len(p)} in the prompt, {want - len(p)} to generate)",
                                code="context_length_exceeded", param="max_tokens")
-        params = [sampling(body, len(p), max_new, logprobs, j) for p in prompts for j in range(body.n)]
+        params = [sampling(body, len(p), max_new, logprobs, j, guide) for p in prompts for j in range(body.n)]
         job = Job(engine, tokenizer, prompts, params, body.stop_strings())
         job.submit()
         return job
@@ -214,7 +227,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
             watcher.cancel()
             job.abort()
         errors = [o.error for o in job.outputs if o.finish_reason == "error"]
-        if errors:
+        if errors:  # the engine died, or (alive) one request failed alone
+            if engine.alive:
+                raise ApiError(500, errors[0], "server_error")
             raise ApiError(503, errors[0], "server_error", "engine_dead")
 
     def sse(obj) -> str:
@@ -233,7 +248,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                     i = await job.next()
                     out = job.outputs[i]
                     if out.finish_reason == "error":
-                        yield sse(error_body(out.error or "the engine failed", "server_error", "engine_dead"))
+                        yield sse(error_body(out.error or "the engine failed", "server_error",
+                                             None if engine.alive else "engine_dead"))
                         return
                     text, t0, t1 = out.take_delta()
                     if not text and t0 == t1 and not out.finished:
@@ -276,7 +292,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompts = [encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
-        job = make_job(body, prompts, body.max_tokens, body.logprobs)
+        job = make_job(body, prompts, body.max_tokens, body.logprobs, await guide_of(body))
         rid, created = new_id("cmpl"), now()
 
         def logprobs_of(out, t0, t1, offset0):
@@ -334,7 +350,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                                    "with --tool-call-parser hermes|llama3_json", param="tools")
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = make_job(body, [prompt], body.max_new(), top)
+        job = make_job(body, [prompt], body.max_new(), top, await guide_of(body))
         rid, created = new_id("chatcmpl"), now()
 
         def logprobs_of(out, t0, t1):

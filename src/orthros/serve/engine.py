@@ -30,7 +30,7 @@ from .config import EngineConfig
 from .kv_blocks import BlockPool
 from .request import EngineDead, QueueFull, Request, SamplingParams, TokenEvent
 from .runner import ModelRunner
-from .sampling import finish_reason, new_generator, sample_event
+from .sampling import GrammarMasks, finish_reason, greedy_choices, new_generator, sample_event
 from .scheduler import ScheduledChunk, Scheduler, check_limits
 
 # the request types lived here first: importable from here still
@@ -54,6 +54,7 @@ class Engine:
                                    decode_last_token=runner.graphs is not None if last is None else last,
                                    metrics=metrics)
         self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.masks = GrammarMasks(model.config.vocab_size, self.device)
         self.metrics = metrics
         self._wake = threading.Event()
         self._ids = itertools.count()
@@ -110,6 +111,8 @@ class Engine:
             raise EngineDead(str(self.error) if self.error else "the engine is stopped")
         req = Request(next(self._ids), list(prompt), params, sink, tokens=list(prompt), arrival=time.perf_counter())
         req.generator = new_generator(params, self.device)
+        if params.guide is not None:
+            req.matcher = params.guide.matcher()
         self.scheduler.add(req)
         self._wake.set()
         return req
@@ -190,13 +193,15 @@ class Engine:
         self.runner.sync_twins()
         logits = self.runner.forward([Segment(c.tokens, c.start, c.req.table.blocks, c.output) for c in chunks])
         n_tokens = sum(len(c.tokens) for c in chunks)
+        # one device sync for all rows; the constrained rows' grammar masks are filled on the host
+        # before it, while the device runs the forward
+        greedy, masked = greedy_choices(logits, [c.req.matcher for c in chunks if c.output], self.masks)
         now = time.perf_counter()
-        greedy = logits.argmax(-1).tolist() if logits.shape[0] else []  # one device sync for all rows
         out_i = 0
         for c in chunks:
             self.scheduler.advance(c)
             if c.output:
-                self._emit(c.req, logits[out_i], greedy[out_i], now)
+                self._emit(c.req, logits[out_i], greedy[out_i], now, masked.get(out_i))
                 out_i += 1
         self.steps += 1
         if self._step_log is not None:
@@ -225,18 +230,26 @@ class Engine:
         if self.metrics:
             self.metrics.on_finish(req, reason, time.perf_counter())
 
-    def _emit(self, req: Request, logits: torch.Tensor, greedy: int, now: float) -> None:
-        """Sample the next token of `req` from logits [V] (`greedy`: their argmax), send it,
-        finish the request if it is done."""
+    def _emit(self, req: Request, logits: torch.Tensor, greedy: int, now: float,
+              masked: torch.Tensor | None = None) -> None:
+        """Sample the next token of `req` from logits [V] (`greedy`: their argmax; a constrained
+        request's: those of `masked`, its logits under its grammar's mask), send it, finish the
+        request if it is done."""
         output = req.tokens[len(req.prompt):] if req.params.shapes_logits else ()  # penalties only
-        ev = sample_event(logits, greedy, req.params, req.generator, output)
+        ev = sample_event(logits, greedy, req.params, req.generator, output, masked=masked)
         req.tokens.append(ev.token_id)
+        if req.matcher is not None and not req.matcher.consume_token(ev.token_id):
+            # only where llguidance gave up (a resource limit): nothing was allowed
+            why = (req.matcher.get_error() or "the grammar allowed no token").splitlines()[0]
+            ev.error = f"structured output failed: {why}"
+            self._finish(req, "error", ev)
+            return
         if self.metrics:
             self.metrics.on_token(req, now)
         if req.first_token_at is None:
             req.first_token_at = now
         req.last_token_at = now
-        reason = finish_reason(req.params, ev.token_id, req.num_output, self.eos)
+        reason = finish_reason(req.params, ev.token_id, req.num_output, self.eos, req.matcher)
         if reason is None:
             req.sink(ev)
         else:

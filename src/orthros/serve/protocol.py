@@ -2,7 +2,9 @@
 
 Requests follow the OpenAI completions / chat completions APIs (penalties and
 `logit_bias` included); beside them a few fields that vLLM and SGLang also take
-(`top_k`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`). Unknown fields are errors,
+(`top_k`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `return_token_ids`, and vLLM's structured-output
+options `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice`; chat also takes OpenAI's
+`response_format`). Unknown fields are errors,
 so a misspelt parameter is a 400 rather than silently ignored. Responses are
 plain dicts in the OpenAI shapes (what the official client parses).
 """
@@ -42,10 +44,18 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
     user: str | None = None
     return_token_ids: bool = False
+    # structured output, vLLM's names (`serve.structured`): at most one of them
+    guided_json: dict | str | None = None  # a JSON schema (or its text)
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark, as llguidance reads it
+    guided_choice: list[str] | None = None
 
     @model_validator(mode="after")
     def _supported(self):
         self.token_bias()  # keys are token ids
+        guided = [k for k in GUIDED if getattr(self, k) is not None]
+        if len(guided) > 1:
+            raise ValueError(f"give at most one structured-output option, got {', '.join(guided)}")
         stops = self.stop_strings()
         if len(stops) > 4 or any(not s for s in stops):
             raise ValueError("stop takes up to 4 non-empty strings")
@@ -69,6 +79,16 @@ class _Sampling(BaseModel):
 
     def top_k_value(self) -> int | None:
         return None if self.top_k in (None, -1, 0) else self.top_k
+
+    def guide_option(self) -> tuple[str, str, object] | None:
+        """The structured output asked for: (the field's name, llguidance's format, the spec), or None."""
+        for k, kind in GUIDED.items():
+            if getattr(self, k) is not None:
+                return k, kind, getattr(self, k)
+        return None
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "lark", "guided_choice": "choice"}
 
 
 class CompletionRequest(_Sampling):
@@ -134,6 +154,22 @@ class ToolSpec(BaseModel):
     function: FunctionSpec
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text" (no constraint), "json_object" (any JSON object) or
+    "json_schema" (`json_schema.schema`)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
@@ -144,9 +180,16 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _chat_supported(self):
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        if rf is not None and rf.type != "text" and super().guide_option() is not None:
+            raise ValueError(f"give at most one structured-output option, got response_format and "
+                             f"{super().guide_option()[0]}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tool_choice is not None and not self.tools:
@@ -158,6 +201,14 @@ class ChatCompletionRequest(_Sampling):
 
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def guide_option(self) -> tuple[str, str, object] | None:
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return "response_format", "json", {"type": "object"}
+        if rf is not None and rf.type == "json_schema":
+            return "response_format", "json", rf.json_schema.schema_
+        return super().guide_option()
 
 
 # ------------------------------------------------------------------ responses

@@ -41,6 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    # structured output: a compiled grammar (`structured.Guide`); each request gets its own matcher,
+    # the sampler masks what the grammar forbids, and the request stops where the grammar ends
+    guide: object | None = None
 
     def __post_init__(self):
         SamplingConfig(self.temperature, self.top_k, self.top_p)  # validates
@@ -85,6 +88,7 @@ class Request:
     computed: int = 0
     table: BlockTable = field(default_factory=BlockTable)
     generator: torch.Generator | None = None
+    matcher: object | None = None  # llguidance's LLMatcher of a constrained request: the tokens so far taken
     arrival: float = 0.0
     first_token_at: float | None = None
     last_token_at: float | None = None
