@@ -33,8 +33,10 @@ SUM = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'
 
 
 def check_cat(text: str) -> None:
-    """`text` is a JSON object valid under CAT (checked by hand: no jsonschema dependency)."""
+    """`text` is a JSON object valid under CAT (checked by hand: no jsonschema dependency), written
+    without free whitespace (`structured.JSON_STYLE`)."""
     obj = json.loads(text)
+    assert text.startswith("{") and "\n" not in text  # (a raw newline is whitespace: inside a string it is invalid)
     assert isinstance(obj, dict) and set(obj) == set(CAT["required"]), obj
     assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
     assert type(obj["age"]) is int and 0 <= obj["age"] <= 120
@@ -105,6 +107,21 @@ def test_apply_token_bitmask_equals_llguidance_reference(V):
     assert torch.isinf(got[2]).all() and torch.isfinite(got[1, : 32 * words]).all()
 
 
+def test_llguidance_reads_every_token_as_transformers_decodes_it(server):
+    """Regression: the GGUF-converted tokenizer's decoder Sequence(ByteFallback, Fuse, Replace,
+    ByteLevel) made llguidance (through `llguidance.hf.from_tokenizer`) read 'Ġ' and 'Ċ' literally, so
+    a regex with a space could not be met and a newline token could enter a JSON string."""
+    from orthros.serve.structured import Grammars
+
+    srv, model, tok, _ = server
+    lltok = Grammars(tok, model.config.vocab_size, [tok.eos_token_id]).lltokenizer()
+    special = set(tok.all_special_ids)
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if i not in special and "\ufffd" not in text:  # (a token that is part of a character: no text alone)
+            assert lltok.decode_bytes([i]) == text.encode(), (i, tok.convert_ids_to_tokens(i))
+
+
 def test_eos_is_allowed_exactly_where_the_grammar_can_end(server):
     """The masks of a regex's matcher step by step: EOS forbidden until the grammar may end,
     allowed from there on; the matcher stops where nothing more can follow."""
@@ -138,11 +155,12 @@ def test_json_object(server, client):
     """Any JSON object. The model is nudged toward quotes and braces (logit_bias) so that it closes
     its strings within the budget; with the same nudge and no constraint it writes no JSON."""
     srv, model, tok, name = server
-    bias = {str(tid(tok, '"')): 8, str(tid(tok, "}")): 5}
+    bias = {str(tid(tok, '"')): 8, str(tid(tok, "}")): 2}
     kw = dict(model=name, messages=MSGS, max_tokens=80, temperature=0, logit_bias=bias)
     r = client.chat.completions.create(**kw, response_format={"type": "json_object"})
     c = r.choices[0]
-    assert c.finish_reason == "stop" and isinstance(json.loads(c.message.content), dict), c.message.content
+    obj = json.loads(c.message.content)
+    assert c.finish_reason == "stop" and isinstance(obj, dict) and obj, c.message.content
     free = client.chat.completions.create(**kw).choices[0].message.content
     assert not parses(free), free
     # "text" is no constraint at all
@@ -185,6 +203,10 @@ def test_guided_regex_grammar_and_choice(server, client):
     assert not re.fullmatch(EMAIL, free), free
     streamed = list(client.completions.create(**kw, extra_body={"guided_regex": EMAIL}, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+    lines = r"[a-z]{1,6} [a-z]{1,6}\n[0-9]{1,3}"  # spaces and newlines are tokens of their own kind
+    r = client.completions.create(**kw, extra_body={"guided_regex": lines})
+    assert re.fullmatch(lines, r.choices[0].text), r.choices[0].text
 
     r = client.completions.create(**kw, extra_body={"guided_grammar": SUM})
     assert re.fullmatch(r"\([0-9]{1,3}(\+[0-9]{1,3})*\)", r.choices[0].text), r.choices[0].text
