@@ -195,8 +195,8 @@ class ChatCompletionRequest(_Sampling):
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice needs tools")
         if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
-            raise ValueError("tool_choice 'required' or a named function needs constrained decoding, which this "
-                             "server does not do: use tool_choice 'auto'")
+            raise ValueError("tool_choice 'required' or a named function needs constrained decoding of the tool "
+                             "calls, which this server does not do yet: use tool_choice 'auto'")
         return self
 
     def max_new(self) -> int | None:

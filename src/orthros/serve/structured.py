@@ -38,8 +38,8 @@ class Guide:
     """One compiled grammar. The matcher built at compile time is never advanced: each request
     gets a copy (`deep_copy` is cheap; compiling a large schema may take tens of milliseconds)."""
 
-    def __init__(self, matcher, what: str):
-        self._proto, self.what = matcher, what
+    def __init__(self, matcher):
+        self._proto = matcher
 
     def matcher(self):
         return self._proto.deep_copy()
@@ -110,7 +110,7 @@ class Grammars:
         m = llg.LLMatcher(tok, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"invalid {_NAMES[kind]}: {m.get_error().strip()}")
-        return Guide(m, _NAMES[kind])
+        return Guide(m)
 
 
 # text whose tokens cover spaces, newlines, tabs, quotes, brackets, digits and multi-byte characters:
