@@ -1,6 +1,7 @@
 """The recall experiment's training recipe: its baselines, its batches and its loss weights."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -77,3 +78,26 @@ def test_passkey_weight_scales_the_passkey_loss():
     without = weights(passkey_batch=0)
     assert torch.equal(weights(passkey_weight=0.0), without)
     assert not torch.allclose(weights(passkey_weight=1.0), without)
+
+
+def test_moe_variants_train_alike_and_run_every_probe(tmp_path):
+    """The MoE variants of the recall comparison: the same active width a token as the dense models
+    (k experts of 3h / k), every layer sparse, the load-balancing loss in training, the three routing
+    modes; the smoke preset trains and evaluates them end to end."""
+    from orthros.experiments.presets import DEFAULT_ARCHS
+    from orthros.experiments.recall import run_experiment
+
+    p = PRESETS["smoke"]
+    dense, moe = p.model_config("orthros"), p.model_config("orthros-moe-bound")
+    assert moe.num_experts_per_tok * moe.moe_intermediate_size == dense.intermediate_size
+    assert moe.output_routing == "bound" and moe.output_router_logits and moe.attention == "orthros"
+    assert p.model_config("full-moe").attention == "full" and "full-moe" not in DEFAULT_ARCHS
+    model = OrthrosForCausalLM(moe)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids, use_cache=False)
+    assert out.aux_loss is not None and out.aux_loss > 0  # balancing counted in the training loss
+    res = run_experiment("smoke", ("full-moe", "orthros-moe", "orthros-moe-bound"), out=tmp_path)["results"]
+    for arch, r in res.items():
+        assert set(r["eval"]) >= {"mqar", "passkey", "ppl"}, arch
+        assert math.isfinite(r["eval"]["ppl"]["ppl"]) and r["params"] > 0
+    assert res["orthros-moe"]["params"] == res["orthros-moe-bound"]["params"]

@@ -52,14 +52,14 @@ def run(args) -> int:
     resolve_device(args.device)
     if args.name == "cpt":
         return run_cpt_command(args)
-    from .presets import ARCHS
+    from .presets import DEFAULT_ARCHS
     from .recall import run_experiment
 
     preset = args.preset or "cpu"
     out = args.out or f"runs/experiment-{args.name}-{preset}"
     check_output_dir(out, "--out")
     seed = args.seed[0] if len(args.seed) == 1 else args.seed
-    res = run_experiment(preset, args.archs or list(ARCHS), seed, args.device, out, args.steps, args.seconds,
+    res = run_experiment(preset, args.archs or list(DEFAULT_ARCHS), seed, args.device, out, args.steps, args.seconds,
                          args.jobs)
     print()
     print(res["table"])

@@ -12,13 +12,26 @@ from ..eval.mqar import MQARConfig
 from ..eval.passkey import PasskeyConfig
 from ..models import OrthrosConfig
 
+# Mixture-of-experts variants: every layer sparse, 8 experts, top-2, each expert half the dense
+# MLP's width (the same active parameters a token as the dense models), load balancing at
+# Qwen3-MoE's coefficient (`Preset.model_config` sets the experts' width from the hidden size)
+MOE = dict(num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+           output_router_logits=True, router_aux_loss_coef=0.001)
 ARCHS = {  # name -> config changes
     "full": dict(attention="full"),
     "swa": dict(attention="swa"),
     "orthros": dict(attention="orthros"),
     "orthros-noso": dict(attention="orthros", scale_offset=False),
+    "full-moe": dict(attention="full", **MOE),
+    "orthros-moe": dict(attention="orthros", output_routing="independent", **MOE),
+    "orthros-moe-bound": dict(attention="orthros", output_routing="bound", **MOE),
+    "orthros-moe-base": dict(attention="orthros", output_routing="base", **MOE),
 }
-LABELS = {"full": "Transformer (full)", "swa": "SWA", "orthros": "Orthros", "orthros-noso": "Orthros w/o SO"}
+DEFAULT_ARCHS = ("full", "swa", "orthros", "orthros-noso")
+"""what a run trains unless --archs says otherwise (the MoE variants: `--archs full-moe orthros-moe ...`)"""
+LABELS = {"full": "Transformer (full)", "swa": "SWA", "orthros": "Orthros", "orthros-noso": "Orthros w/o SO",
+          "full-moe": "MoE Transformer (full)", "orthros-moe": "MoE Orthros (independent)",
+          "orthros-moe-bound": "MoE Orthros (bound)", "orthros-moe-base": "MoE Orthros (base)"}
 
 
 @dataclass
@@ -73,11 +86,14 @@ class Preset:
     eval_tasks: tuple = ("mqar", "passkey", "ppl")
 
     def model_config(self, arch: str) -> OrthrosConfig:
+        changes = dict(ARCHS[arch])
+        if changes.get("num_experts"):  # k experts a token hold the dense MLP's width between them
+            changes["moe_intermediate_size"] = 3 * self.hidden_size // changes["num_experts_per_tok"]
         return OrthrosConfig(vocab_size=256, hidden_size=self.hidden_size, intermediate_size=3 * self.hidden_size,
                              num_hidden_layers=self.layers, num_attention_heads=self.heads,
                              num_key_value_heads=self.kv_heads, head_dim=self.hidden_size // self.heads,
                              window_size=self.window, max_position_embeddings=16384, tie_word_embeddings=True,
-                             attn_backend=self.attn_backend, **ARCHS[arch])
+                             attn_backend=self.attn_backend, **changes)
 
 
 PRESETS = {

@@ -39,7 +39,7 @@ from ..eval.tasks import eval_mqar, eval_passkey, eval_perplexity, heldout_token
 from ..layers.fused import fused_mode
 from ..models import OrthrosForCausalLM
 from .jobs import run_jobs
-from .presets import ARCHS, LABELS, PRESETS, Preset
+from .presets import ARCHS, DEFAULT_ARCHS, LABELS, PRESETS, Preset
 from .report import aggregate, format_table, plot
 
 
@@ -163,7 +163,7 @@ def _summary(arch: str, r: dict) -> str:
             + (f"; ppl {ev['ppl']['ppl']:.3f}" if "ppl" in ev else ""))
 
 
-def run_experiment(preset_name: str, archs=tuple(ARCHS), seed: int | list[int] = 0, device: str = "cpu",
+def run_experiment(preset_name: str, archs=DEFAULT_ARCHS, seed: int | list[int] = 0, device: str = "cpu",
                    out: str | Path = "runs/experiment-recall", steps: int | None = None,
                    seconds: float | None = None, jobs: int = 1) -> dict:
     """Train and evaluate every architecture; write results.json, table.md and recall.png to `out`.
