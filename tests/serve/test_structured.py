@@ -340,3 +340,58 @@ def test_no_tokenizer_is_a_value_error():
     with pytest.raises(ValueError, match="tokenizer"):
         Grammars(None, 256).compile("regex", "a")
 
+
+
+# ------------------------------------------------------------ forced tool calls
+HERMES = ("{%- if tools %}<|im_start|>system\nYou may call: {{ tools | tojson }}. Write calls as "
+          "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{%- endif %}"
+          "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+          "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+SHORT = {"type": "string", "maxLength": 6}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["city"], "properties": {"city": SHORT}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "additionalProperties": False, "required": ["zone"],
+             "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tool_client(smol_dir, tmp_path_factory):
+    import shutil
+
+    d = tmp_path_factory.mktemp("tools") / "model"
+    shutil.copytree(smol_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = HERMES
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").unlink(missing_ok=True)
+    srv, model, tok, name = start_server(d, max_model_len=1024)
+    yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120), name
+    srv.stop()
+
+
+def test_tool_choice_required_and_named_force_valid_calls(tool_client):
+    """tool_choice "required": the answer is one call or more, each of a given function with
+    arguments valid under its schema; a named function: one call of it. Without the constraint
+    the random model writes no call."""
+    c, name = tool_client
+    msgs = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+    kw = dict(model=name, messages=msgs, tools=TOOLS, max_tokens=120, temperature=0)
+    assert not c.chat.completions.create(**kw).choices[0].message.tool_calls  # auto: no call from this model
+    for choice, parallel in (("required", True), ("required", False),
+                             ({"type": "function", "function": {"name": "get_time"}}, True)):
+        r = c.chat.completions.create(**kw, tool_choice=choice, parallel_tool_calls=parallel)
+        ch = r.choices[0]
+        calls = ch.message.tool_calls
+        assert ch.finish_reason == "tool_calls" and calls, ch
+        assert parallel or len(calls) == 1
+        for call in calls:
+            args = json.loads(call.function.arguments)
+            if call.function.name == "get_weather":
+                assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 6
+            else:
+                assert call.function.name == "get_time" and args == {"zone": args["zone"]} and args["zone"] in ("UTC", "CET")
+        if isinstance(choice, dict):
+            assert [x.function.name for x in calls] == ["get_time"]
+    with pytest.raises(openai.BadRequestError, match="cannot be combined with response_format"):
+        c.chat.completions.create(**kw, tool_choice="required", response_format={"type": "json_object"})

@@ -105,9 +105,11 @@ def test_tool_choice_and_templates_without_tools(tool_server, server, monkeypatc
     scripted(monkeypatch, tok, '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>')
     r = c.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], tool_choice="none", max_tokens=40)
     assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
-    for kw in (dict(tool_choice="required"), dict(tool_choice={"type": "function", "function": {"name": "x"}})):
-        with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-            c.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], **kw)
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
+        c.chat.completions.create(model=name, messages=msgs, tools=[WEATHER],
+                                  tool_choice={"type": "function", "function": {"name": "x"}})
+    with pytest.raises(openai.BadRequestError, match="a named tool_choice is"):
+        c.chat.completions.create(model=name, messages=msgs, tools=[WEATHER], tool_choice={"name": "get_weather"})
     with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
         c.chat.completions.create(model=name, messages=msgs, tool_choice="auto")
     plain_srv, _, _, plain_name = server  # the test model's own template has no tools

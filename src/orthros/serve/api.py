@@ -33,7 +33,7 @@ from .protocol import (ChatCompletionRequest, CompletionRequest, chat_logprobs, 
                        new_id, now, usage)
 from .request import EngineDead, QueueFull, SamplingParams
 from .structured import Grammars
-from .tools import detect as detect_tools, openai_calls, parse as parse_tools
+from .tools import call_grammar, detect as detect_tools, openai_calls, parse as parse_tools
 
 
 class ApiError(Exception):
@@ -350,7 +350,15 @@ def create_app(engine: Engine, tokenizer, model_name: str, metrics=None, api_key
                                    "with --tool-call-parser hermes|llama3_json", param="tools")
         prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = make_job(body, [prompt], body.max_new(), top, await guide_of(body))
+        if body.forces_tools():  # the answer is the calls, in the format the parser reads
+            spec = call_grammar(parser, tools, body.tool_choice, body.parallel_tool_calls is not False)
+            try:
+                guide = await asyncio.to_thread(grammars.compile, "lark", spec)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="tool_choice") from e
+        else:
+            guide = await guide_of(body)
+        job = make_job(body, [prompt], body.max_new(), top, guide)
         rid, created = new_id("chatcmpl"), now()
 
         def logprobs_of(out, t0, t1):

@@ -194,10 +194,20 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.tool_choice is not None and not self.tools:
             raise ValueError("tool_choice needs tools")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, dict):
-            raise ValueError("tool_choice 'required' or a named function needs constrained decoding of the tool "
-                             "calls, which this server does not do yet: use tool_choice 'auto'")
+        if isinstance(self.tool_choice, dict):
+            f = self.tool_choice.get("function")
+            if self.tool_choice.get("type") != "function" or not isinstance(f, dict) or not isinstance(f.get("name"), str):
+                raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+            if f["name"] not in {t.function.name for t in self.tools}:
+                raise ValueError(f"tool_choice names function {f['name']!r}, which is not among the tools")
+        if self.forces_tools() and self.guide_option() is not None:
+            raise ValueError(f"tool_choice {'required' if self.tool_choice == 'required' else 'naming a function'} "
+                             f"constrains the answer already: it cannot be combined with {self.guide_option()[0]}")
         return self
+
+    def forces_tools(self) -> bool:
+        """tool_choice "required" or a named function: the answer is constrained to tool calls."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
 
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

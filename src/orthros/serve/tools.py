@@ -21,6 +21,28 @@ PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
+def call_grammar(parser: str, tools: list[dict], tool_choice, parallel: bool = True) -> str:
+    """A grammar (Lark, as llguidance reads it, JSON schemas inline) whose sentences are exactly the
+    calls `parse(parser, ...)` reads, each of a function among `tools` with arguments valid under its
+    `parameters` schema: for tool_choice "required" one call or more (one if not `parallel`), for a
+    named function ({"type": "function", "function": {"name": ...}}) one call of it. The JSON is
+    written without free whitespace (as `structured.JSON_STYLE`)."""
+    if parser not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {parser!r}; choose from {', '.join(PARSERS)}")
+    if isinstance(tool_choice, dict):
+        tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+        parallel = False
+    key = "arguments" if parser == "hermes" else "parameters"
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", key],
+              "properties": {"name": {"const": t["function"]["name"]},
+                             key: t["function"].get("parameters") or {"type": "object"}}} for t in tools]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
+              "x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+    body = "%json " + json.dumps(schema)
+    call, sep = (f'"<tool_call>\\n" {body} "\\n</tool_call>"', '"\\n"') if parser == "hermes" else (body, '"; "')
+    return f"start: call{f' ({sep} call)*' if parallel else ''}\ncall: {call}\n"
+
+
 def detect(template: str | None) -> str | None:
     """The parser a chat template implies, or None (it shows no tool-call format)."""
     t = template or ""
