@@ -1,0 +1,66 @@
+"""Does the sink also bring back retrieval, zero-shot? The pass key through the chat template,
+SmolLM2-135M-Instruct converted to Orthros (W = 128) untrained, with and without a base window
+that also sees the first token (sink_probe.py's patch of the reference op's mask). A CPU run.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/sink_passkey_probe.py --samples 4
+
+One prompt at a time (no left padding: the patch's sink is the first slot, which is the first
+token only in an unpadded row); greedy, `eval.longrange.chat_passkey`'s prompts and scoring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sink_probe  # noqa: E402  (its mask patch and model loading)
+
+from orthros.convert.download import smollm2_gguf  # noqa: E402
+from orthros.eval.longrange import chat_passkey  # noqa: E402
+from orthros.experiments.cpt import load_arm  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5, 1.0])
+    ap.add_argument("--samples", type=int, default=4, help="keys per length and depth")
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/sink")
+    ap.add_argument("--out", default="/tmp/sink/sink_passkey_probe.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    from orthros.convert.hf import convert_checkpoint
+    from orthros.data.tokenizer import load_tokenizer
+
+    conv = Path(args.work) / "orthros"
+    if not (conv / "config.json").exists():
+        convert_checkpoint(smollm2_gguf(), conv, window_size=args.window, dtype="fp32", progress=False)
+    tok = load_tokenizer(conv)
+    model = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
+    sink_probe.set_backend(model, "naive")
+    sink_probe.install_patch()
+    results = {}
+    for S in (0, 1):
+        sink_probe.SINKS = S
+        t1 = time.time()
+        with torch.no_grad():
+            r = chat_passkey(model, tok, args.lengths, args.depths, args.samples, batch_size=1)
+        results[f"orthros+sink{S}" if S else "orthros"] = r
+        print(f"sinks {S}: pass key by length {r['by_length']} ({time.time() - t1:.0f}s); "
+              f"e.g. {[e['answer'] for e in r['examples'][:3]]}", flush=True)
+    sink_probe.SINKS = 0
+    Path(args.out).write_text(json.dumps({"args": vars(args), "results": results, "seconds": time.time() - t0},
+                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()
