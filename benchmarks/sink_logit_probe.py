@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -27,18 +28,13 @@ import torch
 import torch.nn.functional as F
 
 import orthros.ops as ops
-from orthros.convert.download import smollm2_gguf
 from orthros.experiments.cpt import load_arm
 from orthros.experiments.cpt_data import heldout_sets
-from orthros.layers.attention import OrthrosAttention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sink_probe import converted, heldout_rows, set_backend  # noqa: E402
 
 _NAIVE = ops.naive_attention
-
-
-def use_naive(model):
-    for m in model.modules():
-        if isinstance(m, OrthrosAttention):
-            m.backend = "naive"
 
 
 @torch.no_grad()
@@ -107,23 +103,16 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    from orthros.convert.hf import convert_checkpoint
-    from orthros.data.tokenizer import load_tokenizer
-
     work = Path(args.work)
-    conv = work / "orthros"
-    if not (conv / "config.json").exists():
-        convert_checkpoint(smollm2_gguf(), conv, window_size=args.window, dtype="fp32", progress=False)
-    tok = load_tokenizer(conv)
-    held = heldout_sets(tok, args.source_len, args.rows, work / "cache")
-    data = {d: torch.from_numpy(held[d][: args.rows, : args.seq_len].astype(np.int64)) for d in ("code", "prose")}
+    conv, tok = converted(work, args.window)
+    data = heldout_rows(tok, work, args.rows, args.seq_len, args.source_len)
     extra = heldout_sets(tok, args.source_len, args.rows + args.calibration_rows, work / "cache")
     calib = torch.from_numpy(np.concatenate([extra["prose"][args.rows:], extra["code"][args.rows:]])
                              [:, : args.seq_len].astype(np.int64))
     source = load_arm(conv, "source", args.window, "cpu").eval()
     orth = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
-    use_naive(source)
-    use_naive(orth)
+    set_backend(source, "naive")
+    set_backend(orth, "naive")
     s = calibrate(source, calib, args.window)
     print(f"calibrated sink logits on {len(calib)} rows: [L, H] = {tuple(s.shape)}, mean {s.mean():.2f}, "
           f"range {s.min():.2f} .. {s.max():.2f}  ({time.time() - t0:.0f}s)", flush=True)

@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import sink_probe  # noqa: E402  (its mask patch and model loading)
 
-from orthros.convert.download import smollm2_gguf  # noqa: E402
 from orthros.eval.longrange import chat_passkey  # noqa: E402
 from orthros.experiments.cpt import load_arm  # noqa: E402
 
@@ -38,13 +37,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t0 = time.time()
-    from orthros.convert.hf import convert_checkpoint
-    from orthros.data.tokenizer import load_tokenizer
-
-    conv = Path(args.work) / "orthros"
-    if not (conv / "config.json").exists():
-        convert_checkpoint(smollm2_gguf(), conv, window_size=args.window, dtype="fp32", progress=False)
-    tok = load_tokenizer(conv)
+    conv, tok = sink_probe.converted(Path(args.work), args.window)
     model = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
     sink_probe.set_backend(model, "naive")
     sink_probe.install_patch()

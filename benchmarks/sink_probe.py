@@ -75,6 +75,23 @@ def set_backend(model, backend: str):
     assert n == model.config.num_hidden_layers, n
 
 
+def converted(work: Path, window: int):
+    """(the Orthros directory of SmolLM2 converted at `window` under `work`, made once; its tokenizer)."""
+    from orthros.convert.hf import convert_checkpoint
+    from orthros.data.tokenizer import load_tokenizer
+
+    conv = work / "orthros"
+    if not (conv / "config.json").exists():
+        convert_checkpoint(smollm2_gguf(), conv, window_size=window, dtype="fp32", progress=False)
+    return conv, load_tokenizer(conv)
+
+
+def heldout_rows(tok, work: Path, rows: int, seq_len: int, source_len: int) -> dict[str, torch.Tensor]:
+    """The first `rows` held-out code and prose rows, cut to `seq_len` tokens."""
+    held = heldout_sets(tok, source_len, rows, work / "cache")
+    return {d: torch.from_numpy(held[d][:rows, :seq_len].astype(np.int64)) for d in ("code", "prose")}
+
+
 # ------------------------------------------------------------------ measuring
 @torch.no_grad()
 def logits_of(model, row: torch.Tensor) -> torch.Tensor:
@@ -116,15 +133,8 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
-    from orthros.convert.hf import convert_checkpoint
-    from orthros.data.tokenizer import load_tokenizer
-
-    conv = work / "orthros"
-    if not (conv / "config.json").exists():
-        convert_checkpoint(smollm2_gguf(), conv, window_size=args.window, dtype="fp32", progress=False)
-    tok = load_tokenizer(conv)
-    held = heldout_sets(tok, args.source_len, args.rows, work / "cache")
-    data = {d: torch.from_numpy(held[d][: args.rows, : args.seq_len].astype(np.int64)) for d in ("code", "prose")}
+    conv, tok = converted(work, args.window)
+    data = heldout_rows(tok, work, args.rows, args.seq_len, args.source_len)
     print(f"data: {({d: tuple(v.shape) for d, v in data.items()})}  ({time.time() - t0:.0f}s)", flush=True)
 
     install_patch()

@@ -21,6 +21,19 @@ def model_dir(tmp_path_factory):
     return d
 
 
+def with_chat_template(model_dir, to, template: str):
+    """A copy of `model_dir` at `to` whose tokenizer carries `template` as its chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, to)
+    cfg = json.loads((to / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (to / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (to / "chat_template.jinja").unlink(missing_ok=True)
+    return to
+
+
 def start_server(model_dir, api_key=None, **engine):
     from orthros.serve.launch import build_app, load_model, serve_in_thread
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ..conftest import make_model, smollm2_dir
-from .conftest import start_server
+from .conftest import start_server, with_chat_template
 
 openai = pytest.importorskip("openai")
 llguidance = pytest.importorskip("llguidance")
@@ -357,14 +357,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def tool_client(smol_dir, tmp_path_factory):
-    import shutil
-
-    d = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(smol_dir, d)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = HERMES
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (d / "chat_template.jinja").unlink(missing_ok=True)
+    d = with_chat_template(smol_dir, tmp_path_factory.mktemp("tools") / "model", HERMES)
     srv, model, tok, name = start_server(d, max_model_len=1024)
     yield openai.OpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120), name
     srv.stop()

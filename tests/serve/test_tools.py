@@ -2,13 +2,12 @@
 chat API returning them as `tool_calls` (streamed and not) through the official `openai` client."""
 
 import json
-import shutil
 
 import pytest
 
 from orthros.serve.tools import detect, parse
 
-from .conftest import start_server
+from .conftest import start_server, with_chat_template
 
 openai = pytest.importorskip("openai")
 
@@ -43,12 +42,7 @@ def test_llama3_json_calls():
 
 @pytest.fixture(scope="module")
 def tool_server(model_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(model_dir, d)
-    cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = HERMES
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (d / "chat_template.jinja").unlink(missing_ok=True)
+    d = with_chat_template(model_dir, tmp_path_factory.mktemp("tools") / "model", HERMES)
     srv, model, tok, name = start_server(d, max_model_len=1536)  # the tools' JSON makes long prompts
     yield srv, tok, name
     srv.stop()

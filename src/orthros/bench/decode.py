@@ -238,26 +238,24 @@ class GraphedStep:
         self.graph = self.out = self.token = self.cache = None
 
     def __call__(self, model, token, cache):
+        if self.note is None and (self.graph is None or self.cache is not cache):
+            self._capture(model, token, cache)
         if self.note is not None:
             return fast_decode_step(model, token, cache)
-        if self.graph is None or self.cache is not cache:
-            self._capture(model, token, cache)
-            if self.note is not None:
-                return fast_decode_step(model, token, cache)
         self.token.copy_(token)
         self.graph.replay()
         return self.out
 
     def _capture(self, model, token, cache) -> None:
-        # an eager run of this step (its K/V written at the cache's slot), then the capture and a
-        # replay, which write the same K/V at the same slot: the replay must give the same logits
-        eager = fast_decode_step(model, token, cache).float()
+        # an eager run of this step on a side stream (the warm-up a capture asks for; its K/V written at
+        # the cache's slot), then the capture and a replay, which write the same K/V at the same slot:
+        # the replay must give the eager run's logits
         self.token, self.cache = token.clone(), cache
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up on a side stream, as a capture asks
-                fast_decode_step(model, self.token, cache)
+            with torch.cuda.stream(side):
+                eager = fast_decode_step(model, self.token, cache).float()
             torch.cuda.current_stream().wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):

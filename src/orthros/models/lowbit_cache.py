@@ -51,6 +51,7 @@ from transformers import Cache
 from ..ops.attend import lowbit_decode_attention  # noqa: F401  (its older import path)
 from ..ops.kv import DenseKV, LowBitKV
 from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate, rotation_matrix
+from ..ops.lowbit.format import packed_bound
 from ..ops.lowbit.write import decode_write, write_kernel_applies
 from ..ops.masks import PAD_DOC
 from .static_cache import StaticOrthrosCache
@@ -149,10 +150,7 @@ class LowBitStaticCache(StaticOrthrosCache):
 
     def bound_at(self, length):
         """First slot kept in bf16 when `length` slots are filled (an int, or a tensor: no sync)."""
-        g = self.key_group
-        if torch.is_tensor(length):
-            return ((length - self.recent).clamp_min(0) // g) * g
-        return max(0, length - self.recent) // g * g
+        return packed_bound(length, self.recent, self.key_group)
 
     @property
     def memory_bytes(self) -> int:

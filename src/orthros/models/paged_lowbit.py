@@ -4,7 +4,7 @@ Every block holds its slots packed (`ops/lowbit/format.py`: keys per channel ove
 `key_group` slots, values per token over groups of `value_group` channels, both after the Hadamard
 rotation; fp16 scales and zeros), a key group inside one block (block_size % key_group == 0). What a
 sequence still reads in bf16, the sink slots of its block 0 and the slots from its bound on (the
-base stream's window and the last `recent + key_group` slots or fewer, `lowbit_bound`), is kept in
+base stream's window and the last `recent + key_group` slots or fewer, `ops.lowbit.format.packed_bound`), is kept in
 bf16 **twin blocks**: a second, small pool of `num_twins` blocks; `twin_map` [num_blocks] says which
 twin holds a block's bf16 copy (-1: none). Which blocks keep a twin is the engine's bookkeeping
 (`serve.kv_twins`); a twin outlives its need while it is not wanted for another block, so that a

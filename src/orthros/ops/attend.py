@@ -27,7 +27,7 @@ import torch
 
 from . import attention
 from .kv import DenseKV, LowBitKV, PagedKV, PagedLowBitKV, ShardedKV
-from .lowbit.format import dense_kv
+from .lowbit.format import dense_kv, packed_bound
 from .lse import partial_attention
 from .splitkv.common import splitkv_takes
 
@@ -139,8 +139,8 @@ def _lowbit_outputs(q, kv: LowBitKV, q_slot, q_doc, k_doc, scale, backend, kerne
     if q.shape[1] == 0:  # a chunk without output positions
         return torch.zeros_like(q)
     L, g = kv.length, kv.key_group
-    now = max(0, L - kv.recent) // g * g  # the cache's bound (kv.bound, without reading the tensor)
-    bq = ((q_slot + 1 - kv.recent).clamp_min(0) // g) * g
+    now = packed_bound(L, kv.recent, g)  # the cache's bound (kv.bound, without reading the tensor)
+    bq = packed_bound(q_slot + 1, kv.recent, g)
     values = torch.unique(bq).tolist()
     if values == [now] and kernel:  # the ring holds [now, L)
         from .splitkv.lowbit import lowbit_splitkv_attention

@@ -2,7 +2,7 @@
 
 A low-bit pool stores every block packed; a sequence reads in bf16 only its sink slots (in its
 block 0) and its slots from its bound on, bound(n) = max(0, n - recent) // key_group * key_group
-for a query at position n - 1 (`ops.splitkv.lowbit_paged.lowbit_bound`): so those blocks, and the
+for a query at position n - 1 (`ops.lowbit.format.packed_bound`): so those blocks, and the
 blocks a step writes, keep a bf16 copy in a twin block. Each step the scheduler says which blocks
 its running requests need (`needed`, `retain`): those twins are pinned; the others stay filled, in
 least-recently-released order, until a twin is wanted for another block. A prefix-cache hit can use
@@ -15,6 +15,8 @@ The pool holds enough twins that the running requests' needs always fit (`twins_
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from ..ops.lowbit.format import packed_bound
 
 
 def twins_for(max_num_seqs: int, budget: int, block_size: int, recent: int, key_group: int) -> int:
@@ -47,7 +49,7 @@ class TwinBlocks:
         return len(self.block_of)
 
     def bound(self, n: int) -> int:
-        return max(0, n - self.recent) // self.key_group * self.key_group
+        return packed_bound(n, self.recent, self.key_group)
 
     def needed(self, blocks: list[int], computed: int, new: int = 0) -> list[int]:
         """The blocks a request with `computed` tokens in its cache and `new` to run now reads or writes

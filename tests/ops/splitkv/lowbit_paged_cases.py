@@ -13,7 +13,8 @@ import torch
 
 from orthros.ops.kv import PagedKV, PagedLowBitKV, PagedRows
 from orthros.ops.lowbit import BITS, quantize_keys, quantize_values, rotate, rotation_matrix
-from orthros.ops.splitkv.lowbit_paged import (lowbit_bound, paged_lowbit_attention_kernel,
+from orthros.ops.lowbit.format import packed_bound
+from orthros.ops.splitkv.lowbit_paged import (paged_lowbit_attention_kernel,
                                               paged_lowbit_attention_ref)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
@@ -40,7 +41,7 @@ def pool(kv_dtype, Hkv, D, bs, kg, sinks, recent, rotated, table, pos, seed=0):
     tk[twin_slot], tv[twin_slot] = k.bfloat16(), v.bfloat16()
     twins = perm[table.long()].int()
     blk = torch.arange(table.shape[1])
-    bound = lowbit_bound(pos, recent, kg)
+    bound = packed_bound(pos + 1, recent, kg)
     gone = ((blk[None] + 1) * bs <= bound[:, None]) & (blk[None] > 0)  # wholly packed, not block 0: no twin
     twins[gone] = -1
     rows = PagedRows(torch.arange(len(pos)), table, pos, int(pos.max()) + 1)

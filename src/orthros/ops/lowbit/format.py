@@ -39,6 +39,15 @@ import torch
 BITS = {"int4": (4, 4), "int2": (2, 2), "k4v2": (4, 2)}  # kv_dtype -> (key bits, value bits)
 
 
+def packed_bound(length, recent: int, key_group: int):
+    """The first slot kept in bf16 when `length` slots are filled (an int, or a tensor: no sync):
+    max(0, length - recent) rounded down to a whole key group; slots below it (past the sinks) are
+    packed. The one definition every low-bit cache, reader and its bookkeeping uses."""
+    if torch.is_tensor(length):
+        return ((length - recent).clamp_min(0) // key_group) * key_group
+    return max(0, length - recent) // key_group * key_group
+
+
 def pack(levels: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 levels [..., D] (each < 2^bits) -> packed uint8 [..., D * bits / 8]."""
     P = 8 // bits

@@ -129,6 +129,17 @@ def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
     tl.store(LSE + b * slb + split * slp + m * slm + h, lse, mask=rvalid)
 
 
+@triton.jit
+def _head_group(Hkv, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    """A paged read's program (row, KV head) = program_id(0): its row r (int64), KV head, which of the
+    BLOCK_R group rows are query heads, those heads h, the head-dim offsets d and their mask."""
+    pid = tl.program_id(0)
+    kvh = pid % Hkv
+    g = tl.arange(0, BLOCK_R)
+    d = tl.arange(0, BLOCK_D)
+    return (pid // Hkv).to(tl.int64), kvh, g < G, kvh * G + g, d, d < D
+
+
 # Values that change with a request's length are not specialized on (divisibility by 16, == 1):
 # each new class would compile the kernel again, in the middle of serving a long prompt.
 @triton.jit(do_not_specialize=["s_table", "slr"])
@@ -138,15 +149,8 @@ def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
               BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
               F16: tl.constexpr):
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    r = (pid // Hkv).to(tl.int64)
-    kvh = pid % Hkv
-    g = tl.arange(0, BLOCK_R)
-    gvalid = g < G
-    h = kvh * G + g
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
+    r, kvh, gvalid, h, d, dmask = _head_group(Hkv, G, BLOCK_R, BLOCK_D, D)
     q = tl.load(Q + r * sqr + h[:, None] * sqh + d[None, :], mask=gvalid[:, None] & dmask[None, :], other=0.0)
     if F16:  # fp8 K/V: dots in fp16 (`use_fp16_dots`)
         q, qs = _fp16_queries(q)

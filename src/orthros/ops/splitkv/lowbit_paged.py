@@ -28,17 +28,11 @@ from __future__ import annotations
 import torch
 
 from ..kv import PagedLowBitKV, PagedRows
-from ..lowbit.format import dequantize_keys, dequantize_values
+from ..lowbit.format import dequantize_keys, dequantize_values, packed_bound
 from ..masks import PAD_DOC
 from ..naive import naive_attention
 from .common import MAX_ROWS, split_plan, triton_available
 from .lowbit import LOG2E, merge_parts
-
-
-def lowbit_bound(pos: torch.Tensor, recent: int, key_group: int) -> torch.Tensor:
-    """The first position read in bf16 by a query at `pos` (what `LowBitStaticCache.bound_at` gives
-    for pos + 1 filled slots)."""
-    return ((pos + 1 - recent).clamp_min(0) // key_group) * key_group
 
 
 def paged_lowbit_attention(q, kv: PagedLowBitKV, rows: PagedRows, twins: torch.Tensor, scale=None, out=None):
@@ -79,7 +73,7 @@ def paged_lowbit_attention_ref(q, kv: PagedLowBitKV, table, twins, pos, scale=No
     if NS:  # the sinks: block 0's twin (also where a later block's twin is gone)
         sink = twins.long()[:, :1] * bs + j[:NS]  # [R, NS]
         hk[:, :NS], hv[:, :NS] = tk[sink].float(), tv[sink].float()
-    bound = lowbit_bound(pos, kv.recent, g)
+    bound = packed_bound(pos + 1, kv.recent, g)  # the first position a query at pos reads in bf16
     old = ((j[None] >= NS) & (j[None] < bound[:, None]))[..., None, None]
     k, v = torch.where(old, kd, hk).to(q.dtype), torch.where(old, vd, hv).to(q.dtype)
     k_doc = torch.where(j[None] <= pos[:, None], 0, PAD_DOC)

@@ -4,18 +4,8 @@ first use."""
 import triton
 import triton.language as tl
 
-from .lowbit_kernel import _dot, _unpack
-
-
-@triton.jit
-def _step(s, vis, m_i, l_i):
-    """Scores s [BLOCK_R, N] (log2 units), -inf where not `vis` -> (p, alpha, m_new, l_new)."""
-    s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+from .kernels import _head_group
+from .lowbit_kernel import _dot, _softmax_step, _unpack
 
 
 @triton.jit
@@ -25,7 +15,7 @@ def _bf16_tile(qd, TK, TV, ts, stks, stkh, stvs, stvh, kvh, d, jv, dmask, m_i, l
     kvm = jv[:, None] & dmask[None, :]
     k = tl.load(TK + ts[:, None] * stks + kvh * stkh + d[None, :], mask=kvm, other=0.0).to(DT)
     v = tl.load(TV + ts[:, None] * stvs + kvh * stvh + d[None, :], mask=kvm, other=0.0).to(DT)
-    p, alpha, m_i, l_i = _step(_dot(qd, tl.trans(k), IEEE), jv[None, :], m_i, l_i)
+    p, alpha, m_i, l_i = _softmax_step(_dot(qd, tl.trans(k), IEEE), jv[None, :], m_i, l_i)
     acc = acc * alpha[:, None] + _dot(p.to(DT), v, IEEE)
     return m_i, l_i, acc, acc_p * alpha[:, None]
 
@@ -44,15 +34,8 @@ def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O
     DT: tl.constexpr = tl.float32 if IEEE else Q.dtype.element_ty
     PK: tl.constexpr = 8 // KBITS
     PV: tl.constexpr = 8 // VBITS
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    r = (pid // Hkv).to(tl.int64)
-    kvh = pid % Hkv
-    g = tl.arange(0, BLOCK_R)
-    gvalid = g < G
-    h = kvh * G + g
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < D
+    r, kvh, gvalid, h, d, dmask = _head_group(Hkv, G, BLOCK_R, BLOCK_D, D)
     qmask = gvalid[:, None] & dmask[None, :]
     q = tl.load(Q + r * sqr + h[:, None] * sqh + d[None, :], mask=qmask, other=0.0)
     qd = (q.to(tl.float32) * qscale).to(DT)  # softmax scale and log2(e) folded in
@@ -95,7 +78,7 @@ def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O
         ks = tl.load(KS + grp * skss + kvh * sksh + d, mask=dmask, other=0.0).to(tl.float32)
         kz = tl.load(KZ + grp * skss + kvh * sksh + d, mask=dmask, other=0.0).to(tl.float32)
         k = _unpack(kb, KBITS, tl.float32) * ks[None, :] + kz[None, :]
-        p, alpha, m_i, l_i = _step(_dot(qp, tl.trans(k.to(DT)), IEEE), jv[None, :], m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(_dot(qp, tl.trans(k.to(DT)), IEEE), jv[None, :], m_i, l_i)
         vb = tl.load(VQ + slot[:, None] * svqs + kvh * svqh + cv[None, :], mask=jv[:, None] & (cv < D // PV)[None, :],
                      other=0)
         vsz = slot[:, None] * svss + kvh * svsh + (d // VG)[None, :]
