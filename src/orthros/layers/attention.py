@@ -74,6 +74,7 @@ class OrthrosAttention(nn.Module):
         self._so_rows_params = None  # the parameters' identity those rows were made from
         self.base_window = None if c.attention == "full" else c.window_size
         self.out_window = c.window_size if c.attention == "swa" else None
+        self.sinks = c.sink_tokens  # the windows also see each document's first tokens
 
     def _queries(self, q, stream: str, cos, sin):
         """q: [B, M, H*D] raw projection -> SO -> heads -> q-norm -> RoPE: [B, M, H, D]."""
@@ -132,7 +133,7 @@ class OrthrosAttention(nn.Module):
     def _attend_group(self, q, n_base: int, kv, layout, attend_):
         """One group's queries q [B, R, H, D], its first n_base rows base rows -> [B, R, H, D]."""
         B, R = q.shape[:2]
-        base = dict(backend=self.backend)
+        base = dict(backend=self.backend, **({"sinks": self.sinks} if self.sinks else {}))
         if n_base == 0:
             return attend_(q, kv, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
                            dense_start=layout.out_dense, **base)
@@ -185,9 +186,9 @@ class OrthrosAttention(nn.Module):
 
 
 def _reference_attention(probs: list, q, kv: DenseKV, q_slot, q_doc, k_doc, window=None, backend=None,
-                         dense_start=None, base_rows=0):
+                         dense_start=None, base_rows=0, sinks=0):
     """`ops.attend`'s signature on the reference op over dense K/V (`OrthrosCache`, or none); appends the
     probabilities [B, H, M, S] to `probs`."""
-    o, p = naive_attention(q, kv.k, kv.v, q_slot, q_doc, k_doc, window=window, return_probs=True)
+    o, p = naive_attention(q, kv.k, kv.v, q_slot, q_doc, k_doc, window=window, return_probs=True, sinks=sinks)
     probs.append(p)
     return o

@@ -25,6 +25,9 @@ class OrthrosConfig(PreTrainedConfig):
     Orthros fields:
         window_size: sliding window of the base stream; counts the current
             token (key j is visible from t iff t - window_size < j <= t).
+        sink_tokens: the window also sees the first `sink_tokens` tokens of
+            its document (attention sinks); 0 (the default) for none. A
+            converted model's zero-shot quality rests on them (docs/conversion.md).
         attention: "orthros" (SWA base stream + full cross-attention output
             stream), "full" (plain causal transformer) or "swa" (sliding
             window only, no output stream).
@@ -72,6 +75,7 @@ class OrthrosConfig(PreTrainedConfig):
         attention_bias: bool = False,
         tie_word_embeddings: bool = False,
         window_size: int = 128,
+        sink_tokens: int = 0,
         attention: str = "orthros",
         scale_offset: bool = True,
         attn_backend: str = "auto",
@@ -108,6 +112,7 @@ class OrthrosConfig(PreTrainedConfig):
         self.qk_norm = qk_norm
         self.attention_bias = attention_bias
         self.window_size = window_size
+        self.sink_tokens = sink_tokens
         self.attention = attention
         self.scale_offset = scale_offset
         self.attn_backend = attn_backend
@@ -145,6 +150,8 @@ class OrthrosConfig(PreTrainedConfig):
                 bad(f, "must be a positive integer")
         if not isinstance(self.window_size, int) or isinstance(self.window_size, bool) or self.window_size < 1:
             bad("window_size", "must be an integer >= 1 (it counts the current token)")
+        if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
+            bad("sink_tokens", "must be an integer >= 0")
         if self.num_attention_heads % self.num_key_value_heads:
             bad("num_key_value_heads", f"must divide num_attention_heads={self.num_attention_heads}")
         if self.head_dim % 2:

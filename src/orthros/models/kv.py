@@ -23,6 +23,16 @@ from ..ops.kv import DenseKV, LowBitKV, PagedKV, PagedLowBitKV, ShardedKV
 KVRead = Union[DenseKV, PagedKV, LowBitKV, PagedLowBitKV, ShardedKV]
 
 
+def check_no_sinks(config, cache: str) -> None:
+    """Attention sinks (`OrthrosConfig.sink_tokens`) are read from `OrthrosCache` only: a cache that
+    does not keep them says so at construction instead of attending without them."""
+    sinks = getattr(config, "sink_tokens", 0)
+    if sinks:
+        raise NotImplementedError(
+            f"{cache} does not keep attention sinks yet (this model has sink_tokens={sinks}): "
+            "use the dynamic cache (generate(fast=False), the default for such models; transformers' generate())")
+
+
 @runtime_checkable
 class KVCache(Protocol):
     """Storage for every layer's K/V, written by the base stream and read by both streams.

@@ -54,6 +54,7 @@ from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate,
 from ..ops.lowbit.format import packed_bound
 from ..ops.lowbit.write import decode_write, write_kernel_applies
 from ..ops.masks import PAD_DOC
+from .kv import check_no_sinks
 from .static_cache import StaticOrthrosCache
 
 KEY_GROUP = 64  # slots per key (scale, zero) group
@@ -75,6 +76,7 @@ class LowBitStaticCache(StaticOrthrosCache):
                  key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP, sinks: int = SINKS,
                  recent: int | None = None, rotate: bool = True, key_bits=None):
         Cache.__init__(self, layers=[])
+        check_no_sinks(config, "LowBitStaticCache")
         if kv_dtype not in BITS:
             raise ValueError(f"a low-bit cache's kv_dtype is one of {tuple(BITS)}, got {kv_dtype!r}")
         if config.attention != "orthros":

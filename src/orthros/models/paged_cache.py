@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.kv import PagedChunk, PagedKV, PagedLowBitKV, PagedRows
+from .kv import check_no_sinks
 from .layout import Layout
 from .paged_lowbit import PagedLowBitPool, lowbit_bytes_per_token
 from .static_cache import FP8, FP8_MARGIN, FP8_MAX, LOWBIT_KV_DTYPES, kv_storage_dtype
@@ -58,6 +59,7 @@ class PagedKVPool:
     def __init__(self, config, num_blocks: int, block_size: int, device, dtype: torch.dtype, kv_dtype: str = "auto"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        check_no_sinks(config, "a paged KV pool (orthros serve)")
         L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.num_layers, self.num_blocks, self.block_size = L, num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype

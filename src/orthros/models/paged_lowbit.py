@@ -29,6 +29,7 @@ import torch
 
 from ..ops.kv import PagedChunk, PagedKV, PagedLowBitKV, PagedRows
 from ..ops.lowbit import BITS, quantize_keys, quantize_values, rotate, rotation_matrix
+from .kv import check_no_sinks
 from .lowbit_cache import KEY_GROUP, SINKS, VALUE_GROUP, high_dtype, layer_key_bits
 
 
@@ -81,6 +82,7 @@ class PagedLowBitPool:
 
     def __init__(self, config, num_blocks: int, block_size: int, device, dtype: torch.dtype, kv_dtype: str,
                  num_twins: int, rotate: bool = True):
+        check_no_sinks(config, "a low-bit paged KV pool (orthros serve)")
         check_lowbit_pool(config, kv_dtype, block_size)
         if num_blocks < 1 or num_twins < 1:
             raise ValueError(f"num_blocks and num_twins must be >= 1, got {num_blocks}, {num_twins}")

@@ -46,7 +46,7 @@ def _splitkv_applies(q, k, v, backend: str) -> bool:
 
 
 def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto",
-              dense_start: int | None = None, window_rows: int | None = None):
+              dense_start: int | None = None, window_rows: int | None = None, sinks: int = 0):
     """Orthros attention for either stream; see `naive_attention` for shapes.
 
     dense_start: an optional promise by the caller that every row is one
@@ -56,6 +56,9 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         see their whole document: both streams of a decode step in one call
         (base rows first). The split-KV kernel does it in one launch; other
         paths make one call per group.
+    sinks: windowed rows also see their document's first `sinks` keys (attention sinks). Taken
+        by the reference op, FlexAttention and (on CPU) the reference op by query chunks; the
+        split-KV kernel and SDPA do not read them.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
@@ -64,19 +67,31 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     # symbolic length), the chunked op's host sync (its chunks' key ranges) nor FlexAttention's
     # block mask: an exported program attends with the reference op, on every device
     exporting = torch.compiler.is_exporting()
+    sinks = sinks if window is not None else 0
+    if sinks and backend in ("sdpa", "triton"):  # kernels that know no sinks: the next that does
+        backend = "auto"
     if window is not None and window_rows is not None and window_rows < M:
-        if not exporting and _splitkv_applies(q, k, v, backend):
+        if not exporting and not sinks and _splitkv_applies(q, k, v, backend):
             from .splitkv.dense import splitkv_attention
 
             return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
                                      window_rows=window_rows)
         r = window_rows
         slot = q_slot.expand(q.shape[0], M)
-        a = attention(q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend)
+        a = attention(q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend, sinks=sinks)
         b = attention(q[:, r:], k, v, slot[:, r:], q_doc[:, r:], k_doc, None, scale, backend)
         return torch.cat([a, b], 1)
     if backend == "naive" or exporting:
-        return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
+        return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, sinks=sinks)
+    if sinks:
+        from .chunked import sink_attention
+        from .flex import flex_attention_op
+
+        if q.is_cuda and backend != "chunked" and not _splitkv_applies(q, k, v, "auto"):
+            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
+        if backend == "flex":
+            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
+        return sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks)  # few queries, or CPU
     if _splitkv_applies(q, k, v, backend):
         from .splitkv.dense import splitkv_attention
 

@@ -33,7 +33,14 @@ from .splitkv.common import splitkv_takes
 
 
 def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto", dense_start=None,
-           window_rows=None, base_rows: int = 0):
+           window_rows=None, base_rows: int = 0, sinks: int = 0):
+    if sinks and window is not None:  # attention sinks: read by `attention` over dense keys that start at slot 0
+        if not isinstance(kv, DenseKV) or kv.capturable or kv.start:
+            raise NotImplementedError(
+                f"attention sinks (sink_tokens={sinks}) are read from the dynamic cache only; "
+                f"{type(kv).__name__}{' (static)' if isinstance(kv, DenseKV) and kv.capturable else ''} "
+                "does not keep them yet: use the default cache (no static, paged, low-bit or sharded cache)")
+        return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
         from .paged_read import paged_attend
 
@@ -73,15 +80,15 @@ def _per_head(s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return s.repeat_interleave(q.shape[2] // s.shape[0])[:, None].to(q.dtype)
 
 
-def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows):
+def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks=0):
     k, v = kv.k, kv.v
     M = q.shape[1]
     pair = window is not None and window_rows is not None and window_rows < M
-    if pair and not kv.capturable and not splitkv_takes(q, k.shape[2], backend, k, v):
+    if pair and not kv.capturable and (sinks or not splitkv_takes(q, k.shape[2], backend, k, v)):
         # windowed rows, then the others: one call each (the split-KV kernel takes both in one launch)
         r, (da, db) = window_rows, dense_start if isinstance(dense_start, tuple) else (None, None)
         (sa, qa), (sb, qb) = _groups(q_slot, q_doc, r, q.shape[0], M)
-        a = _dense(q[:, :r], kv, sa, qa, k_doc, window, scale, backend, da, None)
+        a = _dense(q[:, :r], kv, sa, qa, k_doc, window, scale, backend, da, None, sinks)
         b = _dense(q[:, r:], kv, sb, qb, k_doc, None, scale, backend, db, None)
         return torch.cat([a, b], 1)
     if isinstance(dense_start, tuple):  # per-group hints: the rows run as one call
@@ -98,14 +105,14 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
         if a:  # keys from slot `start` on (a window's keys)
             k_doc, q_slot = k_doc[:, a: a + k.shape[1]], q_slot - a
             dense_start = None if dense_start is None else dense_start - a
-        if kv.k_scale is not None and dense_start is not None and window is not None:
+        if kv.k_scale is not None and dense_start is not None and window is not None and not sinks:
             c = max(0, dense_start - window + 1)  # a windowed chunk: dequantize only what it can see
             k, v, k_doc, q_slot, dense_start = k[:, c:], v[:, c:], k_doc[:, c:], q_slot - c, dense_start - c
-        fp8_kernel = k.dtype == torch.float8_e4m3fn and splitkv_takes(q, k.shape[2], backend, k, v)
+        fp8_kernel = k.dtype == torch.float8_e4m3fn and not sinks and splitkv_takes(q, k.shape[2], backend, k, v)
         if k.dtype != q.dtype and not fp8_kernel:  # the split-KV kernel reads fp8 itself
             k, v = k.to(q.dtype), v.to(q.dtype)
         o = attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, backend=backend,
-                      dense_start=dense_start, window_rows=window_rows)
+                      dense_start=dense_start, window_rows=window_rows, sinks=sinks)
     if kv.v_scale is not None:
         o = o * _per_head(kv.v_scale, o)
     return o

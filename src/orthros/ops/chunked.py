@@ -26,12 +26,15 @@ from .blocks import key_bounds
 from .sdpa_cpu import MASK_BUDGET, band_attention, dense_attention, masked_attention
 
 
-def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None, chunk=None):
+def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None, chunk=None,
+                      sinks: int = 0):
     """Same contract as `naive_attention` (shapes, masks, empty rows -> 0)."""
     B, M, H, D = q.shape
     S = k.shape[1]
     if M == 0 or S == 0:
         return q.new_zeros(B, M, H, D)
+    if sinks and window is not None:  # a window and its document's first keys: the reference op, by query chunks
+        return sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks)
     if dense_start is not None and chunk is None:
         return dense_attention(q, k, v, dense_start, window, scale)
     if window is not None and chunk is None and q_slot.shape[0] == 1:  # the base stream's slots are consecutive
@@ -61,3 +64,18 @@ def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
         outs.append(masked_attention(q[:, s:e], k[:, a:b + 1], v[:, a:b + 1], slot[:, s:e] - a, q_doc[:, s:e],
                                      k_doc[:, a:b + 1], window=window, scale=scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks: int):
+    """Windowed queries that also see their document's first `sinks` keys: the reference op over
+    chunks of queries (each chunk's score matrix under MASK_BUDGET elements), gradients included."""
+    from .naive import naive_attention
+
+    B, M, H, D = q.shape
+    if M == 0 or k.shape[1] == 0:
+        return q.new_zeros(B, M, H, D)
+    step = max(1, MASK_BUDGET // max(1, B * H * k.shape[1]))
+    slot = q_slot.expand(B, M)
+    outs = [naive_attention(q[:, s:s + step], k, v, slot[:, s:s + step], q_doc[:, s:s + step], k_doc,
+                            window=window, scale=scale, sinks=sinks) for s in range(0, M, step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)

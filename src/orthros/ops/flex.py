@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import PAD_K_DOC, PAD_Q_DOC, block_states, dense_bounds, key_bounds
-from .masks import visible
+from .masks import doc_rank, visible
 
 BQ = BK = 128  # FlexAttention's tile sizes
 INT32_LIMIT = 2**31 - 1
@@ -68,20 +68,52 @@ def _pad_to(x: torch.Tensor, n: int, value) -> torch.Tensor:
 _DENSE_MASKS: dict = {}
 
 
-def _dense_block_mask(start: int, M: int, S: int, window, device, need_backward: bool):
+def _with_sinks(states: torch.Tensor, sink_keys: torch.Tensor) -> torch.Tensor:
+    """Tile states [B, Qb, Kb] with every key tile that holds a sink key (bool [B, S]) at least
+    partial: the mask then decides, per query, which of them it sees."""
+    B, Kb = states.shape[0], states.shape[2]
+    n = Kb * BK
+    keys = F.pad(sink_keys, (0, n - sink_keys.shape[1])) if n > sink_keys.shape[1] else sink_keys[:, :n]
+    tiles = keys.reshape(sink_keys.shape[0], Kb, BK).any(-1).to(states.dtype)[:, None]  # [B, 1, Kb]
+    return torch.maximum(states, tiles)
+
+
+def tile_states(slot, qdoc, k_doc, window, sinks: int = 0):
+    """(tile states [B, Qb, Kb], rows that see no key [B, M], each key's rank in its document or None)
+    of queries at slots `slot` / documents `qdoc` [B, M] over keys of documents k_doc [B, S].
+
+    Rows that can see no key (invalid output queries, tile padding) are pointed at key 0 (and
+    zeroed afterwards): no softmax over an empty row, in either pass."""
+    lo, hi = key_bounds(slot, qdoc, k_doc, window)
+    none = lo > hi
+    lo, hi = torch.where(none, 0, lo), torch.where(none, 0, hi)
+    states = block_states(lo, hi, k_doc.shape[1], BQ, BK, qdoc, k_doc)
+    rank = None
+    if sinks:
+        rank = doc_rank(k_doc)
+        states = _with_sinks(states, (rank < sinks) & (k_doc >= 0))
+    return states, none, rank
+
+
+def _dense_block_mask(start: int, M: int, S: int, window, device, need_backward: bool, sinks: int = 0):
     """The block mask of a plain causal batch. Every layer of a forward asks for the
     same one, so the last few are kept (building one costs ~40 small launches)."""
-    key = (start, M, S, window, str(device), need_backward)
+    key = (start, M, S, window, str(device), need_backward, sinks)
     if key not in _DENSE_MASKS:
         lo, hi = dense_bounds(start, M, window, device)
         states = block_states(lo, hi, S, BQ, BK)  # [1, Qb, Kb]: broadcast over the batch
+        if sinks and window is not None:  # one document from slot 0: its first keys are slots 0..sinks-1
+            states = _with_sinks(states, (torch.arange(S, device=device) < sinks)[None])
         q_off = torch.full((), start, dtype=torch.long, device=device)
 
         def mask_mod(b, h, q_idx, kv_idx):
             qs = q_idx + q_off
             m = kv_idx <= qs
             if window is not None:
-                m = m & (qs - kv_idx < window)
+                near = qs - kv_idx < window
+                if sinks:
+                    near = near | (kv_idx < sinks)
+                m = m & near
             return m
 
         if len(_DENSE_MASKS) >= 8:
@@ -90,7 +122,7 @@ def _dense_block_mask(start: int, M: int, S: int, window, device, need_backward:
     return _DENSE_MASKS[key]
 
 
-def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
+def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks: int = 0):
     """One FlexAttention call, all tensors already under the int32 limit."""
     B, M, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
@@ -102,21 +134,19 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
     if nq != M:
         q = F.pad(q, (0, 0, 0, 0, 0, nq - M))
     if dense_start is not None:
-        block_mask = _dense_block_mask(dense_start, nq, S, window, q.device, need_backward)
+        block_mask = _dense_block_mask(dense_start, nq, S, window, q.device, need_backward, sinks)
     else:
         slot = _pad_to(q_slot.long().expand(B, M), nq, 0).contiguous()
         qdoc = _pad_to(q_doc.long(), nq, PAD_Q_DOC).contiguous()
-        lo, hi = key_bounds(slot, qdoc, k_doc, window)
-        # Rows that can see no key (invalid output queries, tile padding) are pointed at
-        # key 0 and zeroed afterwards: no softmax over an empty row, in either pass.
-        none = lo > hi
-        lo, hi = torch.where(none, 0, lo), torch.where(none, 0, hi)
-        states = block_states(lo, hi, S, BQ, BK, qdoc, k_doc)
+        sinks = sinks if window is not None else 0
+        states, none, rank = tile_states(slot, qdoc, k_doc, window, sinks)
         nk = states.shape[2] * BK
         kdoc = _pad_to(k_doc.long(), nk, PAD_K_DOC).contiguous()  # the kernel's tail reads stay in bounds
+        krank = _pad_to(rank, nk, 0).contiguous() if sinks else None
 
         def mask_mod(b, h, q_idx, kv_idx):
-            seen = visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window)
+            seen = visible(slot[b, q_idx], kv_idx, qdoc[b, q_idx], kdoc[b, kv_idx], window,
+                           sinks, krank[b, kv_idx] if sinks else None)
             return seen | (none[b, q_idx] & (kv_idx == 0))
 
         block_mask = make_block_mask(states, mask_mod, nq, S, need_backward)
@@ -132,9 +162,11 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start):
 
 
 def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, dense_start=None,
-                      limit: int = INT32_LIMIT):
+                      limit: int = INT32_LIMIT, sinks: int = 0):
     """Same contract as `naive_attention`. `dense_start`: the caller guarantees
-    q_slot[:, i] == dense_start + i and one document per row, no padding."""
+    q_slot[:, i] == dense_start + i and one document per row, no padding.
+    `sinks`: windowed queries also see their document's first `sinks` keys."""
+    sinks = sinks if window is not None else 0
     B, M, H, D = q.shape
     S = k.shape[1]
     scale = D ** -0.5 if scale is None else scale
@@ -149,17 +181,17 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
         outs = []
         for s in range(0, M, chunk):
             e = min(M, s + chunk)
-            a = 0 if window is None else max(0, dense_start + s - window + 1)
+            a = 0 if window is None or sinks else max(0, dense_start + s - window + 1)
             b = min(S, dense_start + e)
             ks, vs = k[:, a:b], v[:, a:b]
             if ks.numel() // D * Dp > limit:
                 raise ValueError(f"{b - a} keys x {k.shape[2]} heads exceed FlexAttention's 32-bit indexing; "
                                  "use the split-KV op or a shorter call")
-            outs.append(_one_call(q[:, s:e], ks, vs, None, None, None, window, scale, dense_start + s - a))
+            outs.append(_one_call(q[:, s:e], ks, vs, None, None, None, window, scale, dense_start + s - a, sinks))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     if chunk == M:
-        return _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, None)
-    lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
+        return _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, None, sinks)
+    lo, hi = key_bounds(q_slot, q_doc, k_doc, None if sinks else window)  # sinks: from each document's start
     outs = []
     slot = q_slot.expand(B, M)
     for s in range(0, M, chunk):
@@ -173,5 +205,5 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
             outs.append(q.new_zeros(B, e - s, H, D))
             continue
         outs.append(_one_call(q[:, s:e], k[:, a:b], v[:, a:b], slot[:, s:e] - a, q_doc[:, s:e], k_doc[:, a:b],
-                              window, scale, None))
+                              window, scale, None, sinks))
     return torch.cat(outs, 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .masks import visible
+from .masks import doc_rank, visible
 
 
 def naive_attention(
@@ -24,6 +24,7 @@ def naive_attention(
     scale: float | None = None,
     return_lse: bool = False,
     return_probs: bool = False,
+    sinks: int = 0,
 ):
     """Masked softmax attention, computed in fp32 (fp64 for fp64 inputs).
 
@@ -34,6 +35,7 @@ def naive_attention(
         q_slot: [B, M] (or [1, M]) the key-axis index of each query's token.
         q_doc: [B, M] document id of each query; k_doc: [B, S] of each key.
         window: sliding window (counts the current token) or None for full.
+        sinks: with a window, each query also sees its document's first `sinks` keys.
         scale: softmax scale, default D ** -0.5.
         return_lse: also return the log-sum-exp [B, M, H] (-inf for rows
             that see no key), for split-KV merging.
@@ -51,7 +53,9 @@ def naive_attention(
     kf = k.to(cdt).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)  # [B, H, S, D]
     vf = v.to(cdt).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
     k_slot = torch.arange(S, device=q.device)
-    mask = visible(q_slot[:, :, None], k_slot[None, None, :], q_doc[:, :, None], k_doc[:, None, :], window)
+    rank = doc_rank(k_doc)[:, None, :] if sinks and window is not None else None
+    mask = visible(q_slot[:, :, None], k_slot[None, None, :], q_doc[:, :, None], k_doc[:, None, :], window,
+                   sinks, rank)
     mask = mask[:, None]  # [B, 1, M, S]
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     s = s.masked_fill(~mask, float("-inf"))

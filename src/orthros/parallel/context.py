@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from ..generate import SamplingConfig, sample
 from ..models.layout import Layout, build_layout
+from ..models.kv import check_no_sinks
 from ..ops.kv import DenseKV, ShardedKV
 from .comm import CPGroup, all_gather, gather_merge, halo_exchange, shard_bounds
 
@@ -203,6 +204,7 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     cp = cp.with_shards(bounds)
     a, b = bounds[cp.rank]
     inner = model.model
+    check_no_sinks(model.config, "context parallelism's ShardedCache")
     cache = ShardedCache(len(inner.layers), cp, inner.layers[0].self_attn.base_window)
     out_idx = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
     lay = build_layout(B, T, input_ids.device, out_idx, torch.ones_like(out_idx, dtype=torch.bool), attention_mask)
