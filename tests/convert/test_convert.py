@@ -81,6 +81,21 @@ def test_small_window_runs_and_differs_after_the_window(source, tmp_path, tok):
     assert rel_err(out[:, W + 4:], ref[:, W + 4:]) > 1e-3
 
 
+def test_sinks_keep_the_first_tokens_in_view(source, tmp_path, tok):
+    """With sinks covering the whole prompt the converted model is the source; with a few, it sits
+    between the source and the plain window."""
+    _, src, hf = source
+    ids = ids_of(tok)
+    with torch.no_grad():
+        ref = hf(ids).logits
+        every = load(convert_checkpoint(src, tmp_path / "all", window_size=2, sink_tokens=ids.shape[1], dtype="fp32",
+                                        progress=False))(ids).logits
+        some = load(convert_checkpoint(src, tmp_path / "some", window_size=2, sink_tokens=1, dtype="fp32",
+                                       progress=False))(ids).logits
+    assert rel_err(every, ref) < 1e-5
+    assert rel_err(some, ref) > 1e-3 and torch.isfinite(some).all()
+
+
 def test_bf16_output_is_the_source_rounded_and_so_is_at_identity(source, tmp_path):
     _, src, _ = source
     dst = convert_checkpoint(src, tmp_path / "out", window_size=8, dtype="bf16", progress=False)
@@ -218,7 +233,11 @@ def test_cli(llama_src, tmp_path, capsys):
     shutil.rmtree(dst)
     assert cli.main(["convert", str(llama_src), str(dst), "--window-size", "0"]) == 2
     assert "--window-size" in capsys.readouterr().err
+    assert cli.main(["convert", str(llama_src), str(dst), "--sink-tokens", "-1"]) == 2
+    assert "--sink-tokens" in capsys.readouterr().err
     no_leftovers(dst)
+    assert cli.main(["convert", str(llama_src), str(dst), "--window-size", "8", "--sink-tokens", "4"]) == 0
+    assert json.loads((dst / "config.json").read_text())["sink_tokens"] == 4
 
 
 @pytest.mark.parametrize("overrides", [dict(norm_topk_prob=False, mlp_only_layers=[0]),

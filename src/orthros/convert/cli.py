@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                 "or a GGUF file / a directory holding one")
     p.add_argument("dst", help="output directory (must not exist, or be empty)")
     p.add_argument("--window-size", type=int, default=128, help="sliding window W of the base stream (default 128)")
+    p.add_argument("--sink-tokens", type=int, default=0,
+                   help="the window also sees each document's first N tokens (attention sinks; default 0)")
     p.add_argument("--no-scale-offset", dest="scale_offset", action="store_false",
                    help="no query scale-offset (the paper's w/o-SO ablation)")
     p.add_argument("--dtype", choices=sorted(OUT_DTYPES), default=None,
@@ -49,7 +51,7 @@ def run(args) -> int:
     else:
         out = convert_checkpoint(args.src, args.dst, window_size=args.window_size, scale_offset=args.scale_offset,
                                  dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                 output_routing=args.output_routing)
+                                 output_routing=args.output_routing, sink_tokens=args.sink_tokens)
     print(f"wrote {out}")
     return 0
 
@@ -69,6 +71,9 @@ def convert_with_adapter(args) -> Path:
     info = read_json(Path(args.adapter) / "adapter.json", "adapter description")
     if info.get("window") not in (None, args.window_size):
         raise UserError(f"{args.adapter}: trained for window {info['window']}, not --window-size {args.window_size}")
+    if info.get("sink_tokens", 0) != args.sink_tokens:
+        raise UserError(f"{args.adapter}: trained with {info.get('sink_tokens', 0)} sink tokens, not --sink-tokens "
+                        f"{args.sink_tokens}")
     dst = Path(args.dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"destination {dst} already exists and is not an empty directory; choose another")
@@ -77,7 +82,7 @@ def convert_with_adapter(args) -> Path:
     try:
         conv = convert_checkpoint(args.src, staging / "conv", window_size=args.window_size,
                                   scale_offset=args.scale_offset, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                  output_routing=args.output_routing)
+                                  output_routing=args.output_routing, sink_tokens=args.sink_tokens)
         model = load_model(conv)
         apply_adapter(model, args.adapter)
         out = staging / "out"

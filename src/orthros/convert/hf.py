@@ -46,7 +46,7 @@ SO_INIT = {"so_alpha": 1.0, "so_beta": 0.0, "so_alpha_out": 1.0, "so_beta_out": 
 
 # ---------------------------------------------------------------- config
 def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True, dtype: str = "bf16",
-                   output_routing: str | None = None) -> OrthrosConfig:
+                   output_routing: str | None = None, sink_tokens: int = 0) -> OrthrosConfig:
     """A Llama / Qwen3 / Qwen3-MoE / Mixtral `config.json` dict -> OrthrosConfig (ValueError naming what is
     unsupported). Qwen3-MoE's tensors already carry Orthros' names (`mlp.gate`, `mlp.experts.{e}.*`);
     Mixtral's are renamed (`MIXTRAL_NAMES`)."""
@@ -101,6 +101,7 @@ def orthros_config(src: dict, window_size: int = 128, scale_offset: bool = True,
         qk_norm=kind in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(src.get("tie_word_embeddings", False)),
         window_size=window_size,
+        sink_tokens=sink_tokens,
         attention="orthros",
         scale_offset=scale_offset,
         **(_moe_fields(src) if kind == "qwen3_moe" else _mixtral_fields(src) if kind == "mixtral" else {}),
@@ -204,7 +205,7 @@ class Plan:
 
 
 def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str | None,
-                    output_routing: str | None = None) -> Plan:
+                    output_routing: str | None = None, sink_tokens: int = 0) -> Plan:
     """Read config and shard headers, check every tensor; nothing is written."""
     src = Path(src)
     if not src.is_dir():
@@ -217,13 +218,15 @@ def plan_conversion(src: Path, window_size: int, scale_offset: bool, dtype: str 
         raise UserError(f"{cfg_path}: must hold a JSON object, got {type(src_cfg).__name__}")
     if not isinstance(window_size, int) or window_size < 1:
         raise ValueError(f"--window-size must be an integer >= 1, got {window_size!r}")
+    if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
+        raise ValueError(f"--sink-tokens must be an integer >= 0, got {sink_tokens!r}")
     tensors = source_tensors(src)
     if dtype is None:  # keep fp32 checkpoints fp32, everything else becomes bf16
         dtype = "fp32" if tensors and all(t.dtype == "F32" for t in tensors.values()) else "bf16"
     if dtype not in OUT_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
     try:
-        config = orthros_config(src_cfg, window_size, scale_offset, dtype, output_routing)
+        config = orthros_config(src_cfg, window_size, scale_offset, dtype, output_routing, sink_tokens)
     except KeyError as e:
         raise UserError(f"{cfg_path}: lacks {e.args[0]!r}") from None
     except (ValueError, TypeError, ZeroDivisionError) as e:  # unsupported or out-of-range values
@@ -260,7 +263,7 @@ def _natural(name: str):
 def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128, scale_offset: bool = True,
                        dtype: str | None = None, max_shard_size: str | int = "5GB",
                        block_bytes: int = BLOCK_BYTES, progress: bool = True,
-                       output_routing: str | None = None) -> Path:
+                       output_routing: str | None = None, sink_tokens: int = 0) -> Path:
     """Convert the Llama 3.x / Qwen3 / Qwen3-MoE / Mixtral checkpoint `src` into an Orthros one at `dst`.
 
     `src` is a Hugging Face directory, or a GGUF file (or a directory holding one),
@@ -268,6 +271,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128,
 
     Args:
         window_size: the base stream's sliding window W.
+        sink_tokens: the window also sees each document's first `sink_tokens` tokens (attention
+            sinks; they keep much of a converted model's zero-shot quality: docs/conversion.md).
         scale_offset: add the SO vectors (at identity); False = the paper's w/o-SO ablation.
         dtype: "bf16" or "fp32"; None keeps an all-fp32 checkpoint fp32 and makes anything else bf16.
         max_shard_size: output shard size ("5GB", "500MB", bytes).
@@ -289,10 +294,10 @@ def convert_checkpoint(src: str | Path, dst: str | Path, window_size: int = 128,
         try:
             hf = gguf_to_hf(src, staging / "hf", dtype="fp32", progress=progress)
             return convert_checkpoint(hf, dst, window_size, scale_offset, dtype, max_shard_size, block_bytes, progress,
-                                      output_routing)
+                                      output_routing, sink_tokens)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    plan = plan_conversion(src, window_size, scale_offset, dtype, output_routing)
+    plan = plan_conversion(src, window_size, scale_offset, dtype, output_routing, sink_tokens)
     shards = plan_shards(plan.out, parse_size(max_shard_size))
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))

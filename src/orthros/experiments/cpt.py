@@ -20,6 +20,7 @@ order) under the same schedule:
     orthros-kd-d-lora the light (LoRA + SO) version of orthros-kd-d
     ...-w256/-w512, -nomix, -s1   the window sweep, without retrieval data, a second seed
     ...-w256-lr3/-align50/-ce     W=256 with one training change each (an arm's `recipe`)
+    ...-sink          the same arm with 4 attention sinks (`OrthrosConfig.sink_tokens`)
 
 Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
 `retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone,
@@ -67,6 +68,9 @@ class Arm:
     """training fields of the preset this arm changes (lr, align_frac, ce, ...: `arm_preset`)"""
 
 
+SINK = 4  # attention sinks of the -sink arms (StreamingLLM's 4; 1 measured as good zero-shot: docs/conversion.md)
+
+
 def _kd(label, teacher, mode="all", **kw):
     return Arm(label, dict(attention="orthros"), mode, teacher, mix=True, **kw)
 
@@ -97,6 +101,17 @@ ARMS = {
     "orthros-kd-d-w256-ce": _kd("Orthros distilled from (d), W=256, KL + 0.5 CE", "full-cpt", window=256,
                                 recipe=dict(ce=0.5)),
     "orthros-cpt-s1": Arm("Orthros + CPT, seed 1", dict(attention="orthros"), "all", seed=1),
+    # the base window also sees each document's first SINK tokens (`OrthrosConfig.sink_tokens`)
+    "orthros-0shot-sink": Arm(f"Orthros + {SINK} sinks, zero-shot", dict(attention="orthros", sink_tokens=SINK)),
+    "orthros-cpt-sink": Arm(f"Orthros + {SINK} sinks + CPT", dict(attention="orthros", sink_tokens=SINK), "all"),
+    "orthros-kd-sink": Arm(f"Orthros + {SINK} sinks distilled from the source", dict(attention="orthros",
+                           sink_tokens=SINK), "all", "source", mix=True),
+    "orthros-kd-d-sink": Arm(f"Orthros + {SINK} sinks distilled from (d)", dict(attention="orthros", sink_tokens=SINK),
+                             "all", "full-cpt", mix=True),
+    "orthros-kd-d-lora-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), LoRA + SO",
+                                  dict(attention="orthros", sink_tokens=SINK), "lora+so", "full-cpt", mix=True),
+    "orthros-kd-d-w256-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), W=256",
+                                  dict(attention="orthros", sink_tokens=SINK), "all", "full-cpt", window=256, mix=True),
     "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
 }
 
@@ -456,6 +471,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
         del teacher
         if mode != "all":
             save_adapter(model, saved, {"arm": arm, "mode": mode, "window": model.config.window_size,
+                                        "sink_tokens": model.config.sink_tokens,
                                         "tokens": preset.train_tokens, "teacher": spec.teacher,
                                         "train": {k: v for k, v in stats.items() if k != "synced"}})
             merge_lora(model)
