@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--document-chars", type=int, default=real.DOC_CHARS,
                    help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
     p.add_argument("--window", type=int, default=None, help="sliding window W (default 128; --recall: 32)")
+    p.add_argument("--sink-tokens", type=int, default=None,
+                   help="attention sinks of the conversion (default: the adapter's, 0 without one)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
                    help="prompt lengths of the prefill timing (default 1024 2048 4096; --recall: 2048 ... 16384)")
@@ -51,6 +53,8 @@ def run(args) -> int:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if min(args.prefill_lengths) < 1:
         raise UserError("--prefill-lengths must all be >= 1")
+    if args.sink_tokens is not None and args.sink_tokens < 0:
+        raise UserError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     if args.document_chars < 1:
         raise UserError(f"--document-chars must be >= 1, got {args.document_chars}")
     check_output_dir(args.out, "--out")

@@ -50,6 +50,10 @@ def prepare_models(args):
         download_smollm2(hf, progress=False)
     info = None if args.adapter == "none" else json.loads((Path(args.adapter) / "adapter.json").read_text())
     sinks = 0 if info is None else info.get("sink_tokens", 0)  # an adapter is trained with or without sinks
+    if getattr(args, "sink_tokens", None) is not None:
+        if info is not None and args.sink_tokens != sinks:
+            raise ValueError(f"{args.adapter}: trained with {sinks} sink tokens, not --sink-tokens {args.sink_tokens}")
+        sinks = args.sink_tokens
     conv = hf.parent / f"{hf.name}-orthros-w{args.window}{f'-s{sinks}' if sinks else ''}"
     if not (conv / "config.json").exists():
         convert_checkpoint(hf, conv, window_size=args.window, dtype="fp32", progress=False, sink_tokens=sinks)

@@ -27,7 +27,7 @@ class OrthrosConfig(PreTrainedConfig):
             token (key j is visible from t iff t - window_size < j <= t).
         sink_tokens: the window also sees the first `sink_tokens` tokens of
             its document (attention sinks); 0 (the default) for none. A
-            converted model's zero-shot quality rests on them (docs/conversion.md).
+            converted model's zero-shot quality rests on them (docs/conversion.md#attention-sinks---sink-tokens).
         attention: "orthros" (SWA base stream + full cross-attention output
             stream), "full" (plain causal transformer) or "swa" (sliding
             window only, no output stream).

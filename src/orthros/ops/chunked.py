@@ -66,16 +66,33 @@ def chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
-def sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks: int):
-    """Windowed queries that also see their document's first `sinks` keys: the reference op over
-    chunks of queries (each chunk's score matrix under MASK_BUDGET elements), gradients included."""
-    from .naive import naive_attention
+
+def sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks: int, chunk: int | None = None):
+    """Windowed queries that also see their document's first `sinks` keys (`masks.visible`). Each
+    chunk of queries reads the keys its windows span plus the sink keys before them (gathered), through
+    SDPA under the exact mask: O(M * (C + W + sinks * documents)) scores, gradients included."""
+    from .masks import doc_rank
 
     B, M, H, D = q.shape
-    if M == 0 or k.shape[1] == 0:
+    S = k.shape[1]
+    if M == 0 or S == 0:
         return q.new_zeros(B, M, H, D)
-    step = max(1, MASK_BUDGET // max(1, B * H * k.shape[1]))
+    rank = doc_rank(k_doc)
+    sink_keys = ((rank < sinks) & (k_doc >= 0)).any(0).nonzero()[:, 0]  # every row's sinks (the mask sorts them)
+    lo, hi = key_bounds(q_slot, q_doc, k_doc, window)
+    chunk = chunk or min(1024, max(64, 2 * window))
+    n = -(-M // chunk)
+    lo_c = torch.nn.functional.pad(lo, (0, n * chunk - M), value=S).view(B, n, chunk).amin((0, 2))
+    hi_c = torch.nn.functional.pad(hi, (0, n * chunk - M), value=-1).view(B, n, chunk).amax((0, 2))
+    ranges = torch.stack([lo_c, hi_c], 1).tolist()  # one host sync for every chunk's key range
     slot = q_slot.expand(B, M)
-    outs = [naive_attention(q[:, s:s + step], k, v, slot[:, s:s + step], q_doc[:, s:s + step], k_doc,
-                            window=window, scale=scale, sinks=sinks) for s in range(0, M, step)]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+    outs = []
+    for i, (a, b) in enumerate(ranges):
+        s, e = i * chunk, min(M, (i + 1) * chunk)
+        if b < a:  # no query of this chunk sees a key (a windowed query sees at least itself)
+            outs.append(q.new_zeros(B, e - s, H, D))
+            continue
+        idx = torch.cat([sink_keys[sink_keys < a], torch.arange(a, b + 1, device=k.device)])
+        outs.append(masked_attention(q[:, s:e], k[:, idx], v[:, idx], slot[:, s:e], q_doc[:, s:e], k_doc[:, idx],
+                                     window=window, scale=scale, k_slot=idx, sinks=sinks, k_rank=rank[:, idx]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

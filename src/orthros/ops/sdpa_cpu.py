@@ -156,15 +156,18 @@ def dense_attention(q, k, v, start: int, window: int | None = None, scale: float
     return o.to(q.dtype)
 
 
-def masked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None):
+def masked_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, k_slot=None, sinks: int = 0,
+                     k_rank=None):
     """`naive_attention` (same arguments and result) through SDPA with the full [M, S] mask:
-    for one chunk of queries over the key range it can see."""
+    for one chunk of queries over the key range it can see. k_slot [S]: the keys' slots when they
+    are not 0..S-1 (a gathered set); sinks, k_rank [B, S]: attention sinks (`masks.visible`)."""
     B, M, H, D = q.shape
     S = k.shape[1]
     cdt = compute_dtype(q.dtype)
     scale = D ** -0.5 if scale is None else scale
-    k_slot = torch.arange(S, device=q.device)
-    mask = visible(q_slot[:, :, None], k_slot[None, None, :], q_doc[:, :, None], k_doc[:, None, :], window)
+    k_slot = torch.arange(S, device=q.device) if k_slot is None else k_slot
+    mask = visible(q_slot[:, :, None], k_slot[None, None, :], q_doc[:, :, None], k_doc[:, None, :], window,
+                   sinks, None if k_rank is None else k_rank[:, None, :])
     seen = mask.any(-1, keepdim=True)  # [B, M, 1]
     mask = mask | ~seen  # rows that see nothing read every key (finite), then give 0
     o = _sdpa(_heads_first(q.to(cdt)), _heads_first(k.to(cdt)), _heads_first(v.to(cdt)), mask[:, None], scale=scale)
