@@ -3,6 +3,8 @@ converted models with light adapters, on this CPU.
 
     python benchmarks/demo_questions.py --adapters adapters/smollm2-135m-w128-lora /path/to/other \
         --passkey-samples 2 --out benchmarks/results/demo
+    python benchmarks/demo_questions.py --adapters none --sink-tokens 4 --passkey-samples 0 \
+        --out benchmarks/results/demo-sinks      # the demo's default conversion
 
 Every model answers the same prompts (the document of `orthros demo`, the same pass keys and
 haystacks): greedy, through the chat template. An answer is right when it contains the expected
@@ -54,9 +56,11 @@ def load(args):
     models = {}
     tok = None
     for a in args.adapters:
-        ns = SimpleNamespace(model_dir=args.model_dir, window=args.window, adapter=a)
+        ns = SimpleNamespace(model_dir=args.model_dir, window=args.window, adapter=a,
+                             sink_tokens=args.sink_tokens if a == "none" else None)
         tok, src, model, what = prepare_models(ns)
-        models[f"orthros + {Path(a).name}" if a != "none" else "orthros zero-shot"] = model
+        zs = f"orthros zero-shot{f' + {args.sink_tokens} sinks' if args.sink_tokens else ''}"
+        models[f"orthros + {Path(a).name}" if a != "none" else zs] = model
     conv = Path(args.model_dir).parent / f"{Path(args.model_dir).name}-orthros-w{args.window}"
     models = {"source": load_teacher(conv, "cpu", torch.float32, attention="full").eval(), **models}
     return tok, models
@@ -81,6 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", nargs="+", required=True, help="adapter directories, or 'none'")
     p.add_argument("--model-dir", default="runs/smollm2")
     p.add_argument("--window", type=int, default=128)
+    p.add_argument("--sink-tokens", type=int, default=0, help="attention sinks of the zero-shot ('none') conversion")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--passkey-lengths", type=int, nargs="*", default=[1024, 2048, 4096])
     p.add_argument("--passkey-samples", type=int, default=2, help="per depth (5 depths)")

@@ -43,6 +43,6 @@ def test_the_real_model_demo_answers_and_times_both_models(tmp_path):
     res = json.loads((tmp_path / "d" / "demo.json").read_text())
     assert set(res["answers"]) == {"source", "orthros"}
     assert all(a["text"] and a["ttft_s"] > 0 for a in res["answers"].values())
-    assert "adapter" in res["orthros_model"] and res["prefill"]["64"]["orthros"] > 0
+    assert "4 sink tokens" in res["orthros_model"] and res["prefill"]["64"]["orthros"] > 0  # the default conversion
     assert (tmp_path / "d" / "demo.png").stat().st_size > 0
     assert "time to first token" in r.stdout

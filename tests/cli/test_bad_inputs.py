@@ -122,6 +122,7 @@ CASES = [
     ("convert-occupied-dst", conv("llama", dst="occupied"), ["{w}/occupied", "already exists"]),
     ("convert-dst-is-file", conv("llama", dst="afile"), ["{w}/afile", "already exists"]),
     ("convert-window-0", conv("llama", "--window-size", "0"), ["--window-size", ">= 1"]),
+    ("convert-sink-tokens-negative", conv("llama", "--sink-tokens", "-1"), ["--sink-tokens", ">= 0"]),
     ("convert-bad-shard-size", conv("llama", "--max-shard-size", "lots"), ["bad size 'lots'"]),
     # ------------------------------------------------------------- distill
     ("distill-no-teacher", ["distill", *train()[1:], "--model.init_from", f"{W}/byte"], ["needs a teacher"]),
@@ -228,6 +229,7 @@ CASES = [
     ("demo-max-new-tokens-negative", ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens", ">= 0"]),
     ("demo-out-is-file", ["demo", "--out", f"{W}/afile"], ["{w}/afile", "--out must be a directory"]),
     ("demo-not-an-adapter", ["demo", "--adapter", f"{W}/nodata"], ["{w}/nodata", "not an adapter directory"]),
+    ("demo-sink-tokens-negative", ["demo", "--sink-tokens", "-1"], ["--sink-tokens", ">= 0"]),
     ("demo-recall-window-0", ["demo", "--recall", "--window", "0"], ["--window", ">= 1"]),
     ("demo-recall-max-new-tokens-negative", ["demo", "--recall", "--max-new-tokens", "-1"],
      ["--max-new-tokens", ">= 0"]),

@@ -1,8 +1,8 @@
 """See Orthros work: a real model reads a long document on this CPU (or, with --recall, tiny models trained live).
 
-    orthros demo                 # SmolLM2-135M-Instruct converted to Orthros (+ its light-CPT adapter):
+    orthros demo                 # SmolLM2-135M-Instruct converted to Orthros (4 attention sinks, zero-shot):
                                  # a question about a long document, both models' answers and times
-    orthros demo --adapter none  # the same, zero-shot conversion
+    orthros demo --adapter adapters/smollm2-135m-w128-lora   # the conversion without sinks + its LoRA + SO adapter
     orthros demo --recall        # Orthros / Transformer / SWA trained on this CPU: recall + prefill (~4 min)
     orthros demo --recall --quick
 
@@ -22,13 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default="runs/smollm2",
                    help="the source model's directory (downloaded there if missing; default runs/smollm2)")
     p.add_argument("--adapter", default=None,
-                   help=f"light-CPT adapter to apply, or 'none' (default {real.DEFAULT_ADAPTER.name} from adapters/)")
+                   help="a light-CPT adapter directory to apply (default none: the zero-shot conversion with "
+                        f"--sink-tokens {real.DEFAULT_SINKS}; e.g. adapters/{real.DEFAULT_ADAPTER.name})")
     p.add_argument("--question", default=None, help=f"the question about the document (default: {real.QUESTION})")
     p.add_argument("--document-chars", type=int, default=real.DOC_CHARS,
                    help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
     p.add_argument("--window", type=int, default=None, help="sliding window W (default 128; --recall: 32)")
     p.add_argument("--sink-tokens", type=int, default=None,
-                   help="attention sinks of the conversion (default: the adapter's, 0 without one)")
+                   help=f"attention sinks of the conversion (default: an adapter's own; {real.DEFAULT_SINKS} without one)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
                    help="prompt lengths of the prefill timing (default 1024 2048 4096; --recall: 2048 ... 16384)")
@@ -59,11 +60,9 @@ def run(args) -> int:
         raise UserError(f"--document-chars must be >= 1, got {args.document_chars}")
     check_output_dir(args.out, "--out")
     if args.adapter is None:
-        if real.DEFAULT_ADAPTER.is_dir() and args.window == 128:
-            args.adapter = str(real.DEFAULT_ADAPTER)
-        else:
-            print("(no light-CPT adapter for this window here: the zero-shot conversion)")
-            args.adapter = "none"
-    elif args.adapter != "none" and not (real.Path(args.adapter) / "adapter.json").is_file():
+        args.adapter = "none"
+    if args.adapter == "none" and args.sink_tokens is None:
+        args.sink_tokens = real.DEFAULT_SINKS
+    if args.adapter != "none" and not (real.Path(args.adapter) / "adapter.json").is_file():
         raise UserError(f"{args.adapter}: not an adapter directory (no adapter.json)")
     return real.run(args)

