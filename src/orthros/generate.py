@@ -198,8 +198,7 @@ def generate(
         stop_tokens: a row stops after emitting one of these; later slots get
             `pad_token_id`.
         seed: makes sampling reproducible (a private generator; global RNG untouched).
-        fast: use the static cache + captured decode step (default: on CUDA, for models
-            without attention sinks).
+        fast: use the static cache + captured decode step (default: on CUDA).
             Its prefill chunk defaults to `auto_chunk_size` (bounded activations).
         kv_dtype: the fast path's cache storage: "auto" (the model's dtype),
             "bf16", "fp16", "fp32", "fp8" (e4m3, per-head scales), or "int4" / "int2" /
@@ -214,8 +213,7 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     device = next(model.parameters()).device
-    sinks = getattr(model.config, "sink_tokens", 0)  # kept by the dynamic cache only (`models.kv.check_no_sinks`)
-    fast = device.type == "cuda" and not sinks if fast is None else fast
+    fast = device.type == "cuda" if fast is None else fast
     compile = fast and device.type == "cuda" if compile is None else compile
     if kv_dtype != "auto" and not fast:
         raise ValueError(f"kv_dtype={kv_dtype!r} needs the fast path (fast=True)")

@@ -62,17 +62,17 @@ def test_window_and_sinks_covering_the_sequence_is_the_full_model():
         assert rel_err(model(ids).logits, full(ids).logits) < TOL
 
 
-def test_generate_defaults_to_the_dynamic_cache_and_caches_without_sinks_refuse():
+def test_generate_on_both_dense_caches_and_the_low_bit_cache_refuses():
     model = make_model(window=4, sink_tokens=2)
     ids = ids_for(12, seed=3)
-    out = generate(model, ids, max_new_tokens=5, temperature=0.0)  # on CUDA too: the dynamic cache
     ref = ids
     for _ in range(5):  # greedy from full forwards
         ref = torch.cat([ref, model(ref).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    assert torch.equal(out, ref)
-    with pytest.raises(NotImplementedError, match="sink_tokens=2.*dynamic cache"):
-        new_static_cache(model, 1, 32)
-    with pytest.raises(NotImplementedError, match="LowBitStaticCache does not keep attention sinks"):
+    for fast in (False, True):  # the dynamic cache; the static cache and its decode step (custom op)
+        out = generate(model, ids, max_new_tokens=5, temperature=0.0, fast=fast, compile=False,
+                       prefill_chunk_size=5)
+        assert torch.equal(out, ref), fast
+    with pytest.raises(NotImplementedError, match="LowBitStaticCache does not keep attention sinks.*sink_tokens=2"):
         new_static_cache(model, 1, 32, "int4")
 
 

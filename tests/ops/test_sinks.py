@@ -128,3 +128,18 @@ def test_flex_tile_states_cover_the_sinks(docs):
     assert not ((st == 2) & ~tiles.all(4).all(2)).any(), "a tile marked full has an invisible key"
     if docs == "dense":
         assert (st[:, :, 0] >= 1).all()  # every query tile reads the sinks' tile
+
+
+def test_splitkv_kernel_takes_sinks_triton_interpreter():
+    """The split-KV kernel's sink loop and mask (tests/ops/splitkv/sink_cases.py) under TRITON_INTERPRET=1."""
+    from ..conftest import run_triton_interpreted
+
+    r = run_triton_interpreted("-m", "tests.ops.splitkv.sink_cases", timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (test_splitkv_kernel_takes_sinks_triton_interpreter runs the cases)")
+def test_splitkv_kernel_takes_sinks_on_gpu():
+    from .splitkv.sink_cases import main
+
+    main("cuda")

@@ -30,7 +30,7 @@ def check_no_sinks(config, cache: str) -> None:
     if sinks:
         raise NotImplementedError(
             f"{cache} does not keep attention sinks yet (this model has sink_tokens={sinks}): "
-            "use the dynamic cache (generate(fast=False), the default for such models; transformers' generate())")
+            "use a dense cache (OrthrosCache, StaticOrthrosCache: generate() without a low-bit kv_dtype)")
 
 
 @runtime_checkable

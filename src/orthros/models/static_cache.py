@@ -34,7 +34,6 @@ from ..ops.attend import decode_attention  # noqa: F401  (its older import path)
 from ..ops.kv import DenseKV
 from ..ops.masks import PAD_DOC
 from .cache import OrthrosCache
-from .kv import check_no_sinks
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -65,7 +64,6 @@ class StaticOrthrosCache(OrthrosCache):
         Cache.__init__(self, layers=[])
         if capacity < 1 or batch_size < 1:
             raise ValueError(f"batch_size and capacity must be >= 1, got {batch_size}, {capacity}")
-        check_no_sinks(config, "StaticOrthrosCache")
         L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.num_layers, self.capacity = L, capacity
         self.storage = kv_storage_dtype(kv_dtype, dtype)

@@ -57,8 +57,8 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         (base rows first). The split-KV kernel does it in one launch; other
         paths make one call per group.
     sinks: windowed rows also see their document's first `sinks` keys (attention sinks). Taken
-        by the reference op, FlexAttention and (on CPU) the reference op by query chunks; the
-        split-KV kernel and SDPA do not read them.
+        by the reference op, the split-KV kernel, FlexAttention and the gathered CPU path
+        (`chunked.sink_attention`); SDPA does not read them.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
@@ -68,14 +68,14 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     # block mask: an exported program attends with the reference op, on every device
     exporting = torch.compiler.is_exporting()
     sinks = sinks if window is not None else 0
-    if sinks and backend in ("sdpa", "triton"):  # kernels that know no sinks: the next that does
+    if sinks and backend == "sdpa":  # SDPA knows no sinks: the next op that does
         backend = "auto"
     if window is not None and window_rows is not None and window_rows < M:
-        if not exporting and not sinks and _splitkv_applies(q, k, v, backend):
+        if not exporting and _splitkv_applies(q, k, v, backend):
             from .splitkv.dense import splitkv_attention
 
             return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
-                                     window_rows=window_rows)
+                                     window_rows=window_rows, sinks=sinks)
         r = window_rows
         slot = q_slot.expand(q.shape[0], M)
         a = attention(q[:, :r], k, v, slot[:, :r], q_doc[:, :r], k_doc, window, scale, backend, sinks=sinks)
@@ -83,22 +83,20 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         return torch.cat([a, b], 1)
     if backend == "naive" or exporting:
         return naive_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, sinks=sinks)
+    if _splitkv_applies(q, k, v, backend):
+        from .splitkv.dense import splitkv_attention
+
+        if dense_start is not None and window is not None and not sinks:  # only the last W keys can be seen
+            a = max(0, dense_start - window + 1)
+            k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
+        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, sinks=sinks)
     if sinks:
         from .chunked import sink_attention
         from .flex import flex_attention_op
 
-        if q.is_cuda and backend != "chunked" and not _splitkv_applies(q, k, v, "auto"):
+        if (q.is_cuda and backend != "chunked") or backend == "flex":
             return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
-        if backend == "flex":
-            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
-        return sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks)  # few queries, or CPU
-    if _splitkv_applies(q, k, v, backend):
-        from .splitkv.dense import splitkv_attention
-
-        if dense_start is not None and window is not None:  # only the last W keys can be seen
-            a = max(0, dense_start - window + 1)
-            k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
-        return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale)
+        return sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks)  # the CPU path
     if not q.is_cuda or backend == "chunked":
         if backend == "flex":  # uncompiled FlexAttention on CPU: for tests of the mask logic
             from .flex import flex_attention_op

@@ -34,12 +34,11 @@ from .splitkv.common import splitkv_takes
 
 def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto", dense_start=None,
            window_rows=None, base_rows: int = 0, sinks: int = 0):
-    if sinks and window is not None:  # attention sinks: read by `attention` over dense keys that start at slot 0
-        if not isinstance(kv, DenseKV) or kv.capturable or kv.start:
+    if sinks and window is not None:  # attention sinks: read over dense keys that start at slot 0
+        if not isinstance(kv, DenseKV) or kv.start:
             raise NotImplementedError(
-                f"attention sinks (sink_tokens={sinks}) are read from the dynamic cache only; "
-                f"{type(kv).__name__}{' (static)' if isinstance(kv, DenseKV) and kv.capturable else ''} "
-                "does not keep them yet: use the default cache (no static, paged, low-bit or sharded cache)")
+                f"attention sinks (sink_tokens={sinks}) are read from dense caches only (the dynamic and the "
+                f"static cache), not from {type(kv).__name__}{' (a window of keys)' if isinstance(kv, DenseKV) else ''}")
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
         from .paged_read import paged_attend
@@ -84,7 +83,7 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
     k, v = kv.k, kv.v
     M = q.shape[1]
     pair = window is not None and window_rows is not None and window_rows < M
-    if pair and not kv.capturable and (sinks or not splitkv_takes(q, k.shape[2], backend, k, v)):
+    if pair and not kv.capturable and not splitkv_takes(q, k.shape[2], backend, k, v):
         # windowed rows, then the others: one call each (the split-KV kernel takes both in one launch)
         r, (da, db) = window_rows, dense_start if isinstance(dense_start, tuple) else (None, None)
         (sa, qa), (sb, qb) = _groups(q_slot, q_doc, r, q.shape[0], M)
@@ -99,7 +98,7 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
     if kv.capturable:
         o = decode_attention(q, k, v, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                              0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale,
-                             -1 if window_rows is None else int(window_rows))
+                             -1 if window_rows is None else int(window_rows), int(sinks) if window is not None else 0)
     else:
         a = kv.start
         if a:  # keys from slot `start` on (a window's keys)
@@ -108,7 +107,7 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
         if kv.k_scale is not None and dense_start is not None and window is not None and not sinks:
             c = max(0, dense_start - window + 1)  # a windowed chunk: dequantize only what it can see
             k, v, k_doc, q_slot, dense_start = k[:, c:], v[:, c:], k_doc[:, c:], q_slot - c, dense_start - c
-        fp8_kernel = k.dtype == torch.float8_e4m3fn and not sinks and splitkv_takes(q, k.shape[2], backend, k, v)
+        fp8_kernel = k.dtype == torch.float8_e4m3fn and splitkv_takes(q, k.shape[2], backend, k, v)
         if k.dtype != q.dtype and not fp8_kernel:  # the split-KV kernel reads fp8 itself
             k, v = k.to(q.dtype), v.to(q.dtype)
         o = attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, backend=backend,
@@ -191,9 +190,9 @@ def _sharded(q, kv: ShardedKV, q_slot, q_doc, k_doc, window, scale, backend, den
 # ----------------------------------------------------------- a decode step's reads (capturable)
 @torch.library.custom_op("orthros::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
-                     k_doc: torch.Tensor, window: int, scale: float, window_rows: int) -> torch.Tensor:
+                     k_doc: torch.Tensor, window: int, scale: float, window_rows: int, sinks: int = 0) -> torch.Tensor:
     """A few queries [B, M, H, D] over a whole (possibly fp8) cache buffer; window 0 = none;
-    window_rows -1 = the window applies to every query (see `ops.attention`).
+    window_rows -1 = the window applies to every query (see `ops.attention`); sinks: attention sinks.
 
     Opaque to torch.compile (one node in the graph), captured as is in CUDA graphs."""
     win = None if window == 0 else window
@@ -205,13 +204,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_slot: 
         # kernels after it.
         splits = 1 if win is not None and win <= 1024 and (rows is None or rows >= q.shape[1]) else None
         return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, num_splits=splits,
-                                 window_rows=rows).contiguous()
+                                 window_rows=rows, sinks=sinks).contiguous()
     k, v = k.to(q.dtype), v.to(q.dtype)
-    return attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, window_rows=rows).contiguous()
+    return attention(q, k, v, q_slot, q_doc, k_doc, window=win, scale=scale, window_rows=rows,
+                     sinks=sinks).contiguous()
 
 
 @decode_attention.register_fake
-def _(q, k, v, q_slot, q_doc, k_doc, window, scale, window_rows):
+def _(q, k, v, q_slot, q_doc, k_doc, window, scale, window_rows, sinks=0):
     return torch.empty_like(q)
 
 

@@ -88,13 +88,37 @@ def _attend_tile(q, k_ptrs, v_ptrs, kv_mask, vis, scale, m_i, l_i, acc, IEEE: tl
 
 
 @triton.jit
-def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
+def _key_tiles(q, K, V, KDOC, b, kvh, m, d, dmask, slot, qdoc, first, lo, hi, n, skb, sks, skh, svb, svs, svh,
+               s_kdoc_b, scale, window, window_rows, m_i, l_i, acc, BLOCK_N: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, SINKS: tl.constexpr, IEEE: tl.constexpr):
+    """Keys [lo, hi) in tiles of BLOCK_N folded into the running softmax, each under the mask."""
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + n
+        jvalid = j < hi
+        kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
+        vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
+        if HAS_WINDOW:
+            near = (slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows)  # rows past window_rows: no window
+            if SINKS > 0:  # the first SINKS keys of the query's document
+                near = near | (j[None, :] - first[:, None] < SINKS)
+            vis = vis & near
+        acc, m_i, l_i = _attend_tile(q, K + b * skb + j[:, None] * sks + kvh * skh + d[None, :],
+                                     V + b * svb + j[:, None] * svs + kvh * svh + d[None, :],
+                                     jvalid[:, None] & dmask[None, :], vis, scale, m_i, l_i, acc, IEEE)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, QFIRST, O, LSE,
                 sqb, sqm, sqh, skb, sks, skh, svb, svs, svh,
-                s_slot_b, s_qdoc_b, s_kdoc_b,
+                s_slot_b, s_qdoc_b, s_kdoc_b, s_qfirst_b,
                 sob, sop, som, soh, slb, slp, slm,
                 M, S, Hkv, scale, window, window_rows, keys_per_split,
                 G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr):
+                BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
+                SINKS: tl.constexpr = 0):
+    """SINKS > 0: windowed rows also see the first SINKS keys of their document, which starts at
+    slot QFIRST [B, M] (a row's keys before its window are read in a loop of their own)."""
     split = tl.program_id(1)
     b, kvh, m, h, rvalid, d, dmask, q = _query_rows(Q, sqb, sqm, sqh, M, Hkv, G, D, BLOCK_R, BLOCK_D)
     if F16:  # fp8 K/V: dots in fp16 (`use_fp16_dots`)
@@ -102,8 +126,12 @@ def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
         scale = scale / qs
     slot = tl.load(SLOT + b * s_slot_b + m, mask=rvalid, other=-1).to(tl.int64)
     qdoc = tl.load(QDOC + b * s_qdoc_b + m, mask=rvalid, other=-3).to(tl.int64)
+    first = slot
+    if SINKS > 0:
+        first = tl.load(QFIRST + b * s_qfirst_b + m, mask=rvalid, other=0).to(tl.int64)
     # This split's keys, clipped to what the queries can see.
-    start = split.to(tl.int64) * keys_per_split
+    split_start = split.to(tl.int64) * keys_per_split
+    start = split_start
     end = tl.minimum(start + keys_per_split, S)
     end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
     if HAS_WINDOW:
@@ -113,16 +141,16 @@ def splitkv_fwd(Q, K, V, SLOT, QDOC, KDOC, O, LSE,
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for j0 in range(start, end, BLOCK_N):
-        j = j0 + n
-        jvalid = j < end
-        kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
-        vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
-        if HAS_WINDOW:
-            vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))  # rows past window_rows: no window
-        acc, m_i, l_i = _attend_tile(q, K + b * skb + j[:, None] * sks + kvh * skh + d[None, :],
-                                     V + b * svb + j[:, None] * svs + kvh * svh + d[None, :],
-                                     jvalid[:, None] & dmask[None, :], vis, scale, m_i, l_i, acc, IEEE)
+    if HAS_WINDOW:
+        if SINKS > 0:  # sink keys this split holds below the window's keys
+            lo = tl.maximum(split_start, tl.min(tl.where(rvalid, first, S), axis=0))
+            hi = tl.minimum(tl.minimum(end, start), tl.max(tl.where(rvalid, first, -1), axis=0) + SINKS)
+            acc, m_i, l_i = _key_tiles(q, K, V, KDOC, b, kvh, m, d, dmask, slot, qdoc, first, lo, hi, n, skb, sks,
+                                       skh, svb, svs, svh, s_kdoc_b, scale, window, window_rows, m_i, l_i, acc,
+                                       BLOCK_N, HAS_WINDOW, SINKS, IEEE)
+    acc, m_i, l_i = _key_tiles(q, K, V, KDOC, b, kvh, m, d, dmask, slot, qdoc, first, start, end, n, skb, sks, skh,
+                               svb, svs, svh, s_kdoc_b, scale, window, window_rows, m_i, l_i, acc, BLOCK_N,
+                               HAS_WINDOW, SINKS, IEEE)
     o, lse = _finish(acc, m_i, l_i)
     tl.store(O + b * sob + split * sop + m[:, None] * som + h[:, None] * soh + d[None, :], o,
              mask=rvalid[:, None] & dmask[None, :])
