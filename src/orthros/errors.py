@@ -26,6 +26,11 @@ class UserError(ValueError):
     A ValueError, so library callers catching ValueError see it as before."""
 
 
+class Unsupported(UserError, NotImplementedError):
+    """A valid request for something not built yet (a model feature a cache does not keep): one line,
+    exit code 2, as a UserError; a NotImplementedError to library callers."""
+
+
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 

@@ -88,11 +88,13 @@ CASES = [
     ("gen-top-k-0", gen("byte", "--top-k", "0"), ["--top-k", ">= 1"]),
     ("gen-chunk-0", gen("byte", "--prefill-chunk-size", "0"), ["--prefill-chunk-size", ">= 1"]),
     ("gen-empty-prompt", gen("byte", prompt=""), ["--prompt", "empty"]),
+    ("gen-sink-model-int4", gen("sinks", "--kv-dtype", "int4"), ["LowBitStaticCache", "sink_tokens=2"]),
     ("gen-prompt-beyond-context", gen("byte", prompt="x" * 100),
      ["{w}/byte/config.json", "prompt (100 tokens)", "max_position_embeddings=64"]),
     ("gen-bad-device", gen("byte", "--device", "tpu0"), ["--device", "not a device"]),
     ("gen-absent-cuda-device", gen("byte", "--device", "cuda:99"), ["--device cuda:99"]),
     # --------------------------------------------------------------- serve
+    ("serve-sink-model", ["serve", f"{W}/sinks", "--device", "cpu"], ["paged KV pool", "sink_tokens=2"]),
     ("serve-missing-dir", ["serve", f"{W}/nope", "--device", "cpu"], ["{w}/nope", "not a model directory"]),
     ("serve-truncated-weights", ["serve", f"{W}/trunc", "--device", "cpu"], ["{w}/trunc/model.safetensors",
                                                                              "truncated"]),

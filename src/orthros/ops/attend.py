@@ -36,7 +36,9 @@ def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = 
            window_rows=None, base_rows: int = 0, sinks: int = 0):
     if sinks and window is not None:  # attention sinks: read over dense keys that start at slot 0
         if not isinstance(kv, DenseKV) or kv.start:
-            raise NotImplementedError(
+            from ..errors import Unsupported
+
+            raise Unsupported(
                 f"attention sinks (sink_tokens={sinks}) are read from dense caches only (the dynamic and the "
                 f"static cache), not from {type(kv).__name__}{' (a window of keys)' if isinstance(kv, DenseKV) else ''}")
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
