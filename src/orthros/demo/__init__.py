@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
     p.add_argument("--window", type=int, default=None, help="sliding window W (default 128; --recall: 32)")
     p.add_argument("--sink-tokens", type=int, default=None,
-                   help=f"attention sinks of the conversion (default: an adapter's own; {real.DEFAULT_SINKS} without one)")
+                   help=f"attention sinks of the conversion (default: an adapter's own; {real.DEFAULT_SINKS} "
+                        "without one)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
                    help="prompt lengths of the prefill timing (default 1024 2048 4096; --recall: 2048 ... 16384)")

@@ -38,9 +38,9 @@ def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = 
         if not isinstance(kv, DenseKV) or kv.start:
             from ..errors import Unsupported
 
-            raise Unsupported(
-                f"attention sinks (sink_tokens={sinks}) are read from dense caches only (the dynamic and the "
-                f"static cache), not from {type(kv).__name__}{' (a window of keys)' if isinstance(kv, DenseKV) else ''}")
+            what = type(kv).__name__ + (" (a window of keys)" if isinstance(kv, DenseKV) else "")
+            raise Unsupported(f"attention sinks (sink_tokens={sinks}) are read from dense caches only (the dynamic "
+                              f"and the static cache), not from {what}")
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
         from .paged_read import paged_attend

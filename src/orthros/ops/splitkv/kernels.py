@@ -98,7 +98,8 @@ def _key_tiles(q, K, V, KDOC, b, kvh, m, d, dmask, slot, qdoc, first, lo, hi, n,
         kdoc = tl.load(KDOC + b * s_kdoc_b + j, mask=jvalid, other=-4).to(tl.int64)
         vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
         if HAS_WINDOW:
-            near = (slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows)  # rows past window_rows: no window
+            # rows past window_rows: no window
+            near = (slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows)
             if SINKS > 0:  # the first SINKS keys of the query's document
                 near = near | (j[None, :] - first[:, None] < SINKS)
             vis = vis & near
