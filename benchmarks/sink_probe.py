@@ -10,13 +10,12 @@ see them redistributes it). This script measures, zero-shot, on held-out code an
     orthros+sinkS   the same, the base stream's window also seeing the first S slots
     swa / swa+sinkS sliding window only (no output stream), without / with S sink slots
 
-The sink variant is a monkeypatch local to this script: every attention layer is switched to
-the reference op (`backend="naive"`) and `orthros.ops.naive.visible` (the mask the reference op
-builds) is wrapped so that, for windowed calls only, keys at slot < S are visible as well
-(still causal and inside the query's document). Full-attention calls (window=None: the source,
-Orthros's output stream) are untouched. Checks before measuring: the wrapped mask against an
-explicit mask on random tensors; S=0 gives bit-identical logits to the unwrapped op; the naive
-op agrees with the library's default CPU backend; with W >= T (and S=4) Orthros gives the
+The sink variant is the library's (`OrthrosConfig.sink_tokens`, set on the loaded model; until
+2026-12-04 afternoon this script patched the reference op's mask instead, with the same mask on
+these unpadded one-document rows). Every attention layer runs the reference op (`backend="naive"`).
+Full-attention calls (the source, Orthros's output stream) are untouched by sinks. Checks before
+measuring: the reference op with sinks against an explicit mask on random tensors; the reference op
+against the library's default CPU backend with sinks; with W >= T (and S=4) Orthros gives the
 source model's logits (SPEC invariant 2).
 
     PYTHONPATH=src .venv/bin/python benchmarks/sink_probe.py            # ~6+6 rows of 2,048 tokens
@@ -39,7 +38,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import orthros.ops.naive as naive_mod
 from orthros.convert.download import smollm2_gguf
 from orthros.experiments.cpt import load_arm
 from orthros.experiments.cpt_data import heldout_sets
@@ -48,22 +46,14 @@ from orthros.ops import naive_attention
 
 BUCKETS = ((0, 128), (128, 512), (512, 1024), (1024, 2048))
 
-# ------------------------------------------------------------------ the patch
-_ORIG_VISIBLE = naive_mod.visible
-SINKS = 0  # slots < SINKS are visible to every windowed query (causal, same document)
-CALLS = {"windowed": 0, "full": 0}
-
-
-def visible_with_sinks(q_slot, k_slot, q_doc, k_doc, window):
-    m = _ORIG_VISIBLE(q_slot, k_slot, q_doc, k_doc, window)
-    CALLS["full" if window is None else "windowed"] += 1
-    if window is not None and SINKS > 0:
-        m = m | ((k_slot < SINKS) & (k_slot <= q_slot) & (k_doc == q_doc))
-    return m
-
-
-def install_patch():
-    naive_mod.visible = visible_with_sinks
+# ------------------------------------------------------------------ the sinks
+def set_sinks(model, sinks: int):
+    """The library's attention sinks (`OrthrosConfig.sink_tokens`) switched on a loaded model: every
+    layer's windows also see each document's first `sinks` tokens (0: none)."""
+    model.config.sink_tokens = sinks
+    for mod in model.modules():
+        if isinstance(mod, OrthrosAttention):
+            mod.sinks = sinks
 
 
 def set_backend(model, backend: str):
@@ -115,7 +105,6 @@ def summary(losses: torch.Tensor) -> dict:
 
 
 def main():
-    global SINKS
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=6, help="rows per domain")
     ap.add_argument("--seq-len", type=int, default=2048)
@@ -137,7 +126,6 @@ def main():
     data = heldout_rows(tok, work, args.rows, args.seq_len, args.source_len)
     print(f"data: {({d: tuple(v.shape) for d, v in data.items()})}  ({time.time() - t0:.0f}s)", flush=True)
 
-    install_patch()
     W = args.window
     source = load_arm(conv, "source", W, "cpu").eval()
     orth = load_arm(conv, "orthros-0shot", W, "cpu").eval()
@@ -146,50 +134,39 @@ def main():
     assert orth.config.window_size == W
 
     checks = {}
-    # (0) the wrapped mask against an explicit one, through the reference op, random tensors
+    # (0) the reference op's sinks against an explicit mask, random tensors
     g = torch.Generator().manual_seed(0)
     T_, H_, D_ = 40, 4, 8
     q, k, v = (torch.randn(1, T_, H_, D_, generator=g, dtype=torch.float64) for _ in range(3))
     slot = torch.arange(T_)[None]
     doc = torch.zeros(1, T_, dtype=torch.long)
     for S in (0, 1, 3):
-        SINKS = S
-        got = naive_attention(q, k, v, slot, doc, doc, window=5)
+        got = naive_attention(q, k, v, slot, doc, doc, window=5, sinks=S)
         i, j = torch.arange(T_)[:, None], torch.arange(T_)[None]
         mask = (j <= i) & ((i - j < 5) | (j < S))
         s = torch.einsum("bihd,bjhd->bhij", q, k) * D_ ** -0.5
         ref = torch.einsum("bhij,bjhd->bihd", s.masked_fill(~mask, float("-inf")).softmax(-1), v)
         checks[f"mask_S{S}_maxdiff"] = (got - ref).abs().max().item()
-    SINKS = 0
     print("mask check:", {k_: f"{v_:.1e}" for k_, v_ in checks.items()}, flush=True)
 
     row = data["code"][0]
-    # (1) the naive op with the wrapper at S=0 vs the unwrapped naive op: bit-identical
-    set_backend(orth, "naive")
-    naive_mod.visible = _ORIG_VISIBLE
-    ref0 = logits_of(orth, row)
-    install_patch()
-    SINKS = 0
-    CALLS.update(windowed=0, full=0)
-    got0 = logits_of(orth, row)
-    checks["S0_vs_unpatched_naive_maxabs"] = (got0 - ref0).abs().max().item()
-    checks["patched_calls_per_forward"] = dict(CALLS)
-    assert CALLS["windowed"] > 0 and CALLS["full"] > 0, CALLS  # both streams went through the wrapper
-    # (2) the naive op vs the library's default CPU backend (chunked): rounding only
+    # (1) the reference op vs the library's default CPU backend, with 4 sinks: rounding only
+    set_sinks(orth, 4)
     set_backend(orth, "auto")
     auto = logits_of(orth, row)
     set_backend(orth, "naive")
-    checks["naive_vs_auto_backend_maxabs"] = (got0 - auto).abs().max().item()
-    checks["naive_vs_auto_backend_ppl"] = [math.exp(F.cross_entropy(x, row[1:]).item()) for x in (got0, auto)]
-    # (3) W >= T with S=4: Orthros == the source (invariant 2), the wrapper in place
+    got4 = logits_of(orth, row)
+    checks["S4_naive_vs_auto_backend_maxabs"] = (got4 - auto).abs().max().item()
+    checks["S4_naive_vs_auto_backend_ppl"] = [math.exp(F.cross_entropy(x, row[1:]).item()) for x in (got4, auto)]
+    set_sinks(orth, 0)
+    # (2) W >= T with S=4: Orthros == the source (invariant 2)
     big = load_arm(conv, "orthros-0shot", max(4096, args.seq_len), "cpu").eval()
     set_backend(big, "naive")
     set_backend(source, "naive")
-    SINKS = 4
     src_logits = logits_of(source, row)
-    checks["W>=T_S4_vs_source_maxabs"] = (logits_of(big, row) - src_logits).abs().max().item()
-    SINKS = 0
-    checks["W>=T_S0_vs_source_maxabs"] = (logits_of(big, row) - src_logits).abs().max().item()
+    for S in (4, 0):
+        set_sinks(big, S)
+        checks[f"W>=T_S{S}_vs_source_maxabs"] = (logits_of(big, row) - src_logits).abs().max().item()
     del big
     print("checks:", json.dumps(checks), f"({time.time() - t0:.0f}s)", flush=True)
 
@@ -208,7 +185,7 @@ def main():
         out_path.write_text(json.dumps(out, indent=2))
 
     for name, model, S in variants:
-        SINKS = S
+        set_sinks(model, S)
         results[name] = {"sinks": S}
         for dom, rows in data.items():
             t1 = time.time()
@@ -218,7 +195,7 @@ def main():
                   f"{json.dumps({k_: round(v_, 3) for k_, v_ in results[name][dom]['loss_by_pos'].items()})}"
                   f"  ({time.time() - t1:.0f}s)", flush=True)
         save()
-    SINKS = 0
+        set_sinks(model, 0)
 
     # the table
     buckets = list(results["source"]["code"]["loss_by_pos"])
