@@ -133,7 +133,7 @@ class OrthrosAttention(nn.Module):
     def _attend_group(self, q, n_base: int, kv, layout, attend_):
         """One group's queries q [B, R, H, D], its first n_base rows base rows -> [B, R, H, D]."""
         B, R = q.shape[:2]
-        base = dict(backend=self.backend, **({"sinks": self.sinks} if self.sinks else {}))
+        base = dict(backend=self.backend, sinks=self.sinks)
         if n_base == 0:
             return attend_(q, kv, layout.out_slot, layout.out_doc, layout.key_doc, window=self.out_window,
                            dense_start=layout.out_dense, **base)

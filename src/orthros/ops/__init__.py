@@ -57,8 +57,8 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         (base rows first). The split-KV kernel does it in one launch; other
         paths make one call per group.
     sinks: windowed rows also see their document's first `sinks` keys (attention sinks). Taken
-        by the reference op, the split-KV kernel, FlexAttention and the gathered CPU path
-        (`chunked.sink_attention`); SDPA does not read them.
+        by the reference op, the split-KV kernel, FlexAttention and the chunked CPU path; the
+        dense SDPA paths do not read them.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
@@ -90,19 +90,17 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
             a = max(0, dense_start - window + 1)
             k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
         return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, sinks=sinks)
-    if sinks:
-        from .chunked import sink_attention
+    if sinks and q.is_cuda and backend != "chunked":  # (dense SDPA, below, knows no sinks)
         from .flex import flex_attention_op
 
-        if (q.is_cuda and backend != "chunked") or backend == "flex":
-            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
-        return sink_attention(q, k, v, q_slot, q_doc, k_doc, window, scale, sinks)  # the CPU path
+        return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
     if not q.is_cuda or backend == "chunked":
         if backend == "flex":  # uncompiled FlexAttention on CPU: for tests of the mask logic
             from .flex import flex_attention_op
 
-            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start)
-        return chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, dense_start=dense_start)
+            return flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks=sinks)
+        return chunked_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, dense_start=dense_start,
+                                 sinks=sinks)
     if dense_start is not None and window is not None and window >= dense_start + M:
         window = None  # the window covers every key of every query
     if dense_start == 0 and window is None and backend in ("auto", "sdpa"):

@@ -138,7 +138,6 @@ def _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, dense_start, sinks: 
     else:
         slot = _pad_to(q_slot.long().expand(B, M), nq, 0).contiguous()
         qdoc = _pad_to(q_doc.long(), nq, PAD_Q_DOC).contiguous()
-        sinks = sinks if window is not None else 0
         states, none, rank = tile_states(slot, qdoc, k_doc, window, sinks)
         nk = states.shape[2] * BK
         kdoc = _pad_to(k_doc.long(), nk, PAD_K_DOC).contiguous()  # the kernel's tail reads stay in bounds
