@@ -104,6 +104,8 @@ ARMS = {
     # the base window also sees each document's first SINK tokens (`OrthrosConfig.sink_tokens`)
     "orthros-0shot-sink": Arm(f"Orthros + {SINK} sinks, zero-shot", dict(attention="orthros", sink_tokens=SINK)),
     "orthros-cpt-sink": Arm(f"Orthros + {SINK} sinks + CPT", dict(attention="orthros", sink_tokens=SINK), "all"),
+    "orthros-cpt-sink-s1": Arm(f"Orthros + {SINK} sinks + CPT, seed 1", dict(attention="orthros", sink_tokens=SINK),
+                               "all", seed=1),
     "orthros-kd-sink": Arm(f"Orthros + {SINK} sinks distilled from the source", dict(attention="orthros",
                            sink_tokens=SINK), "all", "source", mix=True),
     "orthros-kd-d-sink": Arm(f"Orthros + {SINK} sinks distilled from (d)", dict(attention="orthros", sink_tokens=SINK),
