@@ -34,7 +34,9 @@ def check(docs, past, T, window, sinks, device, dtype=torch.float32, window_rows
     # the sinks are read: without them the windowed rows differ
     plain = splitkv_attention(q.to(dtype), k if fp8 else k.to(dtype), v if fp8 else v.to(dtype), slot, qdoc, kdoc,
                               window=window, window_rows=window_rows, num_splits=splits)
-    assert rel_err(plain.float(), ref) > 10 * tol, "sinks not read"
+    # (in bf16 / fp8 against the measured error: 4 sinks among 3,000 keys move a row by ~0.15 there)
+    effect = rel_err(plain.float(), ref)
+    assert effect > (10 * tol if tol < 1e-3 else max(tol, 5 * err)), ("sinks not read", effect, err)
 
 
 def main(device="cpu"):

@@ -1,0 +1,109 @@
+"""Which layers' base windows cost the zero-shot conversion its long-range pass key? A CPU probe.
+
+SmolLM2-135M-Instruct converted to Orthros (W = 128, 4 attention sinks, untrained) answers a pass
+key through the chat template when the key sits within ~1K tokens of the question and loses it
+beyond (docs/results.md). Its output stream is exact full attention over every layer's base-stream
+keys and values; only the base stream's hidden states differ from the source's. This probe gives
+the base stream of chosen layers full attention again (`base_window = None` on those layers, the
+rest unchanged) and measures, teacher-forced, the key's digits after the answer prefix
+"The pass key is ": their mean negative log-likelihood and whether every digit is the argmax.
+A layer set that restores the source's figures names where the base stream's window breaks the
+lookup (early layers: what the keys are built from; late layers: the lookup's own keys).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py            # ~15 min, 2 cores
+    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py --lengths 512 --samples 1 --sets none all
+
+Prompts: `eval.longrange.passkey_prompt` (the CPT table's pass key), keys from `eval_key`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import sink_probe  # noqa: E402  (model loading, the sinks switch)
+
+from orthros.eval.longrange import eval_key, passkey_prompt  # noqa: E402
+from orthros.experiments.cpt import load_arm  # noqa: E402
+from orthros.layers.attention import OrthrosAttention  # noqa: E402
+
+
+def layer_sets(n: int) -> dict[str, list[int]]:
+    t = n // 3
+    return {"none": [], "all": list(range(n)), "first third": list(range(t)), "middle third": list(range(t, 2 * t)),
+            "last third": list(range(2 * t, n)), "first two thirds": list(range(2 * t)),
+            "last two thirds": list(range(t, n))}
+
+
+def set_full_layers(model, layers: list[int], window: int):
+    mods = [m for m in model.modules() if isinstance(m, OrthrosAttention)]
+    for i, m in enumerate(mods):
+        m.base_window = None if i in layers else window
+
+
+@torch.no_grad()
+def key_scores(model, tok, prompt: list[int], key: str) -> tuple[float, bool]:
+    """(mean NLL of the key's tokens after the answer prefix, every key token the argmax)"""
+    prefix = tok("The pass key is ", add_special_tokens=False)["input_ids"]
+    ans = tok(key, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt + prefix + ans])
+    logits = model(input_ids=ids).logits[0, -len(ans) - 1 : -1].float()
+    target = torch.tensor(ans)
+    nll = F.cross_entropy(logits, target).item()
+    return nll, bool((logits.argmax(-1) == target).all())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
+    ap.add_argument("--samples", type=int, default=2, help="keys per length and depth")
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--sets", nargs="+", default=None, help="layer sets to run (default all of layer_sets)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", default="/tmp/sink")
+    ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_layer_probe.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    conv, tok = sink_probe.converted(Path(args.work), args.window)
+    model = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
+    sink_probe.set_sinks(model, args.sinks)
+    sets = layer_sets(model.config.num_hidden_layers)
+    names = args.sets or list(sets)
+    rng = random.Random(7)
+    cases = [(L, d, eval_key(rng)) for L in args.lengths for d in args.depths for _ in range(args.samples)]
+    prompts = [passkey_prompt(tok, L, d, k) for L, d, k in cases]
+    results = {}
+    for name in names:
+        set_full_layers(model, sets[name], args.window)
+        t1 = time.time()
+        rows = []
+        for (L, d, k), p in zip(cases, prompts):
+            nll, hit = key_scores(model, tok, p, k)
+            rows.append({"length": L, "depth": d, "key": k, "nll": nll, "hit": hit})
+        cells = {}
+        for r in rows:
+            c = cells.setdefault(f"{r['length']}@{r['depth']}", {"nll": 0.0, "hit": 0.0, "n": 0})
+            c["nll"] += r["nll"]
+            c["hit"] += r["hit"]
+            c["n"] += 1
+        cells = {c: {"nll": v["nll"] / v["n"], "hit": v["hit"] / v["n"]} for c, v in cells.items()}
+        results[name] = {"layers": sets[name], "cells": cells, "rows": rows}
+        print(f"{name:>17}: " + "  ".join(f"{c} {v['nll']:.2f}/{v['hit']:.0%}" for c, v in cells.items())
+              + f"  ({time.time() - t1:.0f}s)", flush=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results,
+                                              "seconds": time.time() - t0}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
