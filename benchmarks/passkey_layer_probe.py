@@ -43,10 +43,41 @@ def layer_sets(n: int) -> dict[str, list[int]]:
             "last two thirds": list(range(t, n))}
 
 
-def set_full_layers(model, layers: list[int], window: int):
+def set_full_layers(model, layers: list[int], window: int, wide: int | None = None):
+    """the base stream of `layers` sees `wide` keys (None: its whole document), the rest `window`"""
     mods = [m for m in model.modules() if isinstance(m, OrthrosAttention)]
     for i, m in enumerate(mods):
-        m.base_window = None if i in layers else window
+        m.base_window = wide if i in layers else window
+
+
+class FullTail:
+    """Base rows at positions [start, stop) of every layer attend to their whole document (the
+    rest keep their window): a prompt whose last tokens, the question, read everything."""
+
+    span = None
+
+    @classmethod
+    def install(cls):
+        orig = OrthrosAttention._attend_group
+
+        def attend_group(self, q, n_base, kv, layout, attend_):
+            out = orig(self, q, n_base, kv, layout, attend_)
+            if cls.span is None or n_base == 0 or self.base_window is None:
+                return out
+            a, b = cls.span
+            a, b = min(a, n_base), min(b, n_base)  # base rows are the group's first n_base, at positions 0..
+            if a >= b:
+                return out
+            saved, self.base_window = self.base_window, None
+            try:
+                full = orig(self, q, n_base, kv, layout, attend_)
+            finally:
+                self.base_window = saved
+            out = out.clone()
+            out[:, a:b] = full[:, a:b]
+            return out
+
+        OrthrosAttention._attend_group = attend_group
 
 
 @torch.no_grad()
@@ -69,6 +100,10 @@ def main():
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--sets", nargs="+", default=None, help="layer sets to run (default all of layer_sets)")
+    ap.add_argument("--wide", type=int, nargs="+", default=[0],
+                    help="the chosen layers' base window (0: full attention); one run per value and set")
+    ap.add_argument("--tails", type=int, nargs="+", default=[],
+                    help="instead of layer sets: the prompt's last K tokens' base rows attend to the whole prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_layer_probe.json")
@@ -84,11 +119,18 @@ def main():
     cases = [(L, d, eval_key(rng)) for L in args.lengths for d in args.depths for _ in range(args.samples)]
     prompts = [passkey_prompt(tok, L, d, k) for L, d, k in cases]
     results = {}
-    for name in names:
-        set_full_layers(model, sets[name], args.window)
+    runs = [(n, w, 0) for n in names for w in (args.wide if n not in ("none", "all") else [0])]
+    if args.tails:
+        FullTail.install()
+        runs = [("none", 0, 0)] + [("none", 0, k) for k in args.tails]
+    for name, wide, tail in runs:
+        set_full_layers(model, sets[name], args.window, wide or None)
+        name = name if not wide else f"{name} W={wide}"
+        name = name if not tail else f"last {tail} prompt tokens full"
         t1 = time.time()
         rows = []
         for (L, d, k), p in zip(cases, prompts):
+            FullTail.span = (len(p) - tail, len(p)) if tail else None
             nll, hit = key_scores(model, tok, p, k)
             rows.append({"length": L, "depth": d, "key": k, "nll": nll, "hit": hit})
         cells = {}
@@ -98,7 +140,8 @@ def main():
             c["hit"] += r["hit"]
             c["n"] += 1
         cells = {c: {"nll": v["nll"] / v["n"], "hit": v["hit"] / v["n"]} for c, v in cells.items()}
-        results[name] = {"layers": sets[name], "cells": cells, "rows": rows}
+        results[name] = {"layers": sets[name.split(" W=")[0]] if not tail else [], "wide": wide or None,
+                         "tail": tail, "cells": cells, "rows": rows}
         print(f"{name:>17}: " + "  ".join(f"{c} {v['nll']:.2f}/{v['hit']:.0%}" for c, v in cells.items())
               + f"  ({time.time() - t1:.0f}s)", flush=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results,

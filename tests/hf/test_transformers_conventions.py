@@ -121,17 +121,21 @@ def test_auto_model_loads_the_base_model(tmp_path):
 def test_torch_export_of_the_prefill():
     """generate()'s prefill (a padded batch, a new cache, one output position), exported with a
     dynamic batch and length: no host sync on the way (`Layout`'s kernel hints are left unset
-    under export) and no guard on the length (named dims fail the export if one narrows their
-    range), so the program runs at other batch sizes and at lengths past 64 rows."""
+    under export) and no guard that narrows the batch's or the length's range, so the program
+    runs at other batch sizes and at lengths past 64 rows. (Dim.DYNAMIC, not named dims: torch
+    2.11's contiguity checks add `Min(16 L, 32 L) == 16 L`, always true, which named dims refuse
+    as unproven; what matters, the ranges, is asserted below.)"""
     from torch.export import Dim
+    from torch.utils._sympy.numbers import int_oo
 
     model = make_model(window=3)
     ids, mask = left_padded(B=2, T=7)
     kw = dict(attention_mask=mask, use_cache=True, logits_to_keep=1)
-    batch, length = Dim("batch"), Dim("length")
-    dyn = {"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length},
+    dyn = {"input_ids": {0: Dim.DYNAMIC, 1: Dim.DYNAMIC}, "attention_mask": {0: Dim.DYNAMIC, 1: Dim.DYNAMIC},
            "use_cache": None, "logits_to_keep": None}
     ep = torch.export.export(model, (), dict(input_ids=ids, **kw), dynamic_shapes=dyn)
+    ranges = list(ep.range_constraints.values())
+    assert len(ranges) >= 2 and all(r.lower <= 2 and r.upper == int_oo for r in ranges), ranges
     for B, T in ((2, 7), (3, 70)):
         ids, mask = left_padded(B=B, T=T, seed=B)
         got = ep.module()(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
