@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 import sink_probe  # noqa: E402  (model loading, the sinks switch)
 
-from orthros.eval.longrange import eval_key, passkey_prompt  # noqa: E402
+from orthros.eval.longrange import NEEDLE, eval_key, passkey_prompt  # noqa: E402
 from orthros.experiments.cpt import load_arm  # noqa: E402
 from orthros.layers.attention import OrthrosAttention  # noqa: E402
 
@@ -50,11 +50,22 @@ def set_full_layers(model, layers: list[int], window: int, wide: int | None = No
         m.base_window = wide if i in layers else window
 
 
+def needle_span(tok, prompt: list[int], key: str) -> tuple[int, int]:
+    """(first, last + 1) token of the needle sentence in the prompt"""
+    ids = tok(NEEDLE.format(key=key), add_special_tokens=False)["input_ids"]
+    core = ids[1:-1]  # (the first and last tokens may merge with their neighbours)
+    for i in range(len(prompt) - len(core) + 1):
+        if prompt[i : i + len(core)] == core:
+            return i - 1, i + len(core) + 1
+    raise ValueError("needle not found in the prompt")
+
+
 class FullTail:
     """Base rows at positions [start, stop) of every layer attend to their whole document (the
     rest keep their window): a prompt whose last tokens, the question, read everything."""
 
     span = None
+    layers = None  # None: every layer
 
     @classmethod
     def install(cls):
@@ -62,7 +73,8 @@ class FullTail:
 
         def attend_group(self, q, n_base, kv, layout, attend_):
             out = orig(self, q, n_base, kv, layout, attend_)
-            if cls.span is None or n_base == 0 or self.base_window is None:
+            if (cls.span is None or n_base == 0 or self.base_window is None
+                    or cls.layers is not None and self.layer_idx not in cls.layers):
                 return out
             a, b = cls.span
             a, b = min(a, n_base), min(b, n_base)  # base rows are the group's first n_base, at positions 0..
@@ -104,6 +116,9 @@ def main():
                     help="the chosen layers' base window (0: full attention); one run per value and set")
     ap.add_argument("--tails", type=int, nargs="+", default=[],
                     help="instead of layer sets: the prompt's last K tokens' base rows attend to the whole prompt")
+    ap.add_argument("--spans", nargs="+", default=[], choices=["before", "needle", "after"],
+                    help="instead of layer sets: in the first third of the layers, full base rows only "
+                         "before the needle, around it (+-64 tokens) or after it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_layer_probe.json")
@@ -123,14 +138,24 @@ def main():
     if args.tails:
         FullTail.install()
         runs = [("none", 0, 0)] + [("none", 0, k) for k in args.tails]
+    if args.spans:
+        FullTail.install()
+        FullTail.layers = set(sets["first third"])
+        runs = [("none", 0, 0)] + [("none", 0, sp) for sp in args.spans]
     for name, wide, tail in runs:
         set_full_layers(model, sets[name], args.window, wide or None)
         name = name if not wide else f"{name} W={wide}"
-        name = name if not tail else f"last {tail} prompt tokens full"
+        if isinstance(tail, str):
+            name = f"first third, full base rows {dict(needle='around').get(tail, tail)} the needle"
+        elif tail:
+            name = f"last {tail} prompt tokens full"
         t1 = time.time()
         rows = []
         for (L, d, k), p in zip(cases, prompts):
-            FullTail.span = (len(p) - tail, len(p)) if tail else None
+            FullTail.span = (len(p) - tail, len(p)) if tail and not isinstance(tail, str) else None
+            if isinstance(tail, str):
+                n0, n1 = needle_span(tok, p, k)
+                FullTail.span = {"before": (0, n0 - 64), "needle": (n0 - 64, n1 + 64), "after": (n1 + 64, len(p))}[tail]
             nll, hit = key_scores(model, tok, p, k)
             rows.append({"length": L, "depth": d, "key": k, "nll": nll, "hit": hit})
         cells = {}
@@ -141,7 +166,7 @@ def main():
             c["n"] += 1
         cells = {c: {"nll": v["nll"] / v["n"], "hit": v["hit"] / v["n"]} for c, v in cells.items()}
         results[name] = {"layers": sets[name.split(" W=")[0]] if not tail else [], "wide": wide or None,
-                         "tail": tail, "cells": cells, "rows": rows}
+                         "tail": tail, "span_layers": sorted(FullTail.layers or []), "cells": cells, "rows": rows}
         print(f"{name:>17}: " + "  ".join(f"{c} {v['nll']:.2f}/{v['hit']:.0%}" for c, v in cells.items())
               + f"  ({time.time() - t1:.0f}s)", flush=True)
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results,
