@@ -47,3 +47,30 @@ def test_training_and_evaluation_keys_are_disjoint():
     train = {train_key(rng) for _ in range(2000)}
     evals = {eval_key(r) for _ in range(2000)}
     assert not train & evals and all(len(k) == 5 for k in train | evals)
+
+
+def _spans(mask: list[bool]) -> list[tuple[int, int]]:
+    """[start, stop) of each run of True"""
+    edges = np.flatnonzero(np.diff(np.r_[0, np.asarray(mask, np.int8), 0]))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def test_a_lookup_asks_several_facts_in_turn(tok):
+    """questions=N: up to N facts asked one chat turn each; every answer (and only the answers,
+    with their end-of-turn tokens) is a target, and each is the value the text gives its name."""
+    stream = np.asarray(tok("def f(x):\n    return x + 1\n" * 400)["input_ids"], np.int32)
+    rng = np.random.default_rng(3)
+    one, m1 = sample(tok, stream, 400, "lookup", np.random.default_rng(3))
+    ids, mask = sample(tok, stream, 400, "lookup", rng, questions=3)
+    spans = _spans(mask)
+    assert len(spans) == 3 and len(_spans(m1)) == 1
+    text = tok.decode(ids, skip_special_tokens=True)
+    asked = []
+    for a, b in spans:
+        value = tok.decode(ids[a:b], skip_special_tokens=True).strip()
+        before = tok.decode(ids[:a], skip_special_tokens=True)
+        name = before.rsplit("What is the value of ", 1)[1].split("?")[0]
+        assert value.isdigit() and f"The value of {name} is {value}. " in text
+        asked.append(name)
+    assert len(set(asked)) == 3
+    assert sum(m1) < sum(mask) and len(one) < len(ids)  # one question: one answer, a shorter conversation

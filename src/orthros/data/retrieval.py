@@ -8,7 +8,8 @@ training corpus) of 1K–8K tokens:
     passkey   a key sentence hidden at a random depth, asked for through the chat
               template; the loss on the assistant's answer (the key, then <end>)
     lookup    several "the value of NAME is NUMBER" facts spread through the text,
-              one of them asked for through the chat template
+              one of them (or, with `questions`, several in turn) asked for through
+              the chat template
     copy      raw text whose last segment (32–128 tokens) repeats a segment seen
               earlier; the loss on the repeat
 
@@ -51,18 +52,21 @@ def eval_key(rng) -> str:
             return str(k)
 
 
-def _chat(tok, user: str, answer: str) -> tuple[list[int], list[bool]]:
-    """Chat-template ids of one exchange and the mask of the answer's tokens (and its end token)."""
-    prompt = list(tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
-    full = list(tok.apply_chat_template([{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-                                        tokenize=True, return_dict=False))
-    if full[: len(prompt)] != prompt:
-        raise ValueError("the chat template does not extend the prompt with the answer")
-    n_ans = len(tok(answer, add_special_tokens=False)["input_ids"]) + 1  # the answer and the end-of-turn token
-    mask = [False] * len(full)
-    for i in range(len(prompt), min(len(prompt) + n_ans, len(full))):
-        mask[i] = True
+def _chat(tok, turns: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
+    """Chat-template ids of a conversation of (user, answer) turns and the mask of every answer's
+    tokens (and its end-of-turn token)."""
+    msgs, mask, full = [], [], []
+    for user, answer in turns:
+        msgs.append({"role": "user", "content": user})
+        prompt = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+        msgs.append({"role": "assistant", "content": answer})
+        nxt = list(tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+        if prompt[: len(full)] != full or nxt[: len(prompt)] != prompt:
+            raise ValueError("the chat template does not extend the conversation turn by turn")
+        n_ans = len(tok(answer, add_special_tokens=False)["input_ids"]) + 1  # the answer and the end-of-turn token
+        mask += [False] * (len(prompt) - len(full))
+        mask += [i < n_ans for i in range(len(nxt) - len(prompt))]
+        full = nxt
     return full, mask
 
 
@@ -83,8 +87,10 @@ def _insert(text: str, pieces: list[str], rng: np.random.Generator) -> str:
     return "".join(out + [text[last:]])
 
 
-def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator):
-    """One sample of about `length` tokens: (ids, mask) as lists."""
+def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator, questions: int = 1):
+    """One sample of about `length` tokens: (ids, mask) as lists. `questions`: a lookup asks up to
+    that many of its facts, one chat turn each, every answer a target (denser supervision of the
+    lookup for the same tokens)."""
     if kind == "copy":
         seg = int(rng.integers(32, 129)) if length >= 512 else max(4, length // 8)
         a = int(rng.integers(0, len(stream) - length))
@@ -97,22 +103,32 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         i = int(rng.integers(0, len(NEEDLES)))
         key = train_key(rng)
         text = _insert(_haystack(tok, stream, length - overhead, rng), [NEEDLES[i].format(key=key)], rng)
-        return _chat(tok, text + "\n" + QUESTIONS[i], key)
+        return _chat(tok, [(text + "\n" + QUESTIONS[i], key)])
     if kind == "lookup":
         names = rng.choice(len(NAMES), size=int(rng.integers(4, 9)), replace=False)
         facts = [(NAMES[j], train_key(rng, 100, 10_000)) for j in names]
         pieces = [f"The value of {n} is {v}. " for n, v in facts]
-        text = _insert(_haystack(tok, stream, length - overhead - 12 * len(facts), rng), pieces, rng)
-        n, v = facts[int(rng.integers(0, len(facts)))]
-        return _chat(tok, f"{text}\nWhat is the value of {n}? Answer with the number only.", v)
+        # each question after the first is a turn of its own: the haystack leaves room for them
+        turn = len(tok(f"What is the value of {NAMES[0]}? Answer with the number only. 1234", add_special_tokens=False)[
+            "input_ids"]) + 8
+        more = (min(questions, len(facts)) - 1) * turn
+        text = _insert(_haystack(tok, stream, length - overhead - 12 * len(facts) - more, rng), pieces, rng)
+        if questions <= 1:  # (the draw of earlier runs' rows)
+            asked = [facts[int(rng.integers(0, len(facts)))]]
+        else:
+            asked = [facts[j] for j in rng.permutation(len(facts))[: min(questions, len(facts))]]
+        turns = [(f"What is the value of {n}? Answer with the number only.", v) for n, v in asked]
+        turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
+        return _chat(tok, turns)
     raise ValueError(f"retrieval sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
 
 
 def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.random.Generator,
-                   lengths: tuple[int, int] = (1024, 8192), fill: np.ndarray | None = None):
+                   lengths: tuple[int, int] = (1024, 8192), fill: np.ndarray | None = None, questions: int = 1):
     """`n_rows` rows [n_rows, seq_len] int32 and their target masks (bool): one sample of a
     length drawn from `lengths` (capped below seq_len) each, then EOS and text from `fill`
-    (default: `stream`) up to seq_len. The kinds take turns."""
+    (default: `stream`) up to seq_len. The kinds take turns; a lookup asks up to `questions`
+    of its facts."""
     fill = stream if fill is None else fill
     eos = tok.eos_token_id
     rows = np.zeros((n_rows, seq_len), np.int32)
@@ -121,7 +137,7 @@ def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.r
     at = 0
     for r in range(n_rows):
         L = int(rng.integers(lo, hi + 1))
-        ids, m = sample(tok, stream, L, KINDS[r % len(KINDS)], rng)
+        ids, m = sample(tok, stream, L, KINDS[r % len(KINDS)], rng, questions)
         ids, m = ids[: seq_len - 1], m[: seq_len - 1]
         rest = seq_len - len(ids) - 1
         if at + rest > len(fill):

@@ -165,6 +165,8 @@ class CPTPreset:
     retrieval_share: float = 0.3
     """share of the rows of a -mix arm that start with a retrieval sample (data.retrieval)"""
     retrieval_lengths: tuple = (1024, 8192)
+    retrieval_questions: int = 1
+    """facts a lookup sample asks in turn (one chat turn each, every answer a target)"""
     kl: float = 1.0
     """distilled arms: weight of KL(teacher || student) on every output position"""
     temperature: float = 1.0
@@ -191,6 +193,9 @@ PRESETS = {
     "smollm2-h200": CPTPreset(passkey_samples=4, retrieval_share=0.0),  # the 2026-12-01 table's preset
     # Distillation and the controls, 16K tokens a step, up to 6 arms side by side on one H200.
     "smollm2-kd-h200": CPTPreset(steps=320),
+    # The same with denser retrieval supervision: half the rows open with a retrieval sample and a
+    # lookup asks up to 8 of its facts (the zero-shot probe: the output stream must learn the lookup)
+    "smollm2-kd-h200-rq": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8),
     # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
     # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
     # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone
@@ -490,6 +495,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     ev = evaluate_arm(model, tok, preset, heldout, stream, partial)
     res = {"arm": arm, "label": spec.label, "teacher": spec.teacher, "window": model.config.window_size,
            "seed": spec.seed, "recipe": spec.recipe, "retrieval_share": preset.retrieval_share if spec.mix else 0.0,
+           "retrieval_questions": preset.retrieval_questions if spec.mix else 0,
            "train": stats, "eval": ev, "eval_seconds": time.time() - t}
     (work / f"arm-{arm}.json").write_text(json.dumps(res, indent=2))
     partial.unlink(missing_ok=True)
@@ -525,7 +531,13 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     # the corpus rows, then text the retrieval samples' haystacks are cut from (never the rows' own text)
     need = n * preset.seq_len + (4 * n_ret * preset.seq_len if n_ret else 0)
     have = np.load(work / "train_rows.npy", mmap_mode="r").shape if (work / "train_rows.npy").exists() else None
-    if have != (n, preset.seq_len) or (n_ret and not (work / "retrieval_rows.npy").exists()):
+    meta = {"rows": n_ret, "lengths": list(preset.retrieval_lengths), "questions": preset.retrieval_questions}
+    made = json.loads((work / "retrieval.json").read_text()) if (work / "retrieval.json").exists() else None
+    if made is None and (work / "retrieval_rows.npy").exists():  # made before retrieval.json was written
+        old = np.load(work / "retrieval_rows.npy", mmap_mode="r").shape[0]
+        made = {**meta, "questions": 1, "rows": old} if preset.retrieval_questions == 1 else None
+    stale = n_ret and made != meta
+    if have != (n, preset.seq_len) or stale:
         stream = train_stream(tok, need, work / "cache")
         if len(stream) < need:
             raise ValueError(f"only {len(stream):,} training tokens on this machine; the preset needs {need:,}")
@@ -533,9 +545,10 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
         if n_ret:
             hay = stream[n * preset.seq_len :]
             rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
-                                          tuple(preset.retrieval_lengths))
+                                          tuple(preset.retrieval_lengths), questions=preset.retrieval_questions)
             np.save(work / "retrieval_rows.npy", rrows)
             np.save(work / "retrieval_mask.npy", rmask)
+            (work / "retrieval.json").write_text(json.dumps(meta))
     held = heldout_sets(tok, preset.seq_len, preset.eval_rows, work / "cache")
     for k, v in held.items():
         np.save(work / f"heldout_{k}.npy", v)
