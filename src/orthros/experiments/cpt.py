@@ -21,10 +21,11 @@ order) under the same schedule:
     ...-w256/-w512, -nomix, -s1   the window sweep, without retrieval data, a second seed
     ...-w256-lr3/-align50/-ce     W=256 with one training change each (an arm's `recipe`)
     ...-sink          the same arm with 4 attention sinks (`OrthrosConfig.sink_tokens`)
+    ...-sink-mix      a CE arm with 4 sinks on the corpus mixed with retrieval samples
 
 Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
-`retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone,
-as before. Each arm is evaluated on held-out code, prose and package docs
+`retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone
+unless named -mix. Each arm is evaluated on held-out code, prose and package docs
 (`cpt_data`): perplexity at 2K and 8K tokens, the loss by position, the copy
 probe and pass-key retrieval through the chat template (`eval.longrange`), the
 local lm-eval task. Light arms save their adapter (`models.adapter`); arms that
@@ -106,6 +107,12 @@ ARMS = {
     "orthros-cpt-sink": Arm(f"Orthros + {SINK} sinks + CPT", dict(attention="orthros", sink_tokens=SINK), "all"),
     "orthros-cpt-sink-s1": Arm(f"Orthros + {SINK} sinks + CPT, seed 1", dict(attention="orthros", sink_tokens=SINK),
                                "all", seed=1),
+    # CE on the corpus with retrieval rows spliced in (the loss on their answers): the lookup the
+    # output stream must learn, without a teacher
+    "orthros-cpt-sink-mix": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data", dict(attention="orthros",
+                                sink_tokens=SINK), "all", mix=True),
+    "orthros-lora-sink-mix": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data",
+                                 dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True),
     "orthros-kd-sink": Arm(f"Orthros + {SINK} sinks distilled from the source", dict(attention="orthros",
                            sink_tokens=SINK), "all", "source", mix=True),
     "orthros-kd-d-sink": Arm(f"Orthros + {SINK} sinks distilled from (d)", dict(attention="orthros", sink_tokens=SINK),
