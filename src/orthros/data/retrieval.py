@@ -108,16 +108,16 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         names = rng.choice(len(NAMES), size=int(rng.integers(4, 9)), replace=False)
         facts = [(NAMES[j], train_key(rng, 100, 10_000)) for j in names]
         pieces = [f"The value of {n} is {v}. " for n, v in facts]
+        ask = "What is the value of {}? Answer with the number only."
         # each question after the first is a turn of its own: the haystack leaves room for them
-        turn = len(tok(f"What is the value of {NAMES[0]}? Answer with the number only. 1234", add_special_tokens=False)[
-            "input_ids"]) + 8
+        turn = len(tok(ask.format(NAMES[0]) + " 1234", add_special_tokens=False)["input_ids"]) + 8
         more = (min(questions, len(facts)) - 1) * turn
         text = _insert(_haystack(tok, stream, length - overhead - 12 * len(facts) - more, rng), pieces, rng)
         if questions <= 1:  # (the draw of earlier runs' rows)
             asked = [facts[int(rng.integers(0, len(facts)))]]
         else:
             asked = [facts[j] for j in rng.permutation(len(facts))[: min(questions, len(facts))]]
-        turns = [(f"What is the value of {n}? Answer with the number only.", v) for n, v in asked]
+        turns = [(ask.format(n), v) for n, v in asked]
         turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
         return _chat(tok, turns)
     raise ValueError(f"retrieval sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
