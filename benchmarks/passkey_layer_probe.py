@@ -8,9 +8,19 @@ the base stream of chosen layers full attention again (`base_window = None` on t
 rest unchanged) and measures, teacher-forced, the key's digits after the answer prefix
 "The pass key is ": their mean negative log-likelihood and whether every digit is the argmax.
 A layer set that restores the source's figures names where the base stream's window breaks the
-lookup (early layers: what the keys are built from; late layers: the lookup's own keys).
+lookup. `--wide` gives those layers a wider window instead; `--tails K` gives full base rows to
+the prompt's last K tokens in every layer; `--spans` to the rows before, around or after the
+needle in the first third of the layers. Found (docs/notes/2026-12-conversion.md): the first
+layers' rows after the needle carry the key forward in the source, which no window can.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py            # ~15 min, 2 cores
+    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py --samples 3    # 2K, 12 min, 2 cores
+    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py --lengths 4096 --depths 0.0 0.5 \
+        --samples 2 --sets none "first third" "first two thirds" --wide 0 512 1024 \
+        --out benchmarks/results/sink-probe/passkey_layer_probe_wide.json
+    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py --lengths 4096 --depths 0.0 0.5 \
+        --samples 2 --tails 16 32 64 256 --out benchmarks/results/sink-probe/passkey_tail_probe.json
+    PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py --lengths 4096 --depths 0.25 0.5 \
+        --samples 2 --spans before needle after --out benchmarks/results/sink-probe/passkey_span_probe.json
     PYTHONPATH=src .venv/bin/python benchmarks/passkey_layer_probe.py --lengths 512 --samples 1 --sets none all
 
 Prompts: `eval.longrange.passkey_prompt` (the CPT table's pass key), keys from `eval_key`.
