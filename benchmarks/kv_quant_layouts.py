@@ -1,7 +1,7 @@
 """Which low-bit layout for the KV cache beyond the window? A one-layer error study on the real model.
 
     python benchmarks/kv_quant_layouts.py [--rows 2] [--seq-len 2048] [--out benchmarks/results/kv_quant/kv_quant_layouts.json]
-    python benchmarks/kv_quant_layouts.py --table-only   # the table of --out, spliced into docs/long_context.md
+    python benchmarks/kv_quant_layouts.py --table-only   # the table of --out (--docs PAGE: spliced there)
 
 One forward of SmolLM2-135M-Instruct converted to Orthros (W = 128) with the
 shipped light-CPT adapter records, per layer, the output stream's queries
@@ -138,7 +138,8 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--out", default="benchmarks/results/kv_quant/kv_quant_layouts.json")
-    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its marks (docs/long_context.md holds them)")
     p.add_argument("--table-only", action="store_true", help="print (and splice) the table of --out and stop")
     args = p.parse_args()
     if args.table_only:

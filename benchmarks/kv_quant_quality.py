@@ -19,8 +19,8 @@ dtype, and each scored position reads the past as a decode step there would
     agreement    greedy generation with the bf16 cache; the same tokens teacher-forced through
                  each cache: top-1 agreement of the next-token argmax
 
-Prints a Markdown table, writes benchmarks/results/kv_quant/kv_quant_quality.json and .md, and
-splices the table into docs/long_context.md (between its kv-quality-table marks).
+Prints a Markdown table, writes benchmarks/results/kv_quant/kv_quant_quality.json and .md; with
+--docs docs/long_context.md it also splices the table there (between its kv-quality-table marks).
 """
 
 from __future__ import annotations
@@ -243,7 +243,8 @@ def main(argv=None):
     p.add_argument("--out", default="benchmarks/results/kv_quant/kv_quant_quality.json")
     p.add_argument("--resume", action="store_true", help="keep the cells already in --out")
     p.add_argument("--table-only", action="store_true", help="print (and write, splice) the table of --out and stop")
-    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its marks (docs/long_context.md holds them)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.table_only:

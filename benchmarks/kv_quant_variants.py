@@ -11,8 +11,8 @@ converted at W = 128 + the shipped CPT adapter; loss on the second copy of a
 constructor arguments; bits per element are the packed slots' (scales included;
 the bf16 sinks and recent slots are a fixed count, not a per-element cost).
 
-Writes benchmarks/results/kv_quant/kv_quant_variants.json and .md, and splices the table
-into docs/long_context.md (between its kv-variants-table marks).
+Writes benchmarks/results/kv_quant/kv_quant_variants.json and .md; with --docs
+docs/long_context.md it also splices the table there (between its kv-variants-table marks).
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--adapter", default="adapters/smollm2-135m-w128-lora")
     p.add_argument("--out", default="benchmarks/results/kv_quant/kv_quant_variants.json")
-    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between marks)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its marks (docs/long_context.md holds them)")
     p.add_argument("--table-only", action="store_true", help="print (and write, splice) the table of --out and stop")
     args = p.parse_args(argv)
     out = Path(args.out)

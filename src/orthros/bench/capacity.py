@@ -49,7 +49,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--tag", default="capacity", help="output files <tag>.json / .md / .png")
     p.add_argument("--out-dir", default="benchmarks/results/capacity")
-    p.add_argument("--docs", default="docs/long_context.md", help="splice the table into this file (between markers)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its markers (e.g. docs/long_context.md); by default "
+                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/long_context.md)")
     p.add_argument("--from-json", nargs="+", default=None, help="only re-render from saved JSON")
 
 

@@ -58,7 +58,9 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out-dir", default="benchmarks/results/decode", help="where <tag>.json / <tag>.png / <tag>.md go")
-    p.add_argument("--docs", default="docs/performance.md", help="splice the table into this file (between markers)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its markers (e.g. docs/performance.md); by default "
+                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/performance.md)")
     p.add_argument("--tag", default="decode",
                    help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--from-json", nargs="+", default=None,

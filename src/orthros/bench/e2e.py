@@ -71,7 +71,9 @@ def add_arguments(p):
     p.add_argument("--checkpoint", default=None, help="--agreement: a saved Orthros model directory (default: random weights)")
     p.add_argument("--tag", default="e2e", help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--out-dir", default="benchmarks/results/e2e")
-    p.add_argument("--docs", default="docs/performance.md", help="splice the table into this file (between markers)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its markers (e.g. docs/performance.md); by default "
+                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/performance.md)")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved JSON (several: one table)")
 

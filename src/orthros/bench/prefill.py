@@ -61,7 +61,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--profile", type=parse_len, default=None, help="also break the Orthros prefill down by kernel at this length")
     p.add_argument("--out-dir", default="benchmarks/results/prefill", help="where prefill.json / prefill.png / prefill.md go")
-    p.add_argument("--docs", default="docs/performance.md", help="splice the table into this file (between markers), if it exists")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its markers (e.g. docs/performance.md); by default "
+                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/performance.md)")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved prefill.json (several: one table)")
 

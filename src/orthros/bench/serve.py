@@ -113,7 +113,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
     p.add_argument("--out-dir", default="benchmarks/results/serve", help="where serve-<scenario>.json / .md go")
     p.add_argument("--plot-dir", default="benchmarks/results/serve", help="where serve-<scenario>.png goes")
-    p.add_argument("--docs", default="docs/serving.md", help="splice the table into this file (between markers)")
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help="also splice the table into PAGE between its markers (e.g. docs/serving.md); by default "
+                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/serving.md)")
     p.add_argument("--tag", default=None, help="output files <tag>.json / .md / .png and the table's marks "
                    "(default: serve-<scenario>)")
     p.add_argument("--from-json", nargs="+", default=None,
