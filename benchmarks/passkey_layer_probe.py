@@ -129,6 +129,8 @@ def main():
     ap.add_argument("--spans", nargs="+", default=[], choices=["before", "needle", "after"],
                     help="instead of layer sets: in the first third of the layers, full base rows only "
                          "before the needle, around it (+-64 tokens) or after it")
+    ap.add_argument("--adapter", default=None, help="a light-CPT adapter directory to apply first (trained "
+                    "with --sinks sink tokens at --window), e.g. the CPT run's adapters/orthros-kd-d-lora-sink")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_layer_probe.json")
@@ -138,6 +140,14 @@ def main():
     conv, tok = sink_probe.converted(Path(args.work), args.window)
     model = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
     sink_probe.set_sinks(model, args.sinks)
+    if args.adapter:
+        from orthros.models.adapter import apply_adapter
+
+        info = json.loads((Path(args.adapter) / "adapter.json").read_text())
+        if (info.get("sink_tokens", 0), info["window"]) != (args.sinks, args.window):
+            raise SystemExit(f"{args.adapter}: trained with {info.get('sink_tokens', 0)} sinks at W={info['window']}, "
+                             f"not --sinks {args.sinks} --window {args.window}")
+        apply_adapter(model, args.adapter)
     sets = layer_sets(model.config.num_hidden_layers)
     names = args.sets or list(sets)
     rng = random.Random(7)
