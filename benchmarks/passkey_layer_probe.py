@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sink_probe  # noqa: E402  (model loading, the sinks switch)
 
 from orthros.eval.longrange import NEEDLE, eval_key, passkey_prompt  # noqa: E402
-from orthros.experiments.cpt import load_arm  # noqa: E402
 from orthros.layers.attention import OrthrosAttention  # noqa: E402
 
 
@@ -135,10 +134,8 @@ def main():
     ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_layer_probe.json")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.time()
-    conv, tok = sink_probe.converted(Path(args.work), args.window)
-    model = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
+    model, tok = sink_probe.zero_shot(Path(args.work), args.window, args.threads)
     sink_probe.set_sinks(model, args.sinks)
     if args.adapter:
         from orthros.models.adapter import apply_adapter

@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sink_probe  # noqa: E402  (its mask patch and model loading)
 
 from orthros.eval.longrange import chat_passkey  # noqa: E402
-from orthros.experiments.cpt import load_arm  # noqa: E402
 
 
 def main():
@@ -37,10 +36,8 @@ def main():
     ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="/tmp/sink/sink_passkey_probe.json")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     t0 = time.time()
-    conv, tok = sink_probe.converted(Path(args.work), args.window)
-    model = load_arm(conv, "orthros-0shot", args.window, "cpu").eval()
+    model, tok = sink_probe.zero_shot(Path(args.work), args.window, args.threads)
     sink_probe.set_backend(model, args.backend)
     results = {}
     for S in (0, 1):

@@ -76,6 +76,14 @@ def converted(work: Path, window: int):
     return conv, load_tokenizer(conv)
 
 
+def zero_shot(work: Path, window: int, threads: int):
+    """(SmolLM2 converted to Orthros at `window`, untrained, in eval mode on the CPU; its tokenizer),
+    torch using `threads` threads."""
+    torch.set_num_threads(threads)
+    conv, tok = converted(work, window)
+    return load_arm(conv, "orthros-0shot", window, "cpu").eval(), tok
+
+
 def heldout_rows(tok, work: Path, rows: int, seq_len: int, source_len: int) -> dict[str, torch.Tensor]:
     """The first `rows` held-out code and prose rows, cut to `seq_len` tokens."""
     held = heldout_sets(tok, source_len, rows, work / "cache")

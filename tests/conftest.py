@@ -26,6 +26,17 @@ def device():
     return DEVICE
 
 
+@pytest.fixture(scope="session")
+def chat_tok():
+    """A tiny tokenizer with a minimal chat template (each turn `<|role|>text<eos>`)."""
+    from orthros.convert.tiny import tiny_tokenizer
+
+    t = tiny_tokenizer(vocab_size=400)
+    t.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return t
+
+
 def make_model(attention="orthros", window=16, perturb_so=True, seed=0, base="tiny", **overrides) -> OrthrosForCausalLM:
     """A tiny fp32 model on the test device (`base`: "tiny", or "tiny-moe"); SO moved off identity
     so it is exercised."""

@@ -4,25 +4,15 @@ evaluation keys never meet."""
 import random
 
 import numpy as np
-import pytest
 
-from orthros.convert.tiny import tiny_tokenizer
 from orthros.data.retrieval import KEY_MOD, KINDS, eval_key, retrieval_rows, sample, train_key
 
 
-@pytest.fixture(scope="module")
-def tok():
-    t = tiny_tokenizer(vocab_size=400)
-    t.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    return t
-
-
-def test_the_answer_is_the_target_and_the_haystack_holds_it(tok):
-    stream = np.asarray(tok("def f(x):\n    return x + 1\n" * 400)["input_ids"], np.int32)
+def test_the_answer_is_the_target_and_the_haystack_holds_it(chat_tok):
+    stream = np.asarray(chat_tok("def f(x):\n    return x + 1\n" * 400)["input_ids"], np.int32)
     rng = np.random.default_rng(0)
     for kind in KINDS:
-        ids, mask = sample(tok, stream, 300, kind, rng)
+        ids, mask = sample(chat_tok, stream, 300, kind, rng)
         assert len(ids) == len(mask) and any(mask) and not mask[0]
         first = mask.index(True)
         answer = ids[first : first + sum(mask)]
@@ -30,14 +20,14 @@ def test_the_answer_is_the_target_and_the_haystack_holds_it(tok):
             assert answer == ids[-len(answer):] and any(ids[i : i + len(answer)] == answer
                                                         for i in range(first - len(answer)))
         else:
-            text = tok.decode(answer, skip_special_tokens=True).strip()
+            text = chat_tok.decode(answer, skip_special_tokens=True).strip()
             assert text.isdigit() and int(text) % KEY_MOD == 0
-            assert text in tok.decode(ids[:first])  # the question's answer is in the prompt
+            assert text in chat_tok.decode(ids[:first])  # the question's answer is in the prompt
 
 
-def test_rows_are_full_and_mask_the_text_after_the_sample(tok):
-    stream = np.asarray(tok("some text here. " * 3000)["input_ids"], np.int32)
-    rows, mask = retrieval_rows(tok, stream, 6, 512, np.random.default_rng(1), (100, 300))
+def test_rows_are_full_and_mask_the_text_after_the_sample(chat_tok):
+    stream = np.asarray(chat_tok("some text here. " * 3000)["input_ids"], np.int32)
+    rows, mask = retrieval_rows(chat_tok, stream, 6, 512, np.random.default_rng(1), (100, 300))
     assert rows.shape == mask.shape == (6, 512) and mask[:, -1].all()
     assert (rows[:, -100:] != 0).any()
 
@@ -55,20 +45,20 @@ def _spans(mask: list[bool]) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def test_a_lookup_asks_several_facts_in_turn(tok):
+def test_a_lookup_asks_several_facts_in_turn(chat_tok):
     """questions=N: up to N facts asked one chat turn each; every answer (and only the answers,
     with their end-of-turn tokens) is a target, and each is the value the text gives its name."""
-    stream = np.asarray(tok("def f(x):\n    return x + 1\n" * 400)["input_ids"], np.int32)
+    stream = np.asarray(chat_tok("def f(x):\n    return x + 1\n" * 400)["input_ids"], np.int32)
     rng = np.random.default_rng(3)
-    one, m1 = sample(tok, stream, 400, "lookup", np.random.default_rng(3))
-    ids, mask = sample(tok, stream, 400, "lookup", rng, questions=3)
+    one, m1 = sample(chat_tok, stream, 400, "lookup", np.random.default_rng(3))
+    ids, mask = sample(chat_tok, stream, 400, "lookup", rng, questions=3)
     spans = _spans(mask)
     assert len(spans) == 3 and len(_spans(m1)) == 1
-    text = tok.decode(ids, skip_special_tokens=True)
+    text = chat_tok.decode(ids, skip_special_tokens=True)
     asked = []
     for a, b in spans:
-        value = tok.decode(ids[a:b], skip_special_tokens=True).strip()
-        before = tok.decode(ids[:a], skip_special_tokens=True)
+        value = chat_tok.decode(ids[a:b], skip_special_tokens=True).strip()
+        before = chat_tok.decode(ids[:a], skip_special_tokens=True)
         name = before.rsplit("What is the value of ", 1)[1].split("?")[0]
         assert value.isdigit() and f"The value of {name} is {value}. " in text
         asked.append(name)

@@ -5,31 +5,21 @@ import dataclasses
 import json
 
 import numpy as np
-import pytest
 
-from orthros.convert.tiny import tiny_tokenizer
 from orthros.experiments.cpt import PRESETS, prepare_data
 
 
-@pytest.fixture(scope="module")
-def tok():
-    t = tiny_tokenizer(vocab_size=400)
-    t.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-                       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    return t
-
-
-def test_retrieval_rows_follow_the_preset(tmp_path, tok):
+def test_retrieval_rows_follow_the_preset(tmp_path, chat_tok):
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], steps=6, retrieval_share=0.5, seq_len=1024,
                             retrieval_lengths=(600, 900))
-    prepare_data(tok, tmp_path, p)
+    prepare_data(chat_tok, tmp_path, p)
     made = (tmp_path / "retrieval_rows.npy").stat().st_mtime_ns
     assert json.loads((tmp_path / "retrieval.json").read_text()) == {"rows": 6, "lengths": [600, 900], "questions": 1}
     one = np.load(tmp_path / "retrieval_mask.npy")
-    prepare_data(tok, tmp_path, p)  # nothing changed: found again
+    prepare_data(chat_tok, tmp_path, p)  # nothing changed: found again
     assert (tmp_path / "retrieval_rows.npy").stat().st_mtime_ns == made
 
-    prepare_data(tok, tmp_path, dataclasses.replace(p, retrieval_questions=4))
+    prepare_data(chat_tok, tmp_path, dataclasses.replace(p, retrieval_questions=4))
     assert json.loads((tmp_path / "retrieval.json").read_text())["questions"] == 4
     several = np.load(tmp_path / "retrieval_mask.npy")
     # the lookups (every third row, from the second) now answer several questions: more answer

@@ -25,8 +25,8 @@ from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_f
 from ..generate import prefill as run_prefill
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, log_panel, now, progress, render,
-                     result_from, save_figure, save_partial, subplots, variant_config)
+from .common import (DTYPES, add_docs_argument, build_model, environment, free_memory, is_oom, log_panel, now, progress,
+                     render, result_from, save_figure, save_partial, subplots, variant_config)
 from .decode import cache_bytes, step_bytes
 from .prefill import _fmt_len, parse_len
 
@@ -49,9 +49,7 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--tag", default="capacity", help="output files <tag>.json / .md / .png")
     p.add_argument("--out-dir", default="benchmarks/results/capacity")
-    p.add_argument("--docs", default=None, metavar="PAGE",
-                   help="also splice the table into PAGE between its markers (e.g. docs/long_context.md); by default "
-                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/long_context.md)")
+    add_docs_argument(p, "docs/long_context.md")
     p.add_argument("--from-json", nargs="+", default=None, help="only re-render from saved JSON")
 
 

@@ -278,6 +278,13 @@ def merge_runs(runs: list[dict]) -> dict:
     return merged
 
 
+def add_docs_argument(p, page: str) -> None:
+    """`--docs PAGE`: also splice the table into a docs page (`page`: the one that shows it)."""
+    p.add_argument("--docs", default=None, metavar="PAGE",
+                   help=f"also splice the table into PAGE between its markers (e.g. {page}); by default a run "
+                        f"writes only under --out-dir (until 2026-12-04 the default was {page})")
+
+
 def render(result, out_dir, docs, name, table_fn, plot_fn) -> None:
     """Write `name.md` and `name.png`, print the table, splice it into `docs` between `name`'s markers."""
     os.makedirs(out_dir, exist_ok=True)

@@ -33,8 +33,9 @@ from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
 from ..models.static_cache import FP8, KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, kernel_profile, log_panel, now, progress,
-                     render, result_from, save_figure, save_partial, subplots, sync, variant_config)
+from .common import (DTYPES, add_docs_argument, build_model, environment, free_memory, is_oom, kernel_profile,
+                     log_panel, now, progress, render, result_from, save_figure, save_partial, subplots, sync,
+                     variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full", "orthros-bound", "orthros-base")
@@ -58,9 +59,7 @@ def add_arguments(p):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--out-dir", default="benchmarks/results/decode", help="where <tag>.json / <tag>.png / <tag>.md go")
-    p.add_argument("--docs", default=None, metavar="PAGE",
-                   help="also splice the table into PAGE between its markers (e.g. docs/performance.md); by default "
-                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/performance.md)")
+    add_docs_argument(p, "docs/performance.md")
     p.add_argument("--tag", default="decode",
                    help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--from-json", nargs="+", default=None,

@@ -34,8 +34,8 @@ from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_
                         new_static_cache, prefill)
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, build_model, environment, free_memory, is_oom, now, render, result_from, save_figure,
-                     subplots, sync, variant_config)
+from .common import (DTYPES, add_docs_argument, build_model, environment, free_memory, is_oom, now, render, result_from,
+                     save_figure, subplots, sync, variant_config)
 from .decode import cache_bytes, random_slots
 from .prefill import _fmt_len, parse_len
 
@@ -71,9 +71,7 @@ def add_arguments(p):
     p.add_argument("--checkpoint", default=None, help="--agreement: a saved Orthros model directory (default: random weights)")
     p.add_argument("--tag", default="e2e", help="output files <tag>.json / .md / .png; table between <!-- <tag>-table --> marks")
     p.add_argument("--out-dir", default="benchmarks/results/e2e")
-    p.add_argument("--docs", default=None, metavar="PAGE",
-                   help="also splice the table into PAGE between its markers (e.g. docs/performance.md); by default "
-                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/performance.md)")
+    add_docs_argument(p, "docs/performance.md")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved JSON (several: one table)")
 

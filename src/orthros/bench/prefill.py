@@ -25,9 +25,8 @@ import torch
 
 from ..generate import prefill
 from ..models import OrthrosConfig
-from .common import (DTYPES, attention_removed, build_hf_peer, build_model, environment, free_memory, is_oom,
-                     kernel_profile, log_panel, render, result_from, save_figure, subplots, timed,
-                     truncated)
+from .common import (DTYPES, add_docs_argument, attention_removed, build_hf_peer, build_model, environment, free_memory,
+                     is_oom, kernel_profile, log_panel, render, result_from, save_figure, subplots, timed, truncated)
 
 VARIANTS = ("orthros", "full", "hf", "floor")
 
@@ -61,9 +60,7 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--profile", type=parse_len, default=None, help="also break the Orthros prefill down by kernel at this length")
     p.add_argument("--out-dir", default="benchmarks/results/prefill", help="where prefill.json / prefill.png / prefill.md go")
-    p.add_argument("--docs", default=None, metavar="PAGE",
-                   help="also splice the table into PAGE between its markers (e.g. docs/performance.md); by default "
-                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/performance.md)")
+    add_docs_argument(p, "docs/performance.md")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="only re-render the plot and table from a saved prefill.json (several: one table)")
 

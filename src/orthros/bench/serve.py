@@ -83,6 +83,7 @@ def parse_rate(s: str) -> float:
 
 
 def add_arguments(p):
+    from .common import add_docs_argument
     from .prefill import parse_len
 
     p.add_argument("--scenario", choices=(*SCENARIOS, "custom"), default="paper")
@@ -113,9 +114,7 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
     p.add_argument("--out-dir", default="benchmarks/results/serve", help="where serve-<scenario>.json / .md go")
     p.add_argument("--plot-dir", default="benchmarks/results/serve", help="where serve-<scenario>.png goes")
-    p.add_argument("--docs", default=None, metavar="PAGE",
-                   help="also splice the table into PAGE between its markers (e.g. docs/serving.md); by default "
-                        "a run writes only under --out-dir (until 2026-12-04 the default was docs/serving.md)")
+    add_docs_argument(p, "docs/serving.md")
     p.add_argument("--tag", default=None, help="output files <tag>.json / .md / .png and the table's marks "
                    "(default: serve-<scenario>)")
     p.add_argument("--from-json", nargs="+", default=None,

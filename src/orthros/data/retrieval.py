@@ -109,9 +109,10 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         facts = [(NAMES[j], train_key(rng, 100, 10_000)) for j in names]
         pieces = [f"The value of {n} is {v}. " for n, v in facts]
         ask = "What is the value of {}? Answer with the number only."
-        # each question after the first is a turn of its own: the haystack leaves room for them
-        turn = len(tok(ask.format(NAMES[0]) + " 1234", add_special_tokens=False)["input_ids"]) + 8
-        more = (min(questions, len(facts)) - 1) * turn
+        more = 0  # each question after the first is a turn of its own: the haystack leaves room for them
+        if questions > 1:
+            turn = len(tok(ask.format(NAMES[0]) + " 1234", add_special_tokens=False)["input_ids"]) + 8
+            more = (min(questions, len(facts)) - 1) * turn
         text = _insert(_haystack(tok, stream, length - overhead - 12 * len(facts) - more, rng), pieces, rng)
         if questions <= 1:  # (the draw of earlier runs' rows)
             asked = [facts[int(rng.integers(0, len(facts)))]]

@@ -540,10 +540,7 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     have = np.load(work / "train_rows.npy", mmap_mode="r").shape if (work / "train_rows.npy").exists() else None
     meta = {"rows": n_ret, "lengths": list(preset.retrieval_lengths), "questions": preset.retrieval_questions}
     made = json.loads((work / "retrieval.json").read_text()) if (work / "retrieval.json").exists() else None
-    if made is None and (work / "retrieval_rows.npy").exists():  # made before retrieval.json was written
-        old = np.load(work / "retrieval_rows.npy", mmap_mode="r").shape[0]
-        made = {**meta, "questions": 1, "rows": old} if preset.retrieval_questions == 1 else None
-    stale = n_ret and made != meta
+    stale = n_ret and made != meta  # (a work dir from before retrieval.json: made again, the same rows)
     if have != (n, preset.seq_len) or stale:
         stream = train_stream(tok, need, work / "cache")
         if len(stream) < need:

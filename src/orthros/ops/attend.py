@@ -100,7 +100,7 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
     if kv.capturable:
         o = decode_attention(q, k, v, q_slot.expand(q.shape[0], -1), q_doc, k_doc,
                              0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale,
-                             -1 if window_rows is None else int(window_rows), int(sinks) if window is not None else 0)
+                             -1 if window_rows is None else int(window_rows), int(sinks))
     else:
         a = kv.start
         if a:  # keys from slot `start` on (a window's keys)
