@@ -107,7 +107,9 @@ def key_scores(model, tok, prompt: list[int], key: str) -> tuple[float, bool]:
     prefix = tok("The pass key is ", add_special_tokens=False)["input_ids"]
     ans = tok(key, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt + prefix + ans])
-    logits = model(input_ids=ids).logits[0, -len(ans) - 1 : -1].float()
+    # the last len(ans) + 1 positions as output positions (SPEC invariant 1: their logits are those
+    # of the every-position forward, without its O(T^2) output stream)
+    logits = model(input_ids=ids, logits_to_keep=len(ans) + 1, use_cache=False).logits[0, :-1].float()
     target = torch.tensor(ans)
     nll = F.cross_entropy(logits, target).item()
     return nll, bool((logits.argmax(-1) == target).all())

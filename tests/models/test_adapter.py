@@ -26,11 +26,12 @@ def trained(mode, seed=0):
     return model, base, stats
 
 
-@pytest.mark.parametrize("mode", ["so", "so+norms", "lora+so"])
+@pytest.mark.parametrize("mode", ["so-out", "so", "so+norms", "lora+so"])
 def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(mode, tmp_path):
     model, base, stats = trained(mode)
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names and all(("so_" in n) or ("norm" in n and mode != "so") or ("lora_" in n) for n in names)
+    assert all(n.endswith(("so_alpha_out", "so_beta_out")) for n in names) == (mode == "so-out")
     assert any("lora_" in n for n in names) == (mode == "lora+so")
     x = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
     with torch.no_grad():
@@ -43,6 +44,20 @@ def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(m
         got = fresh(x).logits
     assert rel_err(got, want) < 1e-5
     assert rel_err(got, make_model(perturb_so=False)(x).logits) > 1e-4  # training changed something
+
+
+def test_so_out_learns_the_output_queries_only():
+    """so-out trains the output stream's SO alone: every base-stream row (so every layer's K/V)
+    is the untrained model's, the output rows are not."""
+    model, base, _ = trained("so-out")
+    fresh = make_model(perturb_so=False)
+    fresh.load_state_dict(base)
+    x = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
+    with torch.no_grad():
+        got, want = (m(x, output_hidden_states=True, output_base_stream=True) for m in (model, fresh))
+    for g, w in zip(got.base_hidden_states, want.base_hidden_states):
+        assert torch.equal(g, w)
+    assert rel_err(got.logits, want.logits) > 1e-4
 
 
 def test_a_damaged_or_mismatched_adapter_is_an_error(tmp_path):

@@ -22,6 +22,7 @@ order) under the same schedule:
     ...-w256-lr3/-align50/-ce     W=256 with one training change each (an arm's `recipe`)
     ...-sink          the same arm with 4 attention sinks (`OrthrosConfig.sink_tokens`)
     ...-sink-mix      a CE arm with 4 sinks on the corpus mixed with retrieval samples
+    orthros-kd-so-out-sink  4 sinks, only the output stream's SO trained (distilled from the source)
 
 Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
 `retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone
@@ -119,6 +120,11 @@ ARMS = {
                              "all", "full-cpt", mix=True),
     "orthros-kd-d-lora-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), LoRA + SO",
                                   dict(attention="orthros", sink_tokens=SINK), "lora+so", "full-cpt", mix=True),
+    # the output stream's SO alone (`make_trainable(..., "so-out")`): the base stream and its K/V stay the
+    # zero-shot conversion's; only how the output rows query them is learnt (the CPU calibration:
+    # benchmarks/so_out_calibration.py)
+    "orthros-kd-so-out-sink": Arm(f"Orthros + {SINK} sinks, output-stream SO distilled from the source",
+                                  dict(attention="orthros", sink_tokens=SINK), "so-out", "source", mix=True),
     "orthros-kd-d-w256-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), W=256",
                                   dict(attention="orthros", sink_tokens=SINK), "all", "full-cpt", window=256, mix=True),
     "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),

@@ -5,6 +5,9 @@ vectors; continued pre-training of the whole model is what the paper does,
 but a small trained delta on top of the public weights may recover most of
 the quality:
 
+    so-out      the output stream's SO vectors only (2 x hidden per layer): the base
+                stream, and so every layer's K/V cache, stays the conversion's bit for bit;
+                only how the output rows query the cache is learnt
     so          the SO vectors only (4 x hidden per layer, 2 in the last)
     so+norms    SO and the RMSNorm weights
     lora+so     LoRA on every projection, plus SO and norms
@@ -30,9 +33,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-MODES = ("all", "so", "so+norms", "lora+so")
+MODES = ("all", "so-out", "so", "so+norms", "lora+so")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SO_NAMES = ("so_alpha", "so_beta", "so_alpha_out", "so_beta_out")
+SO_OUT_NAMES = ("so_alpha_out", "so_beta_out")
 
 
 def _is_so(name: str) -> bool:
@@ -95,7 +99,10 @@ def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None):
                 if child in LORA_TARGETS and isinstance(sub, nn.Linear):
                     setattr(mod, child, LoRALinear(sub, rank, alpha))
     for name, p in model.named_parameters():
-        p.requires_grad_(".lora_" in name or _is_so(name) or (mode != "so" and _is_norm(name)))
+        if mode == "so-out":
+            p.requires_grad_(name.rsplit(".", 1)[-1] in SO_OUT_NAMES)
+        else:
+            p.requires_grad_(".lora_" in name or _is_so(name) or (mode != "so" and _is_norm(name)))
     return model
 
 

@@ -43,7 +43,8 @@ class ModelArgs:
     overrides: dict = field(default_factory=dict)
     """other OrthrosConfig fields of a model from scratch, e.g. {num_hidden_layers: 4}"""
     trainable: str = "all"
-    """what trains: all, so (scale-offsets), so+norms, or lora+so (LoRA on every projection + SO + norms)"""
+    """what trains: all, so-out (the output stream's scale-offsets: the base stream and its K/V stay the
+    conversion's), so (scale-offsets), so+norms, or lora+so (LoRA on every projection + SO + norms)"""
     lora_rank: int = 8
     """LoRA rank (trainable: lora+so)"""
     lora_alpha: float | None = None
@@ -327,8 +328,9 @@ def validate(cfg: TrainConfig) -> None:
     need(d.format in ("auto", "text", "sft"), "data.format", f"must be auto, text or sft, got {d.format!r}")
     need(len(d.train) > 0, "data.train", "needs at least one source")
     m, ds = cfg.model, cfg.distill
-    need(m.trainable in ("all", "so", "so+norms", "lora+so"), "model.trainable",
-         f"must be all, so, so+norms or lora+so, got {m.trainable!r}")
+    from ..models.adapter import MODES
+
+    need(m.trainable in MODES, "model.trainable", f"must be one of {', '.join(MODES)}, got {m.trainable!r}")
     need(m.lora_rank >= 1, "model.lora_rank", f"must be >= 1, got {m.lora_rank}")
     need(m.trainable == "all" or m.init_from is not None, "model.trainable",
          f"{m.trainable!r} trains a delta on an existing model: set model.init_from")
