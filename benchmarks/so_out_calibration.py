@@ -10,7 +10,9 @@ loss on the answers, plus KL(source || model) at --general-positions random posi
 --general-len row of corpus text: trained on answers alone, the output stream forgets the rest
 (held-out perplexity +66-89% after 160 steps). The base stream, and so the KV cache, stays the
 conversion's bit for bit. Each step is one sample and one text row; the base stream runs without
-autograd (nothing it computes trains).
+autograd (nothing it computes trains). `--chat-kl W` adds a KL to the source on its own greedy
+chat answer to a question about a corpus excerpt: the retrieval answers are all numbers, and an
+adapter trained on them alone starts every chat answer with one. `--init` continues an adapter.
 
     PYTHONPATH=src .venv/bin/python benchmarks/so_out_calibration.py --steps 160 \
         --out adapters/smollm2-135m-w128-s4-so-out
@@ -43,6 +45,29 @@ from orthros.eval.longrange import eval_key, passkey_prompt  # noqa: E402
 from orthros.experiments.cpt import load_arm  # noqa: E402
 from orthros.experiments.cpt_data import train_stream  # noqa: E402
 from orthros.models.adapter import make_trainable, save_adapter  # noqa: E402
+
+
+CHAT_QUESTIONS = ("What is this text about?", "Summarize the text above in one sentence.",
+                  "Which function, class or module does the text above describe?", "What does the text above explain?")
+
+
+def chat_kl(model, source, tok, stream, g, n_tokens: int, n_answer: int) -> torch.Tensor:
+    """KL(source || model) over the first n_answer tokens of the source's greedy chat answer to a
+    question about a corpus excerpt (and the position before them)."""
+    from orthros.generate import generate
+
+    a = int(g.integers(0, len(stream) - n_tokens))
+    text = tok.decode(stream[a : a + n_tokens].tolist(), skip_special_tokens=True)
+    q = CHAT_QUESTIONS[int(g.integers(0, len(CHAT_QUESTIONS)))]
+    ids = tok.apply_chat_template([{"role": "user", "content": f"{text}\n\n{q}"}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    with torch.no_grad():
+        ans = generate(source, torch.tensor([ids]), max_new_tokens=n_answer, temperature=0.0)[0, len(ids):]
+        full = torch.tensor([list(ids) + ans.tolist()])
+        pos = torch.arange(len(ids) - 1, full.shape[1] - 1)
+        want = F.log_softmax(source(input_ids=full, logits_to_keep=pos, use_cache=False).logits[0].float(), -1)
+    got = F.log_softmax(model(input_ids=full, logits_to_keep=pos, use_cache=False).logits[0].float(), -1)
+    return (want.exp() * (want - got)).sum(-1).mean()
 
 
 def perplexity(model, rows: dict) -> dict:
@@ -78,6 +103,12 @@ def main():
     ap.add_argument("--general-len", type=int, default=1024, help="tokens of the corpus row a step also reads")
     ap.add_argument("--general-positions", type=int, default=128, help="its positions the KL is taken at")
     ap.add_argument("--kl", type=float, default=1.0, help="weight of the KL to the source (0: answers only)")
+    ap.add_argument("--chat-kl", type=float, default=0.0,
+                    help="weight of a KL to the source on a chat answer about a corpus excerpt (its first "
+                         "--chat-answer tokens, the source's greedy answer teacher-forced): answers that are "
+                         "not numbers")
+    ap.add_argument("--chat-answer", type=int, default=8)
+    ap.add_argument("--init", default=None, help="an so-out adapter to start from")
     ap.add_argument("--heldout-rows", type=int, default=2, help="held-out code and prose rows (2K) scored")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--sinks", type=int, default=4)
@@ -90,6 +121,10 @@ def main():
     torch.manual_seed(args.seed)
     model, tok = sink_probe.zero_shot(Path(args.work), args.window, args.threads)
     sink_probe.set_sinks(model, args.sinks)
+    if args.init:
+        from orthros.models.adapter import apply_adapter
+
+        apply_adapter(model, args.init)
     make_trainable(model, "so-out")
     params = [p for p in model.parameters() if p.requires_grad]
     stream = train_stream(tok, 2_000_000, Path(args.work) / "cache")
@@ -97,7 +132,8 @@ def main():
     cases = [(L, d, eval_key(rng)) for L in args.eval_lengths for d in (0.25, 0.5) for _ in range(2)]
     prompts = [passkey_prompt(tok, L, d, k) for L, d, k in cases]
     held = sink_probe.heldout_rows(tok, Path(args.work), args.heldout_rows, 2048, 8192)
-    source = load_arm(Path(args.work) / "orthros", "source", args.window, "cpu").eval() if args.kl else None
+    source = (load_arm(Path(args.work) / "orthros", "source", args.window, "cpu").eval()
+              if args.kl or args.chat_kl else None)
     before = probe(model, tok, cases, prompts)
     ppl_before = perplexity(model, held)
     print("pass key NLL before:", show(before), "| perplexity", fmt(ppl_before), flush=True)
@@ -120,11 +156,14 @@ def main():
                 want = F.log_softmax(source(input_ids=row, logits_to_keep=pos, use_cache=False).logits[0].float(), -1)
             got = F.log_softmax(model(input_ids=row, logits_to_keep=pos, use_cache=False).logits[0].float(), -1)
             kl = (want.exp() * (want - got)).sum(-1).mean()
-        (loss + args.kl * kl).backward()
+        chat = torch.zeros(())
+        if args.chat_kl:
+            chat = chat_kl(model, source, tok, stream, g, args.general_len, args.chat_answer)
+        (loss + args.kl * kl + args.chat_kl * chat).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        kls.append(kl.item())
+        kls.append(kl.item() + args.chat_kl * chat.item())
         tokens += len(ids) + (args.general_len if args.kl else 0)
         if (s + 1) % 20 == 0 or s + 1 == args.steps:
             print(f"step {s + 1}/{args.steps}  answer loss {np.mean(losses[-20:]):.3f}  KL {np.mean(kls[-20:]):.3f}  "
