@@ -48,7 +48,8 @@ def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(m
 
 def test_so_out_learns_the_output_queries_only():
     """so-out trains the output stream's SO alone: every base-stream row (so every layer's K/V)
-    is the untrained model's, the output rows are not."""
+    is the untrained model's (to rounding: CUDA kernels may differ in the last bit from call to
+    call), the output rows are not."""
     model, base, _ = trained("so-out")
     fresh = make_model(perturb_so=False)
     fresh.load_state_dict(base)
@@ -56,7 +57,7 @@ def test_so_out_learns_the_output_queries_only():
     with torch.no_grad():
         got, want = (m(x, output_hidden_states=True, output_base_stream=True) for m in (model, fresh))
     for g, w in zip(got.base_hidden_states, want.base_hidden_states):
-        assert torch.equal(g, w)
+        assert rel_err(g, w) < 1e-6
     assert rel_err(got.logits, want.logits) > 1e-4
 
 

@@ -6,8 +6,8 @@ but a small trained delta on top of the public weights may recover most of
 the quality:
 
     so-out      the output stream's SO vectors only (2 x hidden per layer): the base
-                stream, and so every layer's K/V cache, stays the conversion's bit for bit;
-                only how the output rows query the cache is learnt
+                stream, and so every layer's K/V cache, stays the conversion's (to
+                rounding on CUDA); only how the output rows query the cache is learnt
     so          the SO vectors only (4 x hidden per layer, 2 in the last)
     so+norms    SO and the RMSNorm weights
     lora+so     LoRA on every projection, plus SO and norms
