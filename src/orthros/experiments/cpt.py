@@ -124,7 +124,9 @@ ARMS = {
     # zero-shot conversion's; only how the output rows query them is learnt (the CPU calibration:
     # benchmarks/so_out_calibration.py)
     "orthros-kd-so-out-sink": Arm(f"Orthros + {SINK} sinks, output-stream SO distilled from the source",
-                                  dict(attention="orthros", sink_tokens=SINK), "so-out", "source", mix=True),
+                                  dict(attention="orthros", sink_tokens=SINK), "so-out", "source", mix=True,
+                                  # the CPU calibration's rate; no K/V alignment (the base stream is frozen)
+                                  recipe=dict(light_lr=1e-2, align_frac=0.0)),
     "orthros-kd-d-w256-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), W=256",
                                   dict(attention="orthros", sink_tokens=SINK), "all", "full-cpt", window=256, mix=True),
     "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
