@@ -1,6 +1,7 @@
 """An experiment arm cut mid-training continues from its newest checkpoint exactly: the same
 loss curve, the same weights, as the arm trained in one sitting (full weights, LoRA + SO, and a
-distilled arm whose teacher runs in the same step)."""
+distilled arm whose teacher runs in the same step; a light arm without LoRA, whose merged and unmerged
+states are the same tensors)."""
 
 import dataclasses
 
@@ -35,8 +36,8 @@ def arm(mode, ckpt_dir, teacher=False, cut_after=None):
     return train_arm(model, mode, p, rows, str(DEVICE), mode, teacher=t, on_step=stop, ckpt_dir=ckpt_dir)
 
 
-@pytest.mark.parametrize("mode, teacher", [("all", False), ("lora+so", False), ("all", True)],
-                         ids=["all", "lora+so", "distilled"])
+@pytest.mark.parametrize("mode, teacher", [("all", False), ("lora+so", False), ("so-out", True), ("all", True)],
+                         ids=["all", "lora+so", "so-out-distilled", "distilled"])
 def test_a_cut_arm_resumes_exactly(tmp_path, mode, teacher):
     straight, s_stats = arm(mode, tmp_path / "straight", teacher)
     with pytest.raises(Cut):

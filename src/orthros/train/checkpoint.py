@@ -174,8 +174,8 @@ def save_weights(model, out: Path, weights: dict | None) -> None:
         model.save_pretrained(out, state_dict=weights)
         return
     full = model.state_dict() if weights is None else weights
-    merged = merged_state_dict(model, full) if lora_modules(model) else full
-    model.save_pretrained(out, state_dict=merged)
+    merged = merged_state_dict(model, full) if lora_modules(model) else dict(full)
+    model.save_pretrained(out, state_dict=merged)  # transformers empties the dict it is given
     save_adapter(model, out, {"window": model.config.window_size}, lora_dtype=torch.float32, state=full)
 
 
