@@ -1,11 +1,12 @@
-"""Retrieval samples: the loss sits on the answer, which the haystack holds; training and
-evaluation keys never meet."""
+"""Retrieval samples: the loss sits on the answer, which the haystack holds (or, for docqa, the
+teacher gives); training and evaluation keys never meet."""
 
 import random
 
 import numpy as np
+import pytest
 
-from orthros.data.retrieval import KEY_MOD, KINDS, eval_key, retrieval_rows, sample, train_key
+from orthros.data.retrieval import ALL_KINDS, KEY_MOD, KINDS, _no_loop, eval_key, retrieval_rows, sample, train_key
 
 
 def test_the_answer_is_the_target_and_the_haystack_holds_it(chat_tok):
@@ -64,3 +65,50 @@ def test_a_lookup_asks_several_facts_in_turn(chat_tok):
         asked.append(name)
     assert len(set(asked)) == 3
     assert sum(m1) < sum(mask) and len(one) < len(ids)  # one question: one answer, a shorter conversation
+
+
+CODE = "".join(f"def helper_{i}(x):\n    return x + {i}\n\n" for i in range(60))
+
+
+def test_docqa_answers_are_the_teachers_and_ask_about_the_text(chat_tok):
+    """A docqa sample asks about things defined in its text; the targets are exactly the teacher's
+    answers (and their end-of-turn tokens), one turn each; a question the teacher has no answer
+    to is dropped."""
+    stream = np.asarray(chat_tok(CODE * 4)["input_ids"], np.int32)
+    asked, replies = [], iter(["It adds seven to its argument.", None, "It returns x plus three."])
+
+    def answer(prompt_ids):
+        asked.append(chat_tok.decode(prompt_ids))
+        return next(replies)
+
+    ids, mask = sample(chat_tok, stream, 400, "docqa", np.random.default_rng(0), questions=2, answer=answer)
+    assert len(asked) == 3 and len(ids) == len(mask)
+    for prompt in asked:
+        name = prompt.rsplit("`", 2)[-2]  # What does `helper_N` in the text above do?
+        assert name.startswith("helper_") and f"def {name}(" in prompt
+    targets = chat_tok.decode([t for t, m in zip(ids, mask) if m])
+    assert targets.replace(chat_tok.eos_token, "|") == "It adds seven to its argument.|It returns x plus three.|"
+    assert asked[2].count("It adds seven") == 1  # the later turn sees the earlier answer, not the dropped one
+
+
+def test_docqa_needs_a_teacher_and_kinds_are_checked(chat_tok):
+    stream = np.asarray(chat_tok(CODE * 4)["input_ids"], np.int32)
+    with pytest.raises(ValueError, match="teacher"):
+        sample(chat_tok, stream, 300, "docqa", np.random.default_rng(0))
+    with pytest.raises(ValueError, match="teacher"):
+        retrieval_rows(chat_tok, stream, 4, 512, np.random.default_rng(0), (100, 300), kinds=ALL_KINDS)
+    with pytest.raises(ValueError, match="kinds must be among"):
+        retrieval_rows(chat_tok, stream, 4, 512, np.random.default_rng(0), (100, 300), kinds=("passkey", "quiz"))
+    ids, mask = sample(chat_tok, stream, 300, "docqa", np.random.default_rng(0), answer=lambda p: None)
+    assert not any(mask)  # nothing answered: the text stays, without a target
+    rows, rmask = retrieval_rows(chat_tok, stream, 4, 512, np.random.default_rng(0), (100, 300), kinds=ALL_KINDS,
+                                 answer=lambda p: "A helper that adds a number.")
+    end = int(np.flatnonzero(rows[3] == chat_tok.eos_token_id)[-1])  # the EOS after the sample
+    first = int(np.flatnonzero(rmask[3])[0])
+    assert chat_tok.decode(rows[3, first:end].tolist()) == "A helper that adds a number." + chat_tok.eos_token  # docqa
+
+
+def test_a_looping_answer_ends_before_its_first_repeat():
+    assert _no_loop("The text says:\n\nThe text says:\n\nThe text says:") is None  # too little left
+    assert _no_loop("It parses the file.\nIt returns a dict.\nIt parses the file.") == \
+        "It parses the file.\nIt returns a dict."

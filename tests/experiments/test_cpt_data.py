@@ -5,6 +5,7 @@ import dataclasses
 import json
 
 import numpy as np
+import pytest
 
 from orthros.experiments.cpt import PRESETS, prepare_data
 
@@ -27,3 +28,23 @@ def test_retrieval_rows_follow_the_preset(tmp_path, chat_tok):
     starts = lambda m: int((np.diff(m.astype(np.int8)) == 1).sum())  # noqa: E731
     assert starts(one[1]) == 2 and starts(several[1]) == 5
     assert several[:, -1].all()  # the conversation fits: the row ends in text
+
+
+def test_docqa_rows_call_the_teacher_only_when_made(tmp_path, chat_tok):
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], steps=4, retrieval_share=1.0, seq_len=1024,
+                            retrieval_lengths=(600, 900), retrieval_kinds=("docqa", "passkey"))
+    with pytest.raises(ValueError, match="teacher"):
+        prepare_data(chat_tok, tmp_path, p)
+    calls = []
+
+    def teacher():
+        calls.append(1)
+        return lambda prompt_ids: "It explains how the text is laid out."
+
+    prepare_data(chat_tok, tmp_path, p, teacher=teacher)
+    assert calls == [1] and json.loads((tmp_path / "retrieval.json").read_text())["kinds"] == ["docqa", "passkey"]
+    rows, mask = np.load(tmp_path / "retrieval_rows.npy"), np.load(tmp_path / "retrieval_mask.npy")
+    first = int(np.flatnonzero(mask[0])[0])
+    assert chat_tok.decode(rows[0, first : first + 40].tolist()).startswith("It explains how the text is laid out.")
+    prepare_data(chat_tok, tmp_path, p, teacher=teacher)  # found again: the teacher is not loaded
+    assert calls == [1]

@@ -2,7 +2,7 @@
 
     rows, mask = retrieval_rows(tok, stream, n_rows=64, seq_len=8192, rng=np.random.default_rng(0))
 
-Three kinds, each a haystack of real text (spans of a token `stream`, e.g. the
+Four kinds, each a haystack of real text (spans of a token `stream`, e.g. the
 training corpus) of 1K–8K tokens:
 
     passkey   a key sentence hidden at a random depth, asked for through the chat
@@ -12,6 +12,11 @@ training corpus) of 1K–8K tokens:
               the chat template
     copy      raw text whose last segment (32–128 tokens) repeats a segment seen
               earlier; the loss on the repeat
+    docqa     a question about something in the first three quarters of the text (what a
+              function or class does, what a quoted line is about), answered by a teacher
+              (`answer`: e.g. the source model, greedy, `teacher_answerer`), one chat turn
+              each with `questions`; the loss on the teacher's answers. Only with a teacher:
+              `retrieval_rows(..., kinds=KINDS + ("docqa",), answer=...)`
 
 Evaluation samples stay disjoint by construction: training keys and values are
 multiples of `KEY_MOD` and evaluation keys never are (`eval_key`), and the
@@ -24,6 +29,9 @@ next-token loss: `mask` marks the positions whose token is a target.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Callable
 
 import numpy as np
 
@@ -38,6 +46,14 @@ NAMES = ("alpha", "bravo", "cedar", "delta", "ember", "falcon", "garnet", "harbo
          "lantern", "maple", "nectar", "onyx", "pepper", "quartz", "raven", "saffron", "tundra", "umber", "violet",
          "willow", "xenon", "yarrow", "zephyr")
 KINDS = ("passkey", "lookup", "copy")
+"""the kinds a run takes in turn by default (those that need no teacher)"""
+ALL_KINDS = KINDS + ("docqa",)
+DOC_QUESTIONS = ("What does `{name}` in the text above do? Answer in one or two sentences.",
+                 "In the text above, what is `{name}` for? Answer briefly.")
+BOILERPLATE = re.compile(r"licen[cs]e|copyright|https?:|www\\.", re.I)
+LINE_QUESTIONS = ('The text above contains the line "{line}". What does the text say there? Answer in one or two '
+                  "sentences.",
+                  'What is the part of the text above around "{line}" about? Answer briefly.')
 
 
 def train_key(rng: np.random.Generator, lo: int = 10_000, hi: int = 100_000) -> str:
@@ -87,10 +103,71 @@ def _insert(text: str, pieces: list[str], rng: np.random.Generator) -> str:
     return "".join(out + [text[last:]])
 
 
-def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator, questions: int = 1):
-    """One sample of about `length` tokens: (ids, mask) as lists. `questions`: a lookup asks up to
-    that many of its facts, one chat turn each, every answer a target (denser supervision of the
-    lookup for the same tokens)."""
+def _doc_questions(text: str, n: int, rng: np.random.Generator) -> list[str]:
+    """Up to `n` questions about distinct things in the first three quarters of `text`, functions and
+    classes defined there first, then lines of 30-120 characters quoted (no licence or link lines);
+    one general question if the text has neither."""
+    head = text[: int(len(text) * 0.75)]
+    names = list(dict.fromkeys(re.findall(r"^\s*(?:async\s+)?(?:def|class)\s+([A-Za-z_]\w{2,})", head, re.M)))
+    lines = list(dict.fromkeys(ln.strip() for ln in head.splitlines()
+                               if 30 <= len(ln.strip()) <= 120 and sum(c.isalpha() for c in ln) >= 15
+                               and '"' not in ln and not BOILERPLATE.search(ln)))
+    subjects = [("name", x) for x in names] + [("line", x) for x in lines]
+    if not subjects:
+        return ["What is the text above about? Answer in one or two sentences."]
+    pick = rng.permutation(len(subjects))[:n]
+    out = []
+    for j in sorted(pick, key=lambda j: subjects[j][0] != "name"):  # names first: the sharper questions
+        what, x = subjects[j]
+        forms = DOC_QUESTIONS if what == "name" else LINE_QUESTIONS
+        out.append(forms[int(rng.integers(0, len(forms)))].format(**{what: x}))
+    return out
+
+
+def teacher_answerer(model, tok, max_new_tokens: int = 48) -> Callable[[list[int]], str | None]:
+    """`answer(prompt_ids) -> text | None`: `model`'s greedy answer to a chat prompt (up to its end of
+    turn; an answer cut by `max_new_tokens` ends at its last full sentence or line; one that loops
+    ends before its first repeated line; None where under 20 characters are left)."""
+    import torch
+
+    from ..generate import generate
+
+    stop = tok.eos_token_id
+    device = next(model.parameters()).device
+
+    @torch.no_grad()
+    def answer(prompt_ids: list[int]) -> str | None:
+        out = generate(model, torch.tensor([prompt_ids], device=device), max_new_tokens=max_new_tokens,
+                       temperature=0.0, stop_tokens=stop)[0, len(prompt_ids):].tolist()
+        done = stop in out
+        text = tok.decode(out[: out.index(stop)] if done else out, skip_special_tokens=True).strip()
+        if not done:  # cut by max_new_tokens: its full sentences or lines, or nothing
+            cut = max(text.rfind(". "), text.rfind(".\n"), text.rfind("\n"))
+            text = text[: cut + 1].strip() if cut > 0 else ""
+        return _no_loop(text)
+
+    return answer
+
+
+def _no_loop(text: str) -> str | None:
+    """`text` up to the first line that repeats an earlier one (a small teacher's greedy answers
+    loop); None if under 20 characters are left (no answer worth learning)."""
+    seen, keep = set(), []
+    for ln in text.split("\n"):
+        if ln.strip() and ln.strip() in seen:
+            break
+        seen.add(ln.strip())
+        keep.append(ln)
+    text = "\n".join(keep).strip()
+    return text if len(text) >= 20 else None
+
+
+def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator, questions: int = 1,
+           answer: Callable[[list[int]], str | None] | None = None):
+    """One sample of about `length` tokens: (ids, mask) as lists. `questions`: a lookup (a docqa
+    sample) asks up to that many of its facts (things in its text), one chat turn each, every
+    answer a target (denser supervision of the lookup for the same tokens). `answer`: the teacher
+    of docqa samples (`teacher_answerer`)."""
     if kind == "copy":
         seg = int(rng.integers(32, 129)) if length >= 512 else max(4, length // 8)
         a = int(rng.integers(0, len(stream) - length))
@@ -121,24 +198,57 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         turns = [(ask.format(n), v) for n, v in asked]
         turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
         return _chat(tok, turns)
-    raise ValueError(f"retrieval sample kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "docqa":
+        if answer is None:
+            raise ValueError("docqa samples are answered by a teacher: pass answer= (data.retrieval.teacher_answerer)")
+        n_q = max(1, min(questions, 4))
+        text = _haystack(tok, stream, length - overhead - 72 * n_q, rng)
+        turns, msgs = [], []
+        for q in _doc_questions(text, 3 * n_q, rng):  # a question the teacher has no answer to is dropped
+            user = q if turns else f"{text}\n{q}"
+            prompt = tok.apply_chat_template(msgs + [{"role": "user", "content": user}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+            reply = answer(list(prompt))
+            if reply is None:
+                continue
+            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+            turns.append((user, reply))
+            if len(turns) == n_q:
+                break
+        if not turns:  # the teacher answered nothing: the text is kept, with no target
+            ids = list(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True, return_dict=False))
+            return ids, [False] * len(ids)
+        return _chat(tok, turns)
+    raise ValueError(f"retrieval sample kind must be one of {', '.join(ALL_KINDS)}, got {kind!r}")
 
 
 def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.random.Generator,
-                   lengths: tuple[int, int] = (1024, 8192), fill: np.ndarray | None = None, questions: int = 1):
+                   lengths: tuple[int, int] = (1024, 8192), fill: np.ndarray | None = None, questions: int = 1,
+                   kinds: tuple[str, ...] = KINDS, answer: Callable[[list[int]], str | None] | None = None,
+                   progress: bool = False):
     """`n_rows` rows [n_rows, seq_len] int32 and their target masks (bool): one sample of a
     length drawn from `lengths` (capped below seq_len) each, then EOS and text from `fill`
-    (default: `stream`) up to seq_len. The kinds take turns; a lookup asks up to `questions`
-    of its facts."""
+    (default: `stream`) up to seq_len. The `kinds` take turns; a lookup (a docqa sample) asks
+    up to `questions` of its facts; `answer` answers docqa samples (`teacher_answerer`)."""
+    bad = [k for k in kinds if k not in ALL_KINDS] or (["none"] if not kinds else [])
+    if bad:
+        raise ValueError(f"retrieval kinds must be among {', '.join(ALL_KINDS)}, got {', '.join(bad)}")
+    if "docqa" in kinds and answer is None:
+        raise ValueError("the docqa kind is answered by a teacher: pass answer= (data.retrieval.teacher_answerer)")
     fill = stream if fill is None else fill
     eos = tok.eos_token_id
     rows = np.zeros((n_rows, seq_len), np.int32)
     mask = np.zeros((n_rows, seq_len), bool)
     lo, hi = lengths[0], min(lengths[1], seq_len - 64)
     at = 0
-    for r in range(n_rows):
+    rows_iter = range(n_rows)
+    if progress:
+        from tqdm.auto import tqdm
+
+        rows_iter = tqdm(rows_iter, desc="retrieval rows", unit="row", leave=False)
+    for r in rows_iter:
         L = int(rng.integers(lo, hi + 1))
-        ids, m = sample(tok, stream, L, KINDS[r % len(KINDS)], rng, questions)
+        ids, m = sample(tok, stream, L, kinds[r % len(kinds)], rng, questions, answer)
         ids, m = ids[: seq_len - 1], m[: seq_len - 1]
         rest = seq_len - len(ids) - 1
         if at + rest > len(fill):

@@ -182,6 +182,9 @@ class CPTPreset:
     retrieval_lengths: tuple = (1024, 8192)
     retrieval_questions: int = 1
     """facts a lookup sample asks in turn (one chat turn each, every answer a target)"""
+    retrieval_kinds: tuple = ("passkey", "lookup", "copy")
+    """the retrieval samples' kinds, in turn (data.retrieval); "docqa" has the source answer
+    questions about the text (greedy, on the run's device, while the rows are made)"""
     kl: float = 1.0
     """distilled arms: weight of KL(teacher || student) on every output position"""
     temperature: float = 1.0
@@ -211,6 +214,9 @@ PRESETS = {
     # The same with denser retrieval supervision: half the rows open with a retrieval sample and a
     # lookup asks up to 8 of its facts (the zero-shot probe: the output stream must learn the lookup)
     "smollm2-kd-h200-rq": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8),
+    # the same, a quarter of the retrieval samples questions about their text that the source answers
+    "smollm2-kd-h200-qa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=4,
+                                    retrieval_kinds=("passkey", "lookup", "copy", "docqa")),
     # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
     # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
     # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone
@@ -511,6 +517,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     res = {"arm": arm, "label": spec.label, "teacher": spec.teacher, "window": model.config.window_size,
            "seed": spec.seed, "recipe": spec.recipe, "retrieval_share": preset.retrieval_share if spec.mix else 0.0,
            "retrieval_questions": preset.retrieval_questions if spec.mix else 0,
+           "retrieval_kinds": list(preset.retrieval_kinds) if spec.mix else [],
            "train": stats, "eval": ev, "eval_seconds": time.time() - t}
     (work / f"arm-{arm}.json").write_text(json.dumps(res, indent=2))
     partial.unlink(missing_ok=True)
@@ -521,8 +528,10 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
 HELDOUT = ("code", "prose", "docs")
 
 
-def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: bool = True) -> Path:
-    """Source (a HF dir or a GGUF) -> the converted Orthros dir; tokenized data under `work`."""
+def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: bool = True,
+            device: str = "cpu") -> Path:
+    """Source (a HF dir or a GGUF) -> the converted Orthros dir; tokenized data under `work` (docqa
+    samples answered by the source on `device`)."""
     from ..convert.hf import convert_checkpoint
     from ..data.tokenizer import load_tokenizer
 
@@ -530,14 +539,23 @@ def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: b
     conv = work / "orthros"
     if not (conv / "config.json").exists():
         convert_checkpoint(source, conv, window_size=preset.window, dtype="fp32", progress=False)
-    prepare_data(load_tokenizer(conv), work, preset, need_retrieval)
+    tok = load_tokenizer(conv)
+
+    def teacher():
+        from ..data.retrieval import teacher_answerer
+
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return teacher_answerer(load_arm(conv, "source", preset.window, device, dtype).eval(), tok)
+
+    prepare_data(tok, work, preset, need_retrieval, teacher)
     return conv
 
 
-def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True) -> None:
+def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True, teacher=None) -> None:
     """The token rows under `work` (cached: a later call finds them): training rows, retrieval
-    rows, held-out rows, the copy probe's text. Needs only the tokenizer."""
-    from ..data.retrieval import retrieval_rows
+    rows, held-out rows, the copy probe's text. Needs only the tokenizer, and for docqa samples
+    `teacher() -> answer` (`data.retrieval.teacher_answerer`), called only if they are made."""
+    from ..data.retrieval import KINDS, retrieval_rows
     from .cpt_data import heldout_sets, train_stream
 
     work.mkdir(parents=True, exist_ok=True)
@@ -547,6 +565,10 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     need = n * preset.seq_len + (4 * n_ret * preset.seq_len if n_ret else 0)
     have = np.load(work / "train_rows.npy", mmap_mode="r").shape if (work / "train_rows.npy").exists() else None
     meta = {"rows": n_ret, "lengths": list(preset.retrieval_lengths), "questions": preset.retrieval_questions}
+    if tuple(preset.retrieval_kinds) != KINDS:  # (rows made before kinds were a setting: found again)
+        meta["kinds"] = list(preset.retrieval_kinds)
+    if n_ret and "docqa" in preset.retrieval_kinds and teacher is None:
+        raise ValueError("docqa retrieval samples need a teacher to answer them (prepare_data(..., teacher=))")
     made = json.loads((work / "retrieval.json").read_text()) if (work / "retrieval.json").exists() else None
     stale = n_ret and made != meta  # (a work dir from before retrieval.json: made again, the same rows)
     if have != (n, preset.seq_len) or stale:
@@ -556,8 +578,11 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
         np.save(work / "train_rows.npy", stream[: n * preset.seq_len].reshape(n, preset.seq_len).astype(np.int32))
         if n_ret:
             hay = stream[n * preset.seq_len :]
+            kinds = tuple(preset.retrieval_kinds)
             rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
-                                          tuple(preset.retrieval_lengths), questions=preset.retrieval_questions)
+                                          tuple(preset.retrieval_lengths), questions=preset.retrieval_questions,
+                                          kinds=kinds, answer=teacher() if "docqa" in kinds else None,
+                                          progress="docqa" in kinds)
             np.save(work / "retrieval_rows.npy", rrows)
             np.save(work / "retrieval_mask.npy", rmask)
             (work / "retrieval.json").write_text(json.dumps(meta))
@@ -590,7 +615,7 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
         if t not in (None, "source") and t not in arms and not (out / "models" / t / "config.json").exists():
             raise ValueError(f"arm {a} learns from arm {t}: run {t} too (its weights are not under {out}/models)")
     t0 = time.time()
-    conv = prepare(source, out, preset, any(ARMS[a].mix for a in arms))
+    conv = prepare(source, out, preset, any(ARMS[a].mix for a in arms), device)
     print(f"prepared {conv} and data in {time.time() - t0:.0f}s", flush=True)
     results = {}
     for a in arms:
