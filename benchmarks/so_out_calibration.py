@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import sink_probe  # noqa: E402
 from passkey_layer_probe import key_scores  # noqa: E402
 
-from orthros.data.retrieval import sample  # noqa: E402
+from orthros.data.retrieval import sample, teacher_answerer  # noqa: E402
 from orthros.eval.longrange import eval_key, passkey_prompt  # noqa: E402
 from orthros.experiments.cpt import load_arm  # noqa: E402
 from orthros.experiments.cpt_data import train_stream  # noqa: E402
@@ -133,17 +133,18 @@ def main():
     prompts = [passkey_prompt(tok, L, d, k) for L, d, k in cases]
     held = sink_probe.heldout_rows(tok, Path(args.work), args.heldout_rows, 2048, 8192)
     source = (load_arm(Path(args.work) / "orthros", "source", args.window, "cpu").eval()
-              if args.kl or args.chat_kl else None)
+              if args.kl or args.chat_kl or "docqa" in args.kinds else None)
+    answer = teacher_answerer(source, tok) if "docqa" in args.kinds else None
     before = probe(model, tok, cases, prompts)
     ppl_before = perplexity(model, held)
     print("pass key NLL before:", show(before), "| perplexity", fmt(ppl_before), flush=True)
     opt = torch.optim.Adam(params, lr=args.lr)
     g = np.random.default_rng(args.seed)
-    losses, kls, tokens, t0 = [], [], 0, time.time()
+    losses, kls, chats, tokens, t0 = [], [], [], 0, time.time()
     model.train()
     for s in range(args.steps):
         ids, mask = sample(tok, stream, int(g.integers(args.lengths[0], args.lengths[1] + 1)),
-                           args.kinds[s % len(args.kinds)], g, questions=args.questions)
+                           args.kinds[s % len(args.kinds)], g, questions=args.questions, answer=answer)
         x = torch.tensor([ids])
         labels = torch.where(torch.tensor([mask]), x, torch.full_like(x, -100))
         loss = model(input_ids=x, labels=labels, use_cache=False).loss
@@ -163,11 +164,12 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        kls.append(kl.item() + args.chat_kl * chat.item())
-        tokens += len(ids) + (args.general_len if args.kl else 0)
+        kls.append(kl.item())
+        chats.append(chat.item())
+        tokens += len(ids) + (args.general_len if args.kl else 0) + (args.general_len if args.chat_kl else 0)
         if (s + 1) % 20 == 0 or s + 1 == args.steps:
             print(f"step {s + 1}/{args.steps}  answer loss {np.mean(losses[-20:]):.3f}  KL {np.mean(kls[-20:]):.3f}  "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+                  f"chat KL {np.mean(chats[-20:]):.3f}  ({time.time() - t0:.0f} s)", flush=True)
     seconds = time.time() - t0
     after = probe(model, tok, cases, prompts)
     ppl_after = perplexity(model, held)
@@ -176,7 +178,8 @@ def main():
             "command": "python benchmarks/so_out_calibration.py " + shlex.join(sys.argv[1:]),
             "train": {"steps": args.steps, "lr": args.lr, "lengths": args.lengths, "kinds": args.kinds,
                       "questions": args.questions, "seed": args.seed, "seconds": seconds, "loss_curve": losses,
-                      "kl_curve": kls, "kl": args.kl, "general_len": args.general_len,
+                      "kl_curve": kls, "chat_kl_curve": chats, "kl": args.kl, "chat_kl": args.chat_kl,
+                      "general_len": args.general_len,
                       "general_positions": args.general_positions},
             "passkey_nll": {"before": before, "after": after},
             "heldout_ppl_2k": {"rows": args.heldout_rows, "before": ppl_before, "after": ppl_after}}
