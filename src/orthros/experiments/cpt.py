@@ -25,8 +25,9 @@ order) under the same schedule:
     orthros-kd-so-out-sink  4 sinks, only the output stream's SO trained (distilled from the source)
 
 Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
-`retrieval_share` of the rows) unless named -nomix; CE arms on the corpus alone
-unless named -mix. Each arm is evaluated on held-out code, prose and package docs
+`retrieval_share` of the rows; the preset's `retrieval_kinds`, with "docqa" answered
+by the source while the rows are made) unless named -nomix; CE arms on the corpus
+alone unless named -mix. Each arm is evaluated on held-out code, prose and package docs
 (`cpt_data`): perplexity at 2K and 8K tokens, the loss by position, the copy
 probe and pass-key retrieval through the chat template (`eval.longrange`), the
 local lm-eval task. Light arms save their adapter (`models.adapter`); arms that
