@@ -542,11 +542,11 @@ def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: b
         convert_checkpoint(source, conv, window_size=preset.window, dtype="fp32", progress=False)
     tok = load_tokenizer(conv)
 
-    def teacher():
+    def teacher():  # the source as the distilled arms' teacher is (run_arm)
         from ..data.retrieval import teacher_answerer
+        from ..train.distill import load_teacher
 
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        return teacher_answerer(load_arm(conv, "source", preset.window, device, dtype).eval(), tok)
+        return teacher_answerer(load_teacher(conv, device, torch.float32, attention="full"), tok)
 
     prepare_data(tok, work, preset, need_retrieval, teacher)
     return conv
@@ -568,8 +568,6 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     meta = {"rows": n_ret, "lengths": list(preset.retrieval_lengths), "questions": preset.retrieval_questions}
     if tuple(preset.retrieval_kinds) != KINDS:  # (rows made before kinds were a setting: found again)
         meta["kinds"] = list(preset.retrieval_kinds)
-    if n_ret and "docqa" in preset.retrieval_kinds and teacher is None:
-        raise ValueError("docqa retrieval samples need a teacher to answer them (prepare_data(..., teacher=))")
     made = json.loads((work / "retrieval.json").read_text()) if (work / "retrieval.json").exists() else None
     stale = n_ret and made != meta  # (a work dir from before retrieval.json: made again, the same rows)
     if have != (n, preset.seq_len) or stale:
@@ -582,7 +580,7 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
             kinds = tuple(preset.retrieval_kinds)
             rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
                                           tuple(preset.retrieval_lengths), questions=preset.retrieval_questions,
-                                          kinds=kinds, answer=teacher() if "docqa" in kinds else None,
+                                          kinds=kinds, answer=teacher() if teacher and "docqa" in kinds else None,
                                           progress="docqa" in kinds)
             np.save(work / "retrieval_rows.npy", rrows)
             np.save(work / "retrieval_mask.npy", rmask)
