@@ -215,7 +215,11 @@ PRESETS = {
     # The same with denser retrieval supervision: half the rows open with a retrieval sample and a
     # lookup asks up to 8 of its facts (the zero-shot probe: the output stream must learn the lookup)
     "smollm2-kd-h200-rq": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8),
-    # the same, a quarter of the retrieval samples questions about their text that the source answers
+    # the same with every retrieval sample 4K-8K tokens long: most needles 1K-7K tokens before the
+    # question, where every arm of the rq run lost them (0-20% beyond ~3K)
+    "smollm2-kd-h200-far": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8,
+                                     retrieval_lengths=(4096, 8192)),
+    # the same as rq, a quarter of the retrieval samples questions about their text that the source answers
     "smollm2-kd-h200-qa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=4,
                                     retrieval_kinds=("passkey", "lookup", "copy", "docqa")),
     # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
