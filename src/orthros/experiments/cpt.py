@@ -119,6 +119,8 @@ ARMS = {
                            sink_tokens=SINK), "all", "source", mix=True),
     "orthros-kd-d-sink": Arm(f"Orthros + {SINK} sinks distilled from (d)", dict(attention="orthros", sink_tokens=SINK),
                              "all", "full-cpt", mix=True),
+    "orthros-kd-lora-sink": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO",
+                                dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True),
     "orthros-kd-d-lora-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), LoRA + SO",
                                   dict(attention="orthros", sink_tokens=SINK), "lora+so", "full-cpt", mix=True),
     # the output stream's SO alone (`make_trainable(..., "so-out")`): the base stream and its K/V stay the
