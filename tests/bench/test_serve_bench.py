@@ -137,3 +137,24 @@ def test_equal_tail_table_compares_throughput_at_no_higher_ttft_p99():
     assert equal_tail_table([r for r in rows if r["variant"] == "full"]) == ""
     rows[0]["total_input_tokens"] = 999  # runs with different prompts: no comparison
     assert equal_tail_table(rows) == ""
+
+
+def test_long_scenario_low_bit_servers_size_themselves(tmp_path):
+    res = run(tmp_path, "long", "--server", "inprocess", "--variants", "orthros", "--long-cases", "int2:4M",
+              "fp8:4M", "--capacity-dtypes", "bf16", "int4", "--concurrency", "2")
+    one, cap = res["rows"][:2], res["rows"][2:]
+    assert [(r["kv_dtype"], r["input"], r["concurrency"]) for r in one] == [("int2", 8192, 1), ("fp8", 8192, 1)]
+    for r in one:  # a server of --max-model-len auto: its length is what its pool holds
+        assert r["completed"] == 1 and r["max_model_len"] > r["input"] and r["decode_tok_s"] > 0
+        assert r["max_model_len"] == r["kv_blocks"] * r["block_size"]
+    # the same memory holds more tokens in int2 than in fp8; a low-bit server picked 64-token blocks
+    assert one[0]["max_model_len"] > one[1]["max_model_len"] and one[0]["block_size"] == 64
+    assert [(r["kv_dtype"], r["concurrency"], r["completed"]) for r in cap] == [("bf16", 2, 2), ("int4", 2, 2)]
+    assert cap[1]["pool_holds"] > cap[0]["pool_holds"] >= 2
+    assert "int2" in (tmp_path / "serve-long.md").read_text()
+
+
+def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
+    assert main(["bench", "serve", "--scenario", "long", "--scale", "tiny", "--long-cases", "int3:1M",
+                 "--out-dir", str(tmp_path), "--docs", "/dev/null"]) != 0
+    assert "KV_DTYPE:LENGTH" in capsys.readouterr().err

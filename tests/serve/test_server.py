@@ -41,6 +41,13 @@ def test_models_health_and_metrics(server, client):
         assert metric in text, metric
     ttft = next(line for line in text.splitlines() if line.startswith("orthros_time_to_first_token_seconds_count"))
     assert float(ttft.split()[-1]) >= 1
+    value = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("orthros_")}
+    pool = srv.engine.pool  # K and V of every layer for the 512 blocks and the scratch block, fp32
+    cfg = srv.engine.model.config
+    assert value["orthros_kv_pool_bytes"] == 2 * cfg.num_hidden_layers * 513 * 4 * cfg.num_key_value_heads \
+        * cfg.head_dim * 4 == pool.memory_bytes
+    assert value["orthros_max_model_len"] == 256
+    assert (value["orthros_device_memory_peak_bytes"] > 0) == (srv.engine.device.type == "cuda")
 
 
 def test_completion_equals_generate(server, client):

@@ -13,6 +13,9 @@ Scenarios (`--scenario`), each for Orthros and the same server with
                   few hot: Zipf popularity), 3 questions a chat, each turn resending
                   the history and the server's answer: prefix-cache hits, request
                   throughput and TTFT at several chat arrival rates
+    long          the longest requests a server of each KV dtype holds (fp8 1M, int4 1M
+                  and 2M, int2 4M), then as many concurrent 128K requests as its pool
+                  holds, per dtype (bf16, fp8, int4, int2): `bench/serve_long.py`
     custom        --input-len / --output-len / --rates / --concurrency
 
 `--scale gpu` is the full setting (llama-3.1-8b shape, bf16); `--scale tiny`
@@ -25,6 +28,7 @@ the load at a running server instead (one attention, whatever it serves).
     orthros bench serve --scenario traffic --rates 0.05 0.1 0.2
     orthros bench serve --scenario interference --budgets 2048 8192 16384
     orthros bench serve --scenario documents --rates 0.05 0.1 0.2
+    orthros bench serve --scenario long --variants orthros --long-cases int4:2M --capacity-dtypes bf16 int4
     orthros bench serve --scenario custom --url http://127.0.0.1:8000/v1 --model-name NAME \\
         --input-len 4096 --output-len 128 --rates inf --concurrency 8 --num-prompts 64
 
@@ -47,6 +51,7 @@ import subprocess
 import sys
 import time
 
+from .serve_long import CAPACITY_DTYPES, KV_DTYPES, LONG_CASES, long_plot, long_rows, long_table
 from .serve_client import (lengths, percentile, random_prompts, result_dict, run_interference, run_load,
                            run_sessions, summarize)
 
@@ -62,6 +67,7 @@ SCENARIOS = {
     "interference": dict(background=4, background_input=K, long_input=128 * K, budgets=[1024, 2048, 4096, 8192, 16384]),
     "documents": dict(docs=4, doc=("uniform", 32 * K, 128 * K), sessions=16, turns=3, question=("uniform", 64, 256),
                       output=("uniform", 64, 128), zipf=1.0, rates=[0.02, 0.05, 0.1, 0.2]),
+    "long": dict(cases=LONG_CASES, capacity=CAPACITY_DTYPES),  # bench/serve_long.py
 }
 SCALES = {
     "gpu": dict(model="llama-3.1-8b", dtype="bf16", div_in=1, div_out=1, div_budget=1, max_model_len=129 * K + 1024,
@@ -95,7 +101,13 @@ def add_arguments(p):
                    help="how started servers run (inprocess shares this process and its GIL)")
     p.add_argument("--window", type=int, default=None, help="Orthros window size (default: 128; tiny scale 16)")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
-    p.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"))
+    p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                   help="the started servers' KV storage (int4 / int2 / k4v2: Orthros only; long sets its own)")
+    p.add_argument("--long-cases", nargs="+", default=None, metavar="KV:LEN",
+                   help=f"long: one request per case (default {' '.join(LONG_CASES)})")
+    p.add_argument("--capacity-dtypes", nargs="*", default=None, metavar="KV",
+                   help=f"long: KV dtypes whose pools are filled with 128K requests (default "
+                        f"{' '.join(CAPACITY_DTYPES)}; none: skip)")
     p.add_argument("--budget", type=int, default=None,
                    help="max_num_batched_tokens, not interference (default: 8192; tiny scale 64)")
     p.add_argument("--budgets", nargs="+", type=int, default=None, help="interference: token budgets")
@@ -125,8 +137,11 @@ def add_arguments(p):
 class Server:
     """A server for one (attention, budget): started here, or the one at --url."""
 
-    def __init__(self, args, attention: str, budget: int):
+    def __init__(self, args, attention: str, budget: int, kv_dtype: str | None = None,
+                 max_model_len: int | str | None = None, block_size: int | None = None, name: str | None = None):
         self.args, self.attention, self.budget = args, attention, budget
+        self.kv_dtype, self.max_model_len, self.block_size = kv_dtype, max_model_len, block_size
+        self.name = name or f"{attention}-budget{budget}"
         self.proc = self.thread_server = None
         self.command = None
         self.step_log = self.steps = None
@@ -139,14 +154,19 @@ class Server:
             return self
         device = _device(a)
         argv = ["--preset", sc["model"], "--attention", self.attention, "--window", str(a.window),
-                "--dtype", sc["dtype"], "--device", device, "--max-model-len", str(sc["max_model_len"]),
-                "--max-num-batched-tokens", str(self.budget), "--block-size", str(sc["block_size"]),
-                "--kv-dtype", a.kv_dtype, "--max-num-seqs", "64", "--max-queue", "4096"]
+                "--dtype", sc["dtype"], "--device", device,
+                "--max-model-len", str(self.max_model_len or sc["max_model_len"]),
+                "--max-num-batched-tokens", str(self.budget), "--kv-dtype", self.kv_dtype or a.kv_dtype,
+                "--max-num-seqs", "64", "--max-queue", "4096"]
+        from ..models.static_cache import LOWBIT_KV_DTYPES
+
+        if (self.kv_dtype or a.kv_dtype) not in LOWBIT_KV_DTYPES:  # a low-bit server picks the block size its groups need
+            argv += ["--block-size", str(self.block_size or sc["block_size"])]
         if a.layers:
             argv += ["--layers", str(a.layers)]
         if a.step_log_dir:
             os.makedirs(a.step_log_dir, exist_ok=True)
-            self.step_log = os.path.join(a.step_log_dir, f"{self.attention}-budget{self.budget}.jsonl")
+            self.step_log = os.path.join(a.step_log_dir, f"{self.name}.jsonl")
             if os.path.exists(self.step_log):
                 os.remove(self.step_log)  # this server's steps only
             argv += ["--step-log", self.step_log]
@@ -362,6 +382,9 @@ def measure(args) -> dict:
         if args.scenario == "interference":
             rows += _interference(args, variant, commands, steps)
             continue
+        if args.scenario == "long":
+            rows += long_rows(args, variant, commands, steps, Server, _warmup, _vocab(args))
+            continue
         with Server(args, variant, args.budget) as srv:
             commands[variant] = srv.command
             rng = random.Random(args.seed)
@@ -443,6 +466,8 @@ def table(res: dict) -> str:
             lines.append(f"| {r['variant']} | {r['budget']} | {_ms(r['long_ttft_ms'])} | {_ms(d['p50'])} | "
                          f"{_ms(d['p99'])} | {_ms(d['max'])} | {_ms(b['p50'])} |")
         return head + "\n".join(lines) + engine_table(res)
+    if res["scenario"] == "long":
+        return head + long_table(res) + engine_table(res)
     hits = res["scenario"] == "documents"  # the share of prompt tokens read from the prefix cache
     lines = ["| attention | run | ok | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | ITL p99 "
              "| E2EL p50 | E2EL p99 |" + (" prefix hits |" if hits else ""),
@@ -504,7 +529,10 @@ def plot(res: dict, path: str) -> None:
 
     rows = res["rows"]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    if res["scenario"] == "interference":
+    if res["scenario"] == "long":
+        fig, axes = subplots(2, 5.5, 4)
+        long_plot(res, (fig, axes))
+    elif res["scenario"] == "interference":
         fig, (ax,) = subplots(1, 5.5, 4)
         for i, v in enumerate(variants):
             rs = [r for r in rows if r["variant"] == v and r["itl_during_prefill"]["p99"] is not None]
@@ -540,7 +568,8 @@ def plot(res: dict, path: str) -> None:
             ax.set(ylabel=label, title=label.split(" (")[0])
     for ax in fig.axes:
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     save_figure(fig, path)
 
 
@@ -548,8 +577,9 @@ def run(args):
     from .common import splice_marks
 
     name = args.tag or f"serve-{args.scenario}"
-    if args.scenario == "interference" and args.url:
-        raise ValueError("interference starts one server per token budget: it cannot use --url")
+    if args.scenario in ("interference", "long") and args.url:
+        raise ValueError(f"{args.scenario} starts servers of its own (per token budget or KV dtype): it cannot "
+                         "use --url")
     if args.from_json:
         from .common import merge_runs
 

@@ -77,6 +77,10 @@ class PagedKVPool:
         # engine sets the lengths its token budget cuts and compiles them before serving.
         self.compiled_chunks: frozenset[int] | None = None
 
+    @property
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in (self.k, self.v) for t in p)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at pool slots [T].
 

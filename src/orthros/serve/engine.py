@@ -56,6 +56,8 @@ class Engine:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.masks = GrammarMasks(model.config.vocab_size, self.device)
         self.metrics = metrics
+        if metrics:
+            metrics.on_start(self)
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None

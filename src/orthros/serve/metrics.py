@@ -45,6 +45,13 @@ class ServerMetrics:
                              registry=r)
         self.kv_used = Gauge("orthros_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_total = Gauge("orthros_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.kv_pool_bytes = Gauge("orthros_kv_pool_bytes", "Device memory of the KV pool (packed blocks and their "
+                                   "bf16 twins for a low-bit pool)", registry=r)
+        self.block_size = Gauge("orthros_kv_block_size", "Tokens a KV block holds", registry=r)
+        self.max_model_len = Gauge("orthros_max_model_len", "The longest request (prompt + output) served, tokens",
+                                   registry=r)
+        self.memory_peak = Gauge("orthros_device_memory_peak_bytes", "Peak device memory allocated by the server's "
+                                 "process (CUDA; weights, KV pool and activations)", registry=r)
         self.alive = Gauge("orthros_engine_alive", "1 while the engine runs", registry=r)
         self.alive.set(1)
 
@@ -54,6 +61,18 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     # ------------------------------------------------------- engine hooks
+    def on_start(self, engine) -> None:
+        self.kv_pool_bytes.set(engine.pool.memory_bytes)
+        self.max_model_len.set(engine.max_model_len)
+        self.block_size.set(engine.blocks.block_size)
+        self._peak(engine)
+
+    def _peak(self, engine) -> None:
+        if engine.device.type == "cuda":
+            import torch
+
+            self.memory_peak.set(torch.cuda.max_memory_allocated(engine.device))
+
     def on_schedule(self, engine) -> None:
         self.waiting.set(len(engine.waiting))
         self.running.set(len(engine.running))
@@ -64,6 +83,7 @@ class ServerMetrics:
         self.step_time.observe(seconds)
         self.step_tokens.observe(tokens)
         self.kv_used.set(engine.blocks.num_used)
+        self._peak(engine)
 
     def on_admit(self, req, now: float) -> None:
         if req.num_output == 0:  # not a readmission after preemption
