@@ -218,12 +218,15 @@ PRESETS = {
     # lookup asks up to 8 of its facts (the zero-shot probe: the output stream must learn the lookup)
     "smollm2-kd-h200-rq": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8),
     # the same with every retrieval sample 4K-8K tokens long: most needles 1K-7K tokens before the
-    # question, where every arm of the rq run lost them (0-20% beyond ~3K)
+    # question, where every arm of the rq run lost them (0-20% beyond ~3K). Activations are kept
+    # (the same math as recomputing them, ~1.4x faster a step: benchmarks/cpt_steps.py; three arms
+    # side by side take ~25 GB each), so that three arms train and are evaluated in one 10-minute call
     "smollm2-kd-h200-far": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8,
-                                     retrieval_lengths=(4096, 8192)),
+                                     retrieval_lengths=(4096, 8192), gradient_checkpointing=False),
     # the same as rq, a quarter of the retrieval samples questions about their text that the source answers
     "smollm2-kd-h200-qa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=4,
-                                    retrieval_kinds=("passkey", "lookup", "copy", "docqa")),
+                                    retrieval_kinds=("passkey", "lookup", "copy", "docqa"),
+                                    gradient_checkpointing=False),
     # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
     # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
     # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone
