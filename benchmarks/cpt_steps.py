@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=31, help="steps per arm (timed from step 11: sync points every 10)")
     ap.add_argument("--batch-size", type=int, default=None, help="rows of seq_len a step (default: the preset's)")
     ap.add_argument("--no-checkpointing", action="store_true", help="keep activations (default: the preset's choice)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each block (CPTPreset.compile)")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many steps after the timed ones (kernels and host time, printed and in the JSON)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +99,8 @@ def main() -> None:
         preset = dataclasses.replace(preset, batch_size=args.batch_size)
     if args.no_checkpointing:
         preset = dataclasses.replace(preset, gradient_checkpointing=False)
+    if args.compile:
+        preset = dataclasses.replace(preset, compile=True)
     res = run_jobs(time_arm, [(a, preset, args.device, args.steps, args.profile) for a in args.arms], args.jobs)
     for r in res:
         if "profile" in r:
@@ -116,6 +119,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"preset": args.preset, "jobs": args.jobs, "device": args.device,
                                           "batch_size": preset.batch_size,
                                           "gradient_checkpointing": preset.gradient_checkpointing,
+                                          "compile": preset.compile,
                                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                           "results": res}, indent=2))

@@ -167,6 +167,8 @@ class CPTPreset:
     warmup: int = 20
     weight_decay: float = 0.1
     gradient_checkpointing: bool = True
+    compile: bool = False
+    """torch.compile each block of the student (and of a teacher), as `orthros train`'s train.compile"""
     eval_rows: int = 16
     """held-out rows per domain at seq_len (the 2K rows are cut from the same documents)"""
     short_len: int = 2048
@@ -321,6 +323,12 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     model = make_trainable(model, mode, rank=preset.lora_rank)
     if preset.gradient_checkpointing:
         set_checkpointing(model, True)
+    if preset.compile:
+        from ..train.trainer import compile_blocks
+
+        compile_blocks(model)
+        if teacher is not None:
+            compile_blocks(teacher)
     lr_vec = preset.lr if mode == "all" else preset.light_lr
     param_groups = optim_groups(model, OptimArgs(lr=preset.lr, weight_decay=preset.weight_decay, vector_lr=lr_vec,
                                                  lora_lr=preset.lora_lr))

@@ -41,6 +41,18 @@ class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; training stopped before the update."""
 
 
+def compile_blocks(model) -> None:
+    """torch.compile each transformer block in place (`train.compile`)."""
+    try:  # aliased outputs of a compiled block (views of one projection) failed view replay on torch 2.13 CPU
+        import torch._functorch.config as functorch_config
+
+        functorch_config.view_replay_for_aliased_outputs = False
+    except (ImportError, AttributeError):
+        pass
+    for block in model.model.layers:
+        block.compile()
+
+
 def log(d: D.Dist, msg: str) -> None:
     if d.main:
         print(msg, file=sys.stderr, flush=True)
@@ -289,14 +301,7 @@ def _train(cfg: TrainConfig, d: D.Dist) -> dict:
 
         set_checkpointing(model, True)
     if tc.compile:
-        try:  # aliased outputs of a compiled block (views of one projection) failed view replay on torch 2.13 CPU
-            import torch._functorch.config as functorch_config
-
-            functorch_config.view_replay_for_aliased_outputs = False
-        except (ImportError, AttributeError):
-            pass
-        for block in model.model.layers:
-            block.compile()
+        compile_blocks(model)
     if d.on:
         D.shard(model, d)
     o = cfg.optim
