@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", "--seeds", type=int, nargs="+", default=[0],
                    help="one or more seeds (several: mean and range over seeds in the table)")
     p.add_argument("--lm-eval-limit", type=int, default=None, help="cpt: items per local lm-eval task")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="cpt: torch.compile each block of the trained models (default: the preset's choice)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
                    help="cpt: no run; one report from saved results.json / arm-*.json files (a later arm wins)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -83,7 +85,7 @@ def run_cpt_command(args) -> int:
         return 0
     source = args.source or smollm2_gguf()
     res = run_cpt(preset, source, out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, args.steps,
-                  args.lm_eval_limit)
+                  args.lm_eval_limit, args.compile)
     print()
     print(res["table"])
     print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")

@@ -614,7 +614,8 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
 
 
 def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(ARMS), device: str = "cpu",
-            jobs: int = 1, steps: int | None = None, lm_eval_limit: int | None = None) -> dict:
+            jobs: int = 1, steps: int | None = None, lm_eval_limit: int | None = None,
+            compile: bool | None = None) -> dict:
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     bad = [a for a in arms if a not in ARMS]
@@ -625,6 +626,8 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
         preset = dataclasses.replace(preset, steps=steps)
     if lm_eval_limit is not None:
         preset = dataclasses.replace(preset, lm_eval_limit=lm_eval_limit)
+    if compile is not None:
+        preset = dataclasses.replace(preset, compile=compile)
     out = Path(out)
     for a in arms:  # a teacher arm trained by an earlier run must have left its weights
         t = ARMS[a].teacher
