@@ -22,11 +22,6 @@ import torch
 from orthros.experiments.cpt import ARMS, PRESETS
 from orthros.experiments.jobs import run_jobs
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=1e5, tie_word_embeddings=True,
-               max_position_embeddings=8192)
-
-
 def time_arm(arm: str, preset, device: str, steps: int, profile: int = 0) -> dict:
     """Seconds a step of `arm` (a distilled arm gets a random full-attention teacher of the
     same shape); with `profile` > 0, the CUDA kernels and host time of that many warm steps."""
@@ -38,14 +33,15 @@ def time_arm(arm: str, preset, device: str, steps: int, profile: int = 0) -> dic
         return {"arm": arm, "trains": False}
     preset = arm_preset(arm, preset)
     torch.manual_seed(0)
-    cfg = dict(SMOLLM2, window_size=spec.window or preset.window)
-    model = OrthrosForCausalLM(OrthrosConfig(**cfg, **spec.changes)).to(device)
+    window = spec.window or preset.window
+    model = OrthrosForCausalLM(OrthrosConfig.from_name("smollm2-135m", window_size=window, **spec.changes)).to(device)
     teacher = None
     if spec.teacher is not None:
-        teacher = OrthrosForCausalLM(OrthrosConfig(**cfg, attention="full")).to(device).eval().requires_grad_(False)
+        teacher = OrthrosForCausalLM(OrthrosConfig.from_name("smollm2-135m", window_size=window, attention="full"))
+        teacher = teacher.to(device).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     total = steps + profile
-    rows = torch.randint(0, SMOLLM2["vocab_size"], (total * preset.batch_size, preset.seq_len), generator=g).numpy()
+    rows = torch.randint(0, model.config.vocab_size, (total * preset.batch_size, preset.seq_len), generator=g).numpy()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     prof, on_step = None, None

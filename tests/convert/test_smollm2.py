@@ -89,3 +89,17 @@ def test_the_128_window_model_answers_too(source):
     ids = chat_ids(tok)
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] > ids.shape[1] and torch.isfinite(model(out).logits).all()
+
+
+def test_the_named_shape_is_the_real_model_s():
+    """`OrthrosConfig.from_name("smollm2-135m")` (benchmarks' random-weight stand-in) has the shape
+    the converted model has."""
+    from orthros.models import OrthrosConfig
+
+    real = OrthrosForCausalLM.from_pretrained(smollm2_dir("orthros", 128)).config
+    named = OrthrosConfig.from_name("smollm2-135m")
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+              "window_size")
+    assert {f: getattr(named, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert named.rms_norm_eps == pytest.approx(real.rms_norm_eps)

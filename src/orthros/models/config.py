@@ -233,6 +233,11 @@ PRESETS: dict[str, dict] = {
     "160m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2560, num_hidden_layers=12,
                  num_attention_heads=12, num_key_value_heads=4, head_dim=64, window_size=128,
                  max_position_embeddings=32768, tie_word_embeddings=True),
+    # the shape of SmolLM2-135M-Instruct, the real model conversions are measured on (docs/conversion.md)
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2),
     "1.3b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, window_size=128,
                  max_position_embeddings=32768, tie_word_embeddings=False),
