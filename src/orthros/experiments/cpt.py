@@ -133,6 +133,17 @@ ARMS = {
     "orthros-kd-d-w256-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), W=256",
                                   dict(attention="orthros", sink_tokens=SINK), "all", "full-cpt", window=256, mix=True),
     "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
+    # the window sweep and second seeds of the two sinks recipes with retrieval data (CE; distilled)
+    **{f"orthros-cpt-sink-mix-w{w}": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, W={w}",
+                                         dict(attention="orthros", sink_tokens=SINK), "all", mix=True, window=w)
+       for w in (256, 512)},
+    **{f"orthros-kd-sink-w{w}": Arm(f"Orthros + {SINK} sinks distilled from the source, W={w}",
+                                    dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, window=w)
+       for w in (256, 512)},
+    "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
+                                   dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
+    "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",
+                              dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
 }
 
 RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac")
