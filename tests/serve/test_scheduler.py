@@ -184,3 +184,40 @@ def test_aborts_take_requests_off_the_queue_and_the_running_list():
     for r in gone:
         s.finish(r)
     assert not s.has_work() and s.blocks.num_used == 0 and a.finished and s.pop_aborted() == []
+
+
+def test_a_prompt_beside_another_s_last_chunk_waits_for_an_aligned_first_chunk():
+    # A's last chunk leaves 1 token of the budget: B is not admitted with a 1-token chunk (which
+    # would start every later chunk of B one token past the alignment) but a step later
+    s = _scheduler(budget=8, chunk_align=4, decode_last_token=True)
+    a, b = _req(0, range(16)), _req(1, range(100, 116))
+    s.add(a)
+    s.add(b)
+    plans = []
+    for _ in range(6):
+        step = s.schedule()
+        plans.append(_plan(step))
+        _ran(s, step)
+    assert plans[:3] == [
+        [(0, 8, 0, False)],
+        [(0, 7, 8, False)],  # A's last chunk; its last token is left to a decode; B waits
+        [(0, 1, 15, True), (1, 4, 0, False)],  # B's first chunk: what is left, aligned
+    ]
+    starts = [start for plan in plans for rid, n, start, out in plan if rid == 1]
+    assert starts == [0, 4, 8, 12] and all(x % 4 == 0 for x in starts)
+
+
+def test_a_lone_prompt_takes_the_bare_rest_of_the_budget():
+    # running decodes leave 3 tokens of an 8-token budget each step: with no other prompt chunk in
+    # the step, the prompt runs 3 tokens a step rather than waiting for an aligned 4 that never comes
+    s = _scheduler(budget=8, chunk_align=4, max_num_seqs=8)
+    short = [_req(i, [i]) for i in range(5)]
+    for r in short:
+        s.add(r)
+    _ran(s, s.schedule())  # the five 1-token prompts: one chunk each, each with its output position
+    long = _req(9, range(100, 120))
+    s.add(long)
+    for _ in range(3):
+        step = s.schedule()
+        assert [(rid, n, start) for rid, n, start, _ in _plan(step) if rid == 9] == [(9, 3, long.computed)]
+        _ran(s, step)

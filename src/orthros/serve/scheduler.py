@@ -13,6 +13,13 @@ does:
        their whole prompt are free (after reusing cached prefix blocks) and
        fewer than `max_num_seqs` run: their first chunk.
 
+With `chunk_align` > 1, a chunk cut by the budget is a multiple of it, so that every chunk of a
+prompt starts aligned (the compiled attention kernels are built for aligned starts). When what
+is left of the budget rounds down to nothing, a prompt gets that bare remainder only if no other
+prompt chunk runs in the step (so the first prompt always progresses); otherwise it waits a
+step. (A 1-token first chunk, left over beside another prompt's last chunk, used to start every
+later chunk of a 128K prompt one token past alignment.)
+
 A chunk whose end is not the end of its token list has no output position
 (base stream only); the others have one, at their last token, whose logits
 give the next token. A decode is the one-token case of the same rule.
@@ -157,12 +164,16 @@ class Scheduler:
                 plan.append((req, 1))
                 budget -= 1
         # 2. prompts being prefilled (their blocks were allocated at admission)
+        prompts = 0  # prompt chunks planned so far
         for req in self.running:
             left = len(req.tokens) - req.computed
             if left > 1 and budget > 0:
                 n = self.chunk(left, budget)
+                if prompts and self._unaligned(n, left, budget):
+                    continue
                 plan.append((req, n))
                 budget -= n
+                prompts += 1
         # 3. admissions
         while budget > 0 and len(self.running) < self.max_num_seqs:
             with self._lock:
@@ -170,8 +181,10 @@ class Scheduler:
                     break
                 req = self.waiting[0]
             cached = self.blocks.match_prefix(req.tokens, req.table)
-            if self.blocks.blocks_for(len(req.tokens)) - len(req.table.blocks) > self.blocks.num_free:
-                self.blocks.release(req.table)  # wait for memory; FCFS: nobody overtakes
+            if self.blocks.blocks_for(len(req.tokens)) - len(req.table.blocks) > self.blocks.num_free or (
+                    prompts and self._unaligned(self.chunk(len(req.tokens) - cached, budget), len(req.tokens) - cached,
+                                                budget)):
+                self.blocks.release(req.table)  # wait for memory or for budget; FCFS: nobody overtakes
                 break
             self.grow(req, len(req.tokens))
             with self._lock:
@@ -183,6 +196,7 @@ class Scheduler:
             n = self.chunk(len(req.tokens) - req.computed, budget)
             plan.append((req, n))
             budget -= n
+            prompts += 1
             if self.metrics:
                 self.metrics.on_admit(req, time.perf_counter())
         if self.blocks.twins is not None:  # a low-bit pool: the bf16 twins the running requests read or write
@@ -203,6 +217,11 @@ class Scheduler:
         if a > 1:
             a = max(a, (1 << (budget.bit_length() - 1)) // 4 // a * a)
         return budget // a * a or budget
+
+    def _unaligned(self, n: int, left: int, budget: int) -> bool:
+        """Whether chunk `n` of a prompt with `left` tokens to run is the bare rest of the budget:
+        not its last chunk and not a multiple of `chunk_align`."""
+        return left > budget and n % self.chunk_align != 0
 
     def chunk_lengths(self) -> list[int]:
         """The lengths a prompt chunk cut by the token budget can have (whatever the running
