@@ -158,3 +158,8 @@ def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
     assert main(["bench", "serve", "--scenario", "long", "--scale", "tiny", "--long-cases", "int3:1M",
                  "--out-dir", str(tmp_path), "--docs", "/dev/null"]) != 0
     assert "KV_DTYPE:LENGTH" in capsys.readouterr().err
+
+
+def test_long_scenario_without_capacity_runs(tmp_path):
+    res = run(tmp_path, "long", "--server", "inprocess", "--long-cases", "int4:1M", "--capacity-dtypes")
+    assert [(r["kv_dtype"], r["run"], r["completed"]) for r in res["rows"]] == [("int4", "one int4 request", 1)]

@@ -103,8 +103,8 @@ def add_arguments(p):
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="the started servers' KV storage (int4 / int2 / k4v2: Orthros only; long sets its own)")
-    p.add_argument("--long-cases", nargs="+", default=None, metavar="KV:LEN",
-                   help=f"long: one request per case (default {' '.join(LONG_CASES)})")
+    p.add_argument("--long-cases", nargs="*", default=None, metavar="KV:LEN",
+                   help=f"long: one request per case (default {' '.join(LONG_CASES)}; none: skip)")
     p.add_argument("--capacity-dtypes", nargs="*", default=None, metavar="KV",
                    help=f"long: KV dtypes whose pools are filled with 128K requests (default "
                         f"{' '.join(CAPACITY_DTYPES)}; none: skip)")

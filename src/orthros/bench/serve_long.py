@@ -76,7 +76,7 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
     div = sc["div_in"]
     out = max(1, OUTPUT // sc["div_out"])
     rows = []
-    cases = [parse_case(c) for c in (args.long_cases or LONG_CASES)]
+    cases = [parse_case(c) for c in (LONG_CASES if args.long_cases is None else args.long_cases)]
     for kv, length in cases:
         length = _scale_len(length, div)
         name = f"{variant} {kv} {length}"
@@ -91,7 +91,7 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             print(f"{name}: TTFT {_ms(row['ttft']['p50'])}, decode {row['decode_tok_s'] or 0:.1f} tok/s, max model len "
                   f"{row['max_model_len']}" + (f", {row['errors']}" if row["errors"] else ""), flush=True)
         _keep_steps(steps, name, srv)
-    for kv in args.capacity_dtypes or CAPACITY_DTYPES:
+    for kv in CAPACITY_DTYPES if args.capacity_dtypes is None else args.capacity_dtypes:
         if kv not in KV_DTYPES:
             raise ValueError(f"--capacity-dtypes takes {', '.join(KV_DTYPES)}, got {kv!r}")
         length = _scale_len(CAPACITY_INPUT, div)
