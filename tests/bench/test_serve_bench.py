@@ -160,6 +160,8 @@ def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
     assert "KV_DTYPE:LENGTH" in capsys.readouterr().err
 
 
-def test_long_scenario_without_capacity_runs(tmp_path):
-    res = run(tmp_path, "long", "--server", "inprocess", "--long-cases", "int4:1M", "--capacity-dtypes")
-    assert [(r["kv_dtype"], r["run"], r["completed"]) for r in res["rows"]] == [("int4", "one int4 request", 1)]
+def test_long_scenario_without_capacity_and_full_attention_without_low_bit(tmp_path, capsys):
+    res = run(tmp_path, "long", "--server", "inprocess", "--long-cases", "int4:1M", "fp8:1M", "--capacity-dtypes")
+    assert [(r["variant"], r["kv_dtype"], r["completed"]) for r in res["rows"]] == [
+        ("orthros", "int4", 1), ("orthros", "fp8", 1), ("full", "fp8", 1)]
+    assert "full: no int4 KV cache (Orthros only)" in capsys.readouterr().out

@@ -75,8 +75,17 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
     sc = SCALES[args.scale]
     div = sc["div_in"]
     out = max(1, OUTPUT // sc["div_out"])
+    from ..models.static_cache import LOWBIT_KV_DTYPES
+
     rows = []
     cases = [parse_case(c) for c in (LONG_CASES if args.long_cases is None else args.long_cases)]
+    capacity = CAPACITY_DTYPES if args.capacity_dtypes is None else args.capacity_dtypes
+    if variant != "orthros":  # the low-bit pools keep the base stream's window in bf16: Orthros only
+        skipped = sorted(({kv for kv, _ in cases} | set(capacity)) & set(LOWBIT_KV_DTYPES))
+        if skipped:
+            print(f"{variant}: no {' / '.join(skipped)} KV cache (Orthros only): those rows are skipped", flush=True)
+        cases = [(kv, n) for kv, n in cases if kv not in LOWBIT_KV_DTYPES]
+        capacity = [kv for kv in capacity if kv not in LOWBIT_KV_DTYPES]
     for kv, length in cases:
         length = _scale_len(length, div)
         name = f"{variant} {kv} {length}"
@@ -91,7 +100,7 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             print(f"{name}: TTFT {_ms(row['ttft']['p50'])}, decode {row['decode_tok_s'] or 0:.1f} tok/s, max model len "
                   f"{row['max_model_len']}" + (f", {row['errors']}" if row["errors"] else ""), flush=True)
         _keep_steps(steps, name, srv)
-    for kv in CAPACITY_DTYPES if args.capacity_dtypes is None else args.capacity_dtypes:
+    for kv in capacity:
         if kv not in KV_DTYPES:
             raise ValueError(f"--capacity-dtypes takes {', '.join(KV_DTYPES)}, got {kv!r}")
         length = _scale_len(CAPACITY_INPUT, div)
