@@ -160,7 +160,8 @@ class Server:
                 "--max-num-seqs", "64", "--max-queue", "4096"]
         from ..models.static_cache import LOWBIT_KV_DTYPES
 
-        if (self.kv_dtype or a.kv_dtype) not in LOWBIT_KV_DTYPES:  # a low-bit server picks the block size its groups need
+        # a low-bit server picks the block size its key groups need
+        if (self.kv_dtype or a.kv_dtype) not in LOWBIT_KV_DTYPES:
             argv += ["--block-size", str(self.block_size or sc["block_size"])]
         if a.layers:
             argv += ["--layers", str(a.layers)]

@@ -59,27 +59,29 @@ def server_gauges(srv) -> dict:
     return {k: (int(vals[v]) if v in vals else None) for k, v in names.items()}
 
 
-def _row(variant, run, kv_dtype, prompt_len, n, results, duration, gauges) -> dict:
+def _row(variant, run, kv_dtype, prompt_len, out, n, results, duration, gauges) -> dict:
     s = summarize(results, duration)
     ok = [r for r in results if r.ok]
     decode = [(r.tokens - 1) / (r.e2el - r.ttft) for r in ok if r.tokens > 1 and r.e2el > r.ttft]
-    return dict(variant=variant, run=run, kv_dtype=kv_dtype, input=prompt_len, output=OUTPUT, concurrency=n,
+    return dict(variant=variant, run=run, kv_dtype=kv_dtype, input=prompt_len, output=out, concurrency=n,
                 decode_tok_s=sum(decode) / len(decode) if decode else None, **gauges, **s,
                 requests=[result_dict(r) for r in results])
 
 
 def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int) -> list[dict]:
     """The scenario's rows for one attention variant (servers started one after another)."""
+    from ..models.static_cache import LOWBIT_KV_DTYPES
     from .serve import SCALES, _keep_steps, _ms, _scale_len
 
     sc = SCALES[args.scale]
     div = sc["div_in"]
     out = max(1, OUTPUT // sc["div_out"])
-    from ..models.static_cache import LOWBIT_KV_DTYPES
-
     rows = []
     cases = [parse_case(c) for c in (LONG_CASES if args.long_cases is None else args.long_cases)]
     capacity = CAPACITY_DTYPES if args.capacity_dtypes is None else args.capacity_dtypes
+    bad = [kv for kv in capacity if kv not in KV_DTYPES]
+    if bad:
+        raise ValueError(f"--capacity-dtypes takes {', '.join(KV_DTYPES)}, got {', '.join(bad)}")
     if variant != "orthros":  # the low-bit pools keep the base stream's window in bf16: Orthros only
         skipped = sorted(({kv for kv, _ in cases} | set(capacity)) & set(LOWBIT_KV_DTYPES))
         if skipped:
@@ -95,14 +97,12 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             warmup(args, srv, random.Random(args.seed), args.budget)
             prompt = random_prompts([length], vocab, random.Random(f"{args.seed}/long {length}"))
             results, duration = asyncio.run(run_load(srv.url, srv.model, prompt, [out], concurrency=1))
-            row = _row(variant, f"one {kv} request", kv, length, 1, results, duration, server_gauges(srv))
+            row = _row(variant, f"one {kv} request", kv, length, out, 1, results, duration, server_gauges(srv))
             rows.append(row)
             print(f"{name}: TTFT {_ms(row['ttft']['p50'])}, decode {row['decode_tok_s'] or 0:.1f} tok/s, max model len "
                   f"{row['max_model_len']}" + (f", {row['errors']}" if row["errors"] else ""), flush=True)
         _keep_steps(steps, name, srv)
     for kv in capacity:
-        if kv not in KV_DTYPES:
-            raise ValueError(f"--capacity-dtypes takes {', '.join(KV_DTYPES)}, got {kv!r}")
         length = _scale_len(CAPACITY_INPUT, div)
         name = f"{variant} {kv} x{length}"
         with server_cls(args, variant, args.budget, kv_dtype=kv, block_size=BLOCK_SIZE,
@@ -115,7 +115,7 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             prompts = random_prompts([length] * n, vocab, random.Random(f"{args.seed}/capacity {kv}"))
             results, duration = asyncio.run(run_load(srv.url, srv.model, prompts, [out] * n, concurrency=n))
             holds = g["kv_blocks"] // per
-            row = _row(variant, f"{n} concurrent (the pool holds {holds})", kv, length, n, results, duration,
+            row = _row(variant, f"{n} concurrent (the pool holds {holds})", kv, length, out, n, results, duration,
                        server_gauges(srv))
             row["pool_holds"] = holds
             rows.append(row)
