@@ -84,3 +84,21 @@ def test_a_cut_evaluation_keeps_its_finished_probes(tmp_path, monkeypatch):
     assert calls == ["copy"]  # not run again
     assert out["passkey"] == {"mean": 0.5} and set(out) == {"code", "copy", "passkey"}
     assert out["code"]["long"]["ppl"] == evaluate_arm(model, None, p, held, stream)["code"]["long"]["ppl"]
+
+
+def test_a_freeze_recipe_keeps_those_weights_the_source_s():
+    torch.manual_seed(0)
+    model = make_model(perturb_so=False)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=32, steps=3, warmup=1, lr=5e-3,
+                            freeze=("q_proj", "k_proj"))
+    rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (3 * p.batch_size, 32)).astype(np.int32)
+    trained, _ = train_arm(model, "all", p, rows, str(DEVICE), "freeze")
+    after = trained.state_dict()
+    frozen = [k for k in start if "q_proj" in k or "k_proj" in k]
+    assert frozen and all(torch.equal(after[k], start[k].to(after[k].device)) for k in frozen)
+    assert all(not torch.equal(after[k], start[k].to(after[k].device)) for k in start
+               if ("v_proj" in k or "o_proj" in k))  # the rest trained
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        train_arm(make_model(perturb_so=False), "so+norms", dataclasses.replace(p, freeze=("q_proj",)), rows,
+                  str(DEVICE), "freeze")

@@ -140,13 +140,22 @@ ARMS = {
     **{f"orthros-kd-sink-w{w}": Arm(f"Orthros + {SINK} sinks distilled from the source, W={w}",
                                     dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, window=w)
        for w in (256, 512)},
+    # the queries and keys of every layer kept the source's (both streams read with them): the source's
+    # lookup heads keep matching what they matched, only what feeds them adapts
+    "orthros-cpt-sink-mix-fqk": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, W_Q / W_K frozen",
+                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True,
+                                    recipe=dict(freeze=("q_proj", "k_proj"))),
+    "orthros-kd-sink-fqk": Arm(f"Orthros + {SINK} sinks distilled from the source, W_Q / W_K frozen",
+                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True,
+                               recipe=dict(freeze=("q_proj", "k_proj"))),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
     "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",
                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
 }
 
-RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac")
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac",
+                 "freeze")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
@@ -210,6 +219,9 @@ class CPTPreset:
     """distilled arms: weight of the per-layer K/V alignment, in the first align_frac of the steps"""
     align_on: str = "kv"
     align_frac: float = 0.25
+    freeze: tuple = ()
+    """parameters kept the source's: those whose name contains one of these (e.g. ("q_proj", "k_proj"):
+    the queries and keys the source's lookup heads match with, as QK-Restore keeps them)"""
     checkpoint_every: int = 100
     """steps between an arm's training checkpoints (run_arm: out/checkpoints/ARM; 0: none); a cut
     run continues from the newest"""
@@ -332,6 +344,12 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     from ..train.trainer import param_groups as optim_groups
 
     model = make_trainable(model, mode, rank=preset.lora_rank)
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad and any(f in n for f in preset.freeze)]
+    if preset.freeze and not frozen:
+        raise ValueError(f"freeze={preset.freeze}: no trainable parameter's name contains any of them")
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
     if preset.gradient_checkpointing:
         set_checkpointing(model, True)
     if preset.compile:
