@@ -199,8 +199,9 @@ class CPTPreset:
     passkey_samples: int = 10
     """samples per length and depth (5 depths x 10 = 50 a length: a 95% interval of about +-14 points)"""
     eval_batch: int = 2
-    lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze"])
-    """local lm-evaluation-harness tasks (configs/lm_eval; run from the repository root)"""
+    lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze", "python_docs_recall"])
+    """local lm-evaluation-harness tasks (configs/lm_eval; run from the repository root): the next
+    word (local context), and a sentence's second half recalled from ~4K tokens back"""
     lm_eval_limit: int | None = None
     retrieval_share: float = 0.3
     """share of the rows of a -mix arm that start with a retrieval sample (data.retrieval)"""
@@ -262,7 +263,7 @@ PRESETS = {
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
                                    passkey_depths=[0.5], passkey_samples=1, gradient_checkpointing=False,
-                                   lm_eval_limit=4, retrieval_lengths=(96, 200)),
+                                   lm_eval_limit=4, lm_eval_tasks=["python_docs_cloze"], retrieval_lengths=(96, 200)),
 }
 
 

@@ -16,6 +16,8 @@ the tokenizer and the sizes asked for, so the processes of one run tokenize once
 
 from __future__ import annotations
 
+import bisect
+
 import hashlib
 import json
 import os
@@ -218,4 +220,49 @@ def cloze_items(n: int = 200, context_chars: int = 3000, seed: int = 0) -> list[
         rng.shuffle(choices)
         items.append({"context": text[pos - context_chars : pos - 1], "choices": choices,
                       "answer": choices.index(" " + w)})
+    return items
+
+
+def _second_half(s: str) -> tuple[str, str]:
+    """A sentence cut at the space nearest its middle: (head, tail), the tail with its space."""
+    cut = s.index(" ", len(s) // 2) if " " in s[len(s) // 2 :] else s.rindex(" ")
+    return s[:cut], s[cut:]
+
+
+def recall_items(n: int = 200, gap_chars: int = 16000, before_chars: int = 1000, seed: int = 0) -> list[dict]:
+    """Multiple-choice recall items from the reference documentation (an lm-eval task that needs
+    the far context): a sentence, the `gap_chars` of text that follow it (~4K tokens), then the
+    sentence's first half again. The choices are its true second half and the second halves of 3
+    other sentences of about its length. A model that reads back ~4K tokens picks the true one (as
+    an induction head copies); one that sees only the recent text guesses (25%)."""
+    import random
+    import re
+
+    text = prose_text()
+    # sentences of 50-150 characters, across the text's line wraps but not its paragraph breaks
+    sents = [(m.start(), m.group()) for m in re.finditer(r"(?<=[\n ])[A-Z][a-z](?:[^.\n\"]|\n(?!\n)){50,150}\.", text)]
+    tails = sorted({_second_half(x)[1] for _, x in sents}, key=len)
+    lens = [len(t) for t in tails]
+    rng = random.Random(seed)
+    rng.shuffle(sents)
+    items, used = [], set()
+    for start, s in sents:
+        if len(items) == n:
+            break
+        if start < before_chars or start + len(s) + gap_chars > len(text) or start in used or s.count(" ") < 5:
+            continue
+        head, tail = _second_half(s)
+        if text.count(head) != 1:  # the prefix names one place in the text
+            continue
+        lo, hi = bisect.bisect_left(lens, 0.7 * len(tail)), bisect.bisect_right(lens, 1.3 * len(tail))
+        near = [t for t in tails[lo:hi] if t != tail]
+        if len(near) < 3:
+            continue
+        used.add(start)
+        choices = [tail, *rng.sample(near, 3)]
+        rng.shuffle(choices)
+        items.append({"context": text[start - before_chars : start + len(s) + gap_chars] + "\n\n" + head,
+                      "choices": choices, "answer": choices.index(tail)})
+    if len(items) < n:
+        raise ValueError(f"the documentation holds {len(items)} recall items, not {n}")
     return items
