@@ -87,12 +87,17 @@ def paged_lowbit_attention_kernel(q, kv: PagedLowBitKV, table, twins, pos, scale
 
     On CUDA the kernel computes in fp32 (IEEE dots) whatever q's dtype: its half-precision tiles gave
     wrong outputs on an H200 with bf16 queries (relative error 1.15 against the reference; fp32 exact),
-    a fault not yet located. The result is returned in q's dtype."""
-    import triton
-
+    a fault not yet located (`python -m tests.ops.splitkv.lowbit_paged_cases --locate` launches the
+    half-precision tiles on purpose, through `launch`). The result is returned in q's dtype."""
     if q.is_cuda and q.dtype != torch.float32:
-        return paged_lowbit_attention_kernel(q.float(), kv, table, twins, pos, scale, max_len,
-                                             keys_per_split).to(q.dtype)
+        return launch(q.float(), kv, table, twins, pos, scale, max_len, keys_per_split).to(q.dtype)
+    return launch(q, kv, table, twins, pos, scale, max_len, keys_per_split)
+
+
+def launch(q, kv: PagedLowBitKV, table, twins, pos, scale=None, max_len: int | None = None,
+           keys_per_split: int | None = None):
+    """The kernel in q's dtype, as is (16-bit queries: 16-bit tiles and dots)."""
+    import triton
 
     from .lowbit_paged_kernel import paged_lowbit_fwd
 
