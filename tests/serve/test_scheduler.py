@@ -29,6 +29,17 @@ def _plan(chunks):
     return [(c.req.id, len(c.tokens), c.start, c.output) for c in chunks]
 
 
+def _steps(s, n, budget=None):
+    """The plans of `n` steps, each run (`_ran`) before the next; each within `budget` if given."""
+    plans = []
+    for _ in range(n):
+        step = s.schedule()
+        plans.append(_plan(step))
+        assert budget is None or sum(len(ch.tokens) for ch in step) <= budget
+        _ran(s, step)
+    return plans
+
+
 class _Metrics:
     def __init__(self):
         self.admitted = []
@@ -54,13 +65,7 @@ def test_budget_decodes_first_then_prompt_chunks_then_admissions():
     _ran(s, step)
     s.add(b)
     s.add(c)
-    plans = []
-    for _ in range(3):
-        step = s.schedule()
-        plans.append(_plan(step))
-        assert sum(len(ch.tokens) for ch in step) <= 8
-        _ran(s, step)
-    assert plans == [
+    assert _steps(s, 3, budget=8) == [
         [(0, 1, 5, True), (1, 7, 0, False)],  # a's decode, then b's first chunk: the rest of the budget
         [(0, 1, 6, True), (1, 7, 7, False)],  # c waits: no budget left for it
         [(0, 1, 7, True), (1, 6, 14, True), (2, 1, 0, False)],  # b's last chunk; c admitted with 1 token
@@ -193,11 +198,7 @@ def test_a_prompt_beside_another_s_last_chunk_waits_for_an_aligned_first_chunk()
     a, b = _req(0, range(16)), _req(1, range(100, 116))
     s.add(a)
     s.add(b)
-    plans = []
-    for _ in range(6):
-        step = s.schedule()
-        plans.append(_plan(step))
-        _ran(s, step)
+    plans = _steps(s, 6)
     assert plans[:3] == [
         [(0, 8, 0, False)],
         [(0, 7, 8, False)],  # A's last chunk; its last token is left to a decode; B waits

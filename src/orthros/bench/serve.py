@@ -51,7 +51,8 @@ import subprocess
 import sys
 import time
 
-from .serve_long import CAPACITY_DTYPES, KV_DTYPES, LONG_CASES, long_plot, long_rows, long_table
+from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
+from .serve_long import CAPACITY_DTYPES, LONG_CASES, long_plot, long_rows, long_table
 from .serve_client import (lengths, percentile, random_prompts, result_dict, run_interference, run_load,
                            run_sessions, summarize)
 
@@ -138,9 +139,9 @@ class Server:
     """A server for one (attention, budget): started here, or the one at --url."""
 
     def __init__(self, args, attention: str, budget: int, kv_dtype: str | None = None,
-                 max_model_len: int | str | None = None, block_size: int | None = None, name: str | None = None):
+                 max_model_len: int | str | None = None, name: str | None = None):
         self.args, self.attention, self.budget = args, attention, budget
-        self.kv_dtype, self.max_model_len, self.block_size = kv_dtype, max_model_len, block_size
+        self.kv_dtype, self.max_model_len = kv_dtype or args.kv_dtype, max_model_len
         self.name = name or f"{attention}-budget{budget}"
         self.proc = self.thread_server = None
         self.command = None
@@ -156,13 +157,10 @@ class Server:
         argv = ["--preset", sc["model"], "--attention", self.attention, "--window", str(a.window),
                 "--dtype", sc["dtype"], "--device", device,
                 "--max-model-len", str(self.max_model_len or sc["max_model_len"]),
-                "--max-num-batched-tokens", str(self.budget), "--kv-dtype", self.kv_dtype or a.kv_dtype,
+                "--max-num-batched-tokens", str(self.budget), "--kv-dtype", self.kv_dtype,
                 "--max-num-seqs", "64", "--max-queue", "4096"]
-        from ..models.static_cache import LOWBIT_KV_DTYPES
-
-        # a low-bit server picks the block size its key groups need
-        if (self.kv_dtype or a.kv_dtype) not in LOWBIT_KV_DTYPES:
-            argv += ["--block-size", str(self.block_size or sc["block_size"])]
+        if self.kv_dtype not in LOWBIT_KV_DTYPES:  # a low-bit server picks the block size its key groups need
+            argv += ["--block-size", str(sc["block_size"])]
         if a.layers:
             argv += ["--layers", str(a.layers)]
         if a.step_log_dir:

@@ -19,6 +19,7 @@ import asyncio
 import math
 import random
 
+from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .serve_client import random_prompts, result_dict, run_load, summarize
 
 K = 1024
@@ -27,8 +28,6 @@ LONG_CASES = ("fp8:1M", "int4:1M", "int4:2M", "int2:4M")
 CAPACITY_DTYPES = ("bf16", "fp8", "int4", "int2")
 CAPACITY_INPUT = 128 * K
 OUTPUT = 128
-BLOCK_SIZE = 16  # of the bf16 / fp8 servers (a low-bit server picks its own: its key groups fill blocks)
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "fp8", "int4", "int2", "k4v2")
 
 
 def parse_case(s: str) -> tuple[str, int]:
@@ -70,7 +69,6 @@ def _row(variant, run, kv_dtype, prompt_len, out, n, results, duration, gauges) 
 
 def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int) -> list[dict]:
     """The scenario's rows for one attention variant (servers started one after another)."""
-    from ..models.static_cache import LOWBIT_KV_DTYPES
     from .serve import SCALES, _keep_steps, _ms, _scale_len
 
     sc = SCALES[args.scale]
@@ -91,7 +89,7 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
     for kv, length in cases:
         length = _scale_len(length, div)
         name = f"{variant} {kv} {length}"
-        with server_cls(args, variant, args.budget, kv_dtype=kv, max_model_len="auto", block_size=BLOCK_SIZE,
+        with server_cls(args, variant, args.budget, kv_dtype=kv, max_model_len="auto",
                         name=f"{variant}-{kv}-long") as srv:
             commands[name] = srv.command
             warmup(args, srv, random.Random(args.seed), args.budget)
@@ -105,16 +103,14 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
     for kv in capacity:
         length = _scale_len(CAPACITY_INPUT, div)
         name = f"{variant} {kv} x{length}"
-        with server_cls(args, variant, args.budget, kv_dtype=kv, block_size=BLOCK_SIZE,
-                        name=f"{variant}-{kv}-capacity") as srv:
+        with server_cls(args, variant, args.budget, kv_dtype=kv, name=f"{variant}-{kv}-capacity") as srv:
             commands[name] = srv.command
             warmup(args, srv, random.Random(args.seed), args.budget)
             g = server_gauges(srv)
-            per = math.ceil((length + out) / g["block_size"])
-            n = max(1, min(g["kv_blocks"] // per, args.concurrency or 64))
+            holds = g["kv_blocks"] // math.ceil((length + out) / g["block_size"])  # requests of this length
+            n = max(1, min(holds, args.concurrency or 64))
             prompts = random_prompts([length] * n, vocab, random.Random(f"{args.seed}/capacity {kv}"))
             results, duration = asyncio.run(run_load(srv.url, srv.model, prompts, [out] * n, concurrency=n))
-            holds = g["kv_blocks"] // per
             row = _row(variant, f"{n} concurrent (the pool holds {holds})", kv, length, out, n, results, duration,
                        server_gauges(srv))
             row["pool_holds"] = holds

@@ -203,15 +203,15 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
             raise ValueError("docqa samples are answered by a teacher: pass answer= (data.retrieval.teacher_answerer)")
         n_q = max(1, min(questions, 4))
         text = _haystack(tok, stream, length - overhead - 72 * n_q, rng)
-        turns, msgs = [], []
+        turns = []
         for q in _doc_questions(text, 3 * n_q, rng):  # a question the teacher has no answer to is dropped
             user = q if turns else f"{text}\n{q}"
+            msgs = [{"role": r, "content": c} for u, a in turns for r, c in (("user", u), ("assistant", a))]
             prompt = tok.apply_chat_template(msgs + [{"role": "user", "content": user}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
             reply = answer(list(prompt))
             if reply is None:
                 continue
-            msgs += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
             turns.append((user, reply))
             if len(turns) == n_q:
                 break

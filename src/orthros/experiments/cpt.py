@@ -345,12 +345,13 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     from ..train.trainer import param_groups as optim_groups
 
     model = make_trainable(model, mode, rank=preset.lora_rank)
-    frozen = [n for n, p in model.named_parameters() if p.requires_grad and any(f in n for f in preset.freeze)]
+    frozen = 0
+    for n, p in model.named_parameters():
+        if p.requires_grad and any(f in n for f in preset.freeze):
+            p.requires_grad_(False)
+            frozen += 1
     if preset.freeze and not frozen:
         raise ValueError(f"freeze={preset.freeze}: no trainable parameter's name contains any of them")
-    for n, p in model.named_parameters():
-        if n in frozen:
-            p.requires_grad_(False)
     if preset.gradient_checkpointing:
         set_checkpointing(model, True)
     if preset.compile:

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ..models.static_cache import LOWBIT_KV_DTYPES
+from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .config import EngineConfig
 
 LOWBIT_BLOCK_SIZE = 64  # a low-bit pool's blocks hold whole key groups (`models.paged_lowbit`)
@@ -35,7 +35,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=_model_len, default=None,
                    help="prompt + output limit: tokens, or 'auto' for what the KV pool holds "
                         "(default: the model's max_position_embeddings)")
-    g.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8", "int4", "int2", "k4v2"),
+    g.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="KV storage: the model's dtype, bf16 / fp16 / fp32, fp8 (e4m3), or, Orthros models only, "
                         "int4 / int2 / k4v2 (int4 keys, int2 values): the sink tokens and each request's window "
                         "in bf16, older tokens group-quantized after a Hadamard rotation (as generate's low-bit "

@@ -65,13 +65,10 @@ class ServerMetrics:
         self.kv_pool_bytes.set(engine.pool.memory_bytes)
         self.max_model_len.set(engine.max_model_len)
         self.block_size.set(engine.blocks.block_size)
-        self._peak(engine)
-
-    def _peak(self, engine) -> None:
-        if engine.device.type == "cuda":
+        if engine.device.type == "cuda":  # read when scraped, not on the engine's steps
             import torch
 
-            self.memory_peak.set(torch.cuda.max_memory_allocated(engine.device))
+            self.memory_peak.set_function(lambda dev=engine.device: torch.cuda.max_memory_allocated(dev))
 
     def on_schedule(self, engine) -> None:
         self.waiting.set(len(engine.waiting))
@@ -83,7 +80,6 @@ class ServerMetrics:
         self.step_time.observe(seconds)
         self.step_tokens.observe(tokens)
         self.kv_used.set(engine.blocks.num_used)
-        self._peak(engine)
 
     def on_admit(self, req, now: float) -> None:
         if req.num_output == 0:  # not a readmission after preemption

@@ -168,12 +168,11 @@ class Scheduler:
         for req in self.running:
             left = len(req.tokens) - req.computed
             if left > 1 and budget > 0:
-                n = self.chunk(left, budget)
-                if prompts and self._unaligned(n, left, budget):
-                    continue
-                plan.append((req, n))
-                budget -= n
-                prompts += 1
+                n = self.chunk(left, budget, alone=not prompts)
+                if n:
+                    plan.append((req, n))
+                    budget -= n
+                    prompts += 1
         # 3. admissions
         while budget > 0 and len(self.running) < self.max_num_seqs:
             with self._lock:
@@ -181,10 +180,9 @@ class Scheduler:
                     break
                 req = self.waiting[0]
             cached = self.blocks.match_prefix(req.tokens, req.table)
-            if self.blocks.blocks_for(len(req.tokens)) - len(req.table.blocks) > self.blocks.num_free or (
-                    prompts and self._unaligned(self.chunk(len(req.tokens) - cached, budget), len(req.tokens) - cached,
-                                                budget)):
-                self.blocks.release(req.table)  # wait for memory or for budget; FCFS: nobody overtakes
+            n = self.chunk(len(req.tokens) - cached, budget, alone=not prompts)
+            if not n or self.blocks.blocks_for(len(req.tokens)) - len(req.table.blocks) > self.blocks.num_free:
+                self.blocks.release(req.table)  # wait for budget or memory; FCFS: nobody overtakes
                 break
             self.grow(req, len(req.tokens))
             with self._lock:
@@ -193,7 +191,6 @@ class Scheduler:
             if req.num_output == 0:
                 req.cached_tokens = cached
             self.running.append(req)
-            n = self.chunk(len(req.tokens) - req.computed, budget)
             plan.append((req, n))
             budget -= n
             prompts += 1
@@ -207,21 +204,17 @@ class Scheduler:
                                req.computed + n == len(req.tokens)) for req, n in plan]
 
     # ---------------------------------------------------------- chunk sizes
-    def chunk(self, left: int, budget: int) -> int:
+    def chunk(self, left: int, budget: int, alone: bool = True) -> int:
         """Tokens of a prompt to run now: all that is left if the budget allows, else the budget
-        rounded down (see `EngineConfig.chunk_align`), or the bare budget if that rounds to 0;
-        the prompt's last token is left for a decode step (`EngineConfig.decode_last_prompt_token`)."""
+        rounded down (see `EngineConfig.chunk_align`), or, if that rounds to 0, the bare budget
+        when the prompt is the step's only one (`alone`) and 0 (wait a step) when it is not; the
+        prompt's last token is left for a decode step (`EngineConfig.decode_last_prompt_token`)."""
         if left <= budget:
             return left - 1 if self.decode_last_token and left > 1 else left
         a = self.chunk_align
         if a > 1:
             a = max(a, (1 << (budget.bit_length() - 1)) // 4 // a * a)
-        return budget // a * a or budget
-
-    def _unaligned(self, n: int, left: int, budget: int) -> bool:
-        """Whether chunk `n` of a prompt with `left` tokens to run is the bare rest of the budget:
-        not its last chunk and not a multiple of `chunk_align`."""
-        return left > budget and n % self.chunk_align != 0
+        return budget // a * a or (budget if alone else 0)
 
     def chunk_lengths(self) -> list[int]:
         """The lengths a prompt chunk cut by the token budget can have (whatever the running
