@@ -94,7 +94,8 @@ CASES = [
     ("gen-bad-device", gen("byte", "--device", "tpu0"), ["--device", "not a device"]),
     ("gen-absent-cuda-device", gen("byte", "--device", "cuda:99"), ["--device cuda:99"]),
     # --------------------------------------------------------------- serve
-    ("serve-sink-model", ["serve", f"{W}/sinks", "--device", "cpu"], ["paged KV pool", "sink_tokens=2"]),
+    ("serve-sink-model-int4", ["serve", f"{W}/sinks", "--device", "cpu", "--kv-dtype", "int4"],
+     ["low-bit paged KV pool", "sink_tokens=2"]),
     ("serve-missing-dir", ["serve", f"{W}/nope", "--device", "cpu"], ["{w}/nope", "not a model directory"]),
     ("serve-truncated-weights", ["serve", f"{W}/trunc", "--device", "cpu"], ["{w}/trunc/model.safetensors",
                                                                              "truncated"]),

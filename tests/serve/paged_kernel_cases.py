@@ -1,5 +1,5 @@
 """Run under TRITON_INTERPRET=1 (see test_paged.py), or as is on a GPU: the paged single-query kernel against its
-gathered reference, over scattered blocks, several splits, windows, GQA, an fp8 pool (fp32 and
+gathered reference, over scattered blocks, several splits, windows (with attention sinks), GQA, an fp8 pool (fp32 and
 bf16 queries), and results stored into a given output (a view; fp16)."""
 
 import os
@@ -27,6 +27,14 @@ def main():
             ref = paged_attention_ref(q, kp, vp, table, pos, bs, window)
             err = ((out - ref).norm() / ref.norm()).item()
             assert err < 1e-5, (window, per, err)
+    # attention sinks: a windowed row also sees its first positions (one split, several; a row whose
+    # window still covers them; sinks past a split's end)
+    for window, sinks, per in ((7, 2, None), (7, 2, 16), (7, 5, 4), (30, 4, 8)):
+        out = paged_attention_kernel(q, kp, vp, table, pos, bs, window, keys_per_split=per, sinks=sinks)
+        ref = paged_attention_ref(q, kp, vp, table, pos, bs, window, sinks=sinks)
+        plain = paged_attention_ref(q, kp, vp, table, pos, bs, window)
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-5, (window, sinks, per)
+        assert ((plain - ref)[2].norm() / ref[2].norm()).item() > 1e-2  # the last row's sinks matter
     # into a view of a larger buffer (the decode pair's output rows): one split stores there itself,
     # several merge there; nothing outside the view is touched
     buf = torch.full((1, 2 * R, H, D), float("nan"))

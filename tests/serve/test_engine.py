@@ -39,12 +39,15 @@ class Collector:
 
 
 @pytest.mark.parametrize("attention, routing", [("orthros", None), ("full", None), ("swa", None),
+                                                  ("orthros", "sinks"), ("swa", "sinks"),
                                                   ("orthros", "independent"), ("orthros", "bound"),
                                                   ("orthros", "base")])
 def test_concurrent_greedy_equals_alone(attention, routing):
-    """routing: None for the dense tiny model, else the MoE one with that `output_routing`
-    (packed decode-only steps pair each output row with its base row)."""
-    moe = {} if routing is None else dict(base="tiny-moe", output_routing=routing)
+    """routing: None for the dense tiny model, "sinks" for it with attention sinks, else the MoE one
+    with that `output_routing` (packed decode-only steps pair each output row with its base row)."""
+    moe = {} if routing in (None, "sinks") else dict(base="tiny-moe", output_routing=routing)
+    if routing == "sinks":
+        moe = dict(sink_tokens=3)
     model = make_model(attention, window=6, initializer_range=0.3, **moe)
     prompts, max_tokens = _workload()
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=48, max_num_batched_tokens=13, max_num_seqs=6,
@@ -290,12 +293,13 @@ def test_max_model_len_auto_is_what_the_pool_holds():
             Engine(model, EngineConfig(block_size=4, num_blocks=10, max_model_len=bad))
 
 
-@pytest.mark.parametrize("attention", ["orthros", "full"])
+@pytest.mark.parametrize("attention, sinks", [("orthros", 0), ("full", 0), ("orthros", 2)])
 @torch.no_grad()
-def test_static_decode_buffers_equal_the_eager_step(attention):
+def test_static_decode_buffers_equal_the_eager_step(attention, sinks):
     """What the CUDA graphs capture, run eagerly on CPU: a decode-only step over the static
-    buffers, padded to its bucket with scratch rows, gives the eager step's logits."""
-    model = make_model(attention, window=6, initializer_range=0.3)
+    buffers, padded to its bucket with scratch rows, gives the eager step's logits (with attention
+    sinks too)."""
+    model = make_model(attention, window=6, initializer_range=0.3, sink_tokens=sinks)
     eng, segments = decoding_engine(model)
     eager = eng.runner.forward(segments)
     graphs = decode_graphs(eng)

@@ -17,12 +17,15 @@ def test_paged_reference_equals_naive_on_gathered_keys():
     kp, vp = torch.randn(nb * bs, Hkv, D), torch.randn(nb * bs, Hkv, D)
     blocks = [7, 2, 11, 5]
     q = torch.randn(1, H, D)
-    for window in (None, 3):
-        got = paged_attention_ref(q, kp, vp, torch.tensor([blocks]), torch.tensor([13]), bs, window)
-        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(14)])
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(14)])
+    for window, sinks in ((None, 0), (3, 0), (3, 2), (3, 11), (3, 14), (None, 2)):
+        got = paged_attention_ref(q, kp, vp, torch.tensor([blocks]), torch.tensor([13]), bs, window, sinks=sinks)
         ref = naive_attention(q[:, None], kp[slots][None], vp[slots][None], torch.tensor([[13]]),
-                              torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 14, dtype=torch.long), window)
-        assert rel_err(got, ref[:, 0]) < 1e-6
+                              torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 14, dtype=torch.long), window,
+                              sinks=sinks, return_probs=True)
+        assert rel_err(got, ref[0][:, 0]) < 1e-6, (window, sinks)
+        seen = int((ref[1] > 0).sum()) // H  # a case that can fail: the sinks change what is seen
+        assert seen == (14 if window is None else 3 + min(sinks, 11)), (window, sinks, seen)
 
 
 def test_paged_op_stores_into_a_given_output_and_checks_it():

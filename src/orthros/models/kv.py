@@ -24,15 +24,16 @@ KVRead = Union[DenseKV, PagedKV, LowBitKV, PagedLowBitKV, ShardedKV]
 
 
 def check_no_sinks(config, cache: str) -> None:
-    """Attention sinks (`OrthrosConfig.sink_tokens`) are read from `OrthrosCache` only: a cache that
-    does not keep them says so at construction instead of attending without them."""
+    """Attention sinks (`OrthrosConfig.sink_tokens`) are read from the dense caches and the serving
+    engine's bf16 / fp8 pool: a cache that does not keep them says so at construction instead of
+    attending without them."""
     from ..errors import Unsupported
 
     sinks = getattr(config, "sink_tokens", 0)
     if sinks:
         raise Unsupported(
             f"{cache} does not keep attention sinks yet (this model has sink_tokens={sinks}): "
-            "use a dense cache (OrthrosCache, StaticOrthrosCache: generate() without a low-bit kv_dtype)")
+            "use a dense cache (generate() without a low-bit kv_dtype; orthros serve with --kv-dtype bf16 or fp8)")
 
 
 @runtime_checkable

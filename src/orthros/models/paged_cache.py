@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.kv import PagedChunk, PagedKV, PagedLowBitKV, PagedRows
-from .kv import check_no_sinks
 from .layout import Layout
 from .paged_lowbit import PagedLowBitPool, lowbit_bytes_per_token
 from .static_cache import FP8, FP8_MARGIN, FP8_MAX, LOWBIT_KV_DTYPES, kv_storage_dtype
@@ -59,7 +58,6 @@ class PagedKVPool:
     def __init__(self, config, num_blocks: int, block_size: int, device, dtype: torch.dtype, kv_dtype: str = "auto"):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
-        check_no_sinks(config, "a paged KV pool (orthros serve)")
         L, Hkv, D = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
         self.num_layers, self.num_blocks, self.block_size = L, num_blocks, block_size
         self.device, self.dtype = torch.device(device), dtype
@@ -76,10 +74,6 @@ class PagedKVPool:
         # kernel; any other length runs the blocked op. None: every multiple of 128. A serving
         # engine sets the lengths its token budget cuts and compiles them before serving.
         self.compiled_chunks: frozenset[int] | None = None
-
-    @property
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for p in (self.k, self.v) for t in p)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [T, Hkv, D] at pool slots [T].
@@ -149,6 +143,8 @@ class PagedStepCache:
         kg = pool.key_group if isinstance(pool, PagedLowBitPool) else None
         groups = []  # low-bit: (pool slot, position) of the first slot of each key group completed here
         self.base_window = None if config.attention == "full" else config.window_size
+        # attention sinks: a windowed chunk's keys begin with its sequence's first positions below its window
+        self.sinks = getattr(config, "sink_tokens", 0) if self.base_window is not None else 0
         tokens, pos, doc, out_idx, slots = [], [], [], [], []
         base_single, out_single, dense = [], [], []  # (segment, position) / _Dense
         max_blocks = max(len(s.blocks) for s in segments)
@@ -172,13 +168,14 @@ class PagedStepCache:
                 base_single.append((r0, i, s.start))
             else:
                 a = 0 if self.base_window is None else max(0, s.start - self.base_window + 1)
-                kp = torch.arange(a, s.start + n)
+                ns = min(a, self.sinks)
+                kp = torch.cat([torch.arange(ns), torch.arange(a, s.start + n)])
                 ks = table[i].long()[kp // bs] * bs + kp % bs
                 m = self._padded_rows(n, s.start - a)
                 if m > n:  # keys past the chunk's last one: no real query sees them (causal)
                     ks = torch.cat([ks, ks[-1:].expand(m - n)])
-                qs = (s.start - a + torch.arange(m, device=dev))[None]
-                dense.append(_Dense(r0, r0 + n, s.start - a, ks.to(dev), qs, torch.zeros_like(qs),
+                qs = (ns + s.start - a + torch.arange(m, device=dev))[None]
+                dense.append(_Dense(r0, r0 + n, ns + s.start - a, ks.to(dev), qs, torch.zeros_like(qs),
                                     torch.zeros(1, ks.numel(), dtype=torch.long, device=dev)))
             if s.output:
                 out_single.append((len(out_idx), i, s.start + n - 1))
@@ -204,14 +201,14 @@ class PagedStepCache:
 
     @classmethod
     def static_decode(cls, pool: PagedKVPool, input_ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-                      table: torch.Tensor, max_len: int) -> "PagedStepCache":
+                      table: torch.Tensor, max_len: int, sinks: int = 0) -> "PagedStepCache":
         """A decode-only forward over caller-owned buffers (one token per row, each an output):
         input_ids [1, B], pos [B], slots [B], table [B, max_blocks]. Nothing here reads them on
         the host, so a forward through this cache can be captured in a CUDA graph and replayed
         after the buffers are refilled in place; `max_len` bounds every sequence (it fixes the
-        attention kernel's launch grid)."""
+        attention kernel's launch grid); `sinks`: the model's attention sinks (`sink_tokens`)."""
         self = cls.__new__(cls)
-        self.pool = pool
+        self.pool, self.sinks = pool, sinks
         B, dev = input_ids.shape[1], input_ids.device
         self.input_ids, self.slots, self.table = input_ids, slots, table
         rows = torch.arange(B, device=dev)
@@ -260,4 +257,4 @@ class PagedStepCache:
         pool.write(layer_idx, self.slots, k[0], v[0])
         scales = (pool.k_scale[layer_idx], pool.v_scale[layer_idx]) if pool.fp8 else (None, None)
         return PagedKV(pool.k[layer_idx], pool.v[layer_idx], pool.block_size, self._base_single, self._out_single,
-                       self._dense, pool.compiled_chunks, *scales)
+                       self._dense, pool.compiled_chunks, *scales, sinks=self.sinks)

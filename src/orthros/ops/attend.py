@@ -34,13 +34,13 @@ from .splitkv.common import splitkv_takes
 
 def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto", dense_start=None,
            window_rows=None, base_rows: int = 0, sinks: int = 0):
-    if sinks and window is not None:  # attention sinks: read over dense keys that start at slot 0
+    if sinks and window is not None and not isinstance(kv, PagedKV):  # attention sinks (a paged read knows its own)
         if not isinstance(kv, DenseKV) or kv.start:
             from ..errors import Unsupported
 
             what = type(kv).__name__ + (" (a window of keys)" if isinstance(kv, DenseKV) else "")
-            raise Unsupported(f"attention sinks (sink_tokens={sinks}) are read from dense caches only (the dynamic "
-                              f"and the static cache), not from {what}")
+            raise Unsupported(f"attention sinks (sink_tokens={sinks}) are read from dense and paged caches only "
+                              f"(the dynamic, the static and the serving engine's), not from {what}")
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
         from .paged_read import paged_attend

@@ -77,7 +77,8 @@ class PagedKV:
 
     base / out: the single-key rows of each stream; chunks: the prompt chunks' base rows;
     compiled_chunks: chunk lengths whose windowed attention runs a compiled kernel (None: every
-    multiple of 128); k_scale / v_scale: fp8 scales [Hkv], or None."""
+    multiple of 128); k_scale / v_scale: fp8 scales [Hkv], or None; sinks: windowed rows also see their
+    sequence's first `sinks` positions (a chunk's gathered keys begin with those below its window)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -88,6 +89,7 @@ class PagedKV:
     compiled_chunks: frozenset[int] | None = None
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    sinks: int = 0
 
 
 @dataclass

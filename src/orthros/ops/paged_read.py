@@ -31,14 +31,14 @@ def paged_attend(q, kv: PagedKV, window, scale, backend, window_rows, base_rows:
     if window_rows is not None:  # both streams of decodes: [base rows | output rows]
         r = window_rows
         o = q.new_empty(q.shape)  # both calls store into it: no concatenation
-        _single(kv, q[:, :r], kv.base, window, scale, out=o[:, :r])
+        _single(kv, q[:, :r], kv.base, window, scale, out=o[:, :r], sinks=kv.sinks)
         _single(kv, q[:, r:], kv.out, None, scale, out=o[:, r:])
     elif base_rows and not kv.chunks:  # every segment is one token: rows in order
-        o = _single(kv, q, kv.base, window, scale)
+        o = _single(kv, q, kv.base, window, scale, sinks=kv.sinks)
     elif base_rows:
         o = q.new_empty(q.shape)
         if kv.base.rows.numel():
-            o[:, kv.base.rows] = _single(kv, q[:, kv.base.rows], kv.base, window, scale)
+            o[:, kv.base.rows] = _single(kv, q[:, kv.base.rows], kv.base, window, scale, sinks=kv.sinks)
         for d in kv.chunks:
             kd, vd = _gather(kv, d.slots, q.dtype)
             n, m = d.r1 - d.r0, d.q_slot.shape[1]
@@ -55,21 +55,21 @@ def paged_attend(q, kv: PagedKV, window, scale, backend, window_rows, base_rows:
             if m > n:
                 qc = torch.cat([qc, qc.new_zeros(m - n, *qc.shape[1:])])
             oc = attention(qc[None], kd, vd, d.q_slot, d.q_doc, d.k_doc, window=window, scale=scale,
-                           backend=be, dense_start=d.dense_start)
+                           backend=be, dense_start=d.dense_start, sinks=kv.sinks)
             o[:, d.r0:d.r1] = oc[:, :n]
     else:
-        o = _single(kv, q, kv.out, window, scale)
+        o = _single(kv, q, kv.out, window, scale, sinks=kv.sinks)
     if kv.v_scale is not None:
         o = o * kv.v_scale.repeat_interleave(H // Hkv)[:, None].to(o.dtype)
     return o
 
 
-def _single(kv: PagedKV, q, single: PagedRows, window, scale, out=None):
+def _single(kv: PagedKV, q, single: PagedRows, window, scale, out=None, sinks: int = 0):
     """q [1, R, H, D], one query per row of `single` -> [1, R, H, D] (into `out` if given)."""
     if q.shape[1] == 0:
         return q if out is None else out
     o = paged_attention(q[0], kv.k, kv.v, single.table, single.pos, kv.block_size, window=window, scale=scale,
-                        max_len=single.max_len, out=None if out is None else out[0])
+                        max_len=single.max_len, out=None if out is None else out[0], sinks=sinks)
     return o[None]
 
 

@@ -65,7 +65,7 @@ class DecodeGraphs:
 
     def _cache(self, b: int) -> PagedStepCache:
         return PagedStepCache.static_decode(self.pool, self.input_ids[:, :b], self.pos[:b], self.slots[:b],
-                                            self.table[:b], self.max_len)
+                                            self.table[:b], self.max_len, self.model.config.sink_tokens)
 
     def _forward(self, cache: PagedStepCache) -> torch.Tensor:
         m = self.model

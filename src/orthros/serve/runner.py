@@ -165,8 +165,9 @@ class ModelRunner:
     def compile_chunks(self, blocks: BlockPool, chunk_lengths: list[int]) -> None:
         lengths = [n for n in chunk_lengths if n >= 128]
         self.pool.compiled_chunks = frozenset(lengths)
-        for n in lengths:
-            for start in (0, self.model.config.window_size):
+        c = self.model.config
+        for n in lengths:  # a first chunk; a later one, whose keys begin with the sinks below its window
+            for start in (0, c.window_size + c.sink_tokens):
                 self._warm_forward(blocks, [(n, start, False)])
 
     def warm_mixed_step(self, blocks: BlockPool) -> None:

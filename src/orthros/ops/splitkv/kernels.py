@@ -169,6 +169,22 @@ def _head_group(Hkv, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constex
     return (pid // Hkv).to(tl.int64), kvh, g < G, kvh * G + g, d, d < D
 
 
+@triton.jit
+def _paged_tiles(q, K, V, TABLE, r, s_table, kvh, d, dmask, lo, hi, n, sks, skh, svs, svh, scale, m_i, l_i, acc,
+                 BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Row r's positions [lo, hi) in tiles of BLOCK_N, each read through its block table, folded into
+    the running softmax."""
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + n
+        jvalid = j < hi
+        blk = tl.load(TABLE + r * s_table + j // BS, mask=jvalid, other=0).to(tl.int64)
+        slot = blk * BS + j % BS
+        acc, m_i, l_i = _attend_tile(q, K + slot[:, None] * sks + kvh * skh + d[None, :],
+                                     V + slot[:, None] * svs + kvh * svh + d[None, :],
+                                     jvalid[:, None] & dmask[None, :], jvalid[None, :], scale, m_i, l_i, acc, IEEE)
+    return acc, m_i, l_i
+
+
 # Values that change with a request's length are not specialized on (divisibility by 16, == 1):
 # each new class would compile the kernel again, in the middle of serving a long prompt.
 @triton.jit(do_not_specialize=["s_table", "slr"])
@@ -177,7 +193,8 @@ def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
               Hkv, scale, window, keys_per_split,
               BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr,
-              F16: tl.constexpr):
+              F16: tl.constexpr, SINKS: tl.constexpr = 0):
+    """SINKS > 0 (with a window): a row also sees its sequence's first SINKS positions."""
     split = tl.program_id(1)
     r, kvh, gvalid, h, d, dmask = _head_group(Hkv, G, BLOCK_R, BLOCK_D, D)
     q = tl.load(Q + r * sqr + h[:, None] * sqh + d[None, :], mask=gvalid[:, None] & dmask[None, :], other=0.0)
@@ -185,7 +202,8 @@ def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
         q, qs = _fp16_queries(q)
         scale = scale / qs
     pos = tl.load(POS + r).to(tl.int64)
-    start = split.to(tl.int64) * keys_per_split
+    split_start = split.to(tl.int64) * keys_per_split
+    start = split_start
     end = tl.minimum(start + keys_per_split, pos + 1)
     if HAS_WINDOW:
         start = tl.maximum(start, pos - window + 1)
@@ -193,14 +211,13 @@ def paged_fwd(Q, K, V, TABLE, POS, O, LSE,
     l_i = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for j0 in range(start, end, BLOCK_N):
-        j = j0 + n
-        jvalid = j < end
-        blk = tl.load(TABLE + r * s_table + j // BS, mask=jvalid, other=0).to(tl.int64)
-        slot = blk * BS + j % BS
-        acc, m_i, l_i = _attend_tile(q, K + slot[:, None] * sks + kvh * skh + d[None, :],
-                                     V + slot[:, None] * svs + kvh * svh + d[None, :],
-                                     jvalid[:, None] & dmask[None, :], jvalid[None, :], scale, m_i, l_i, acc, IEEE)
+    if HAS_WINDOW:
+        if SINKS > 0:  # the sink positions this split holds below the window
+            acc, m_i, l_i = _paged_tiles(q, K, V, TABLE, r, s_table, kvh, d, dmask, split_start,
+                                         tl.minimum(tl.minimum(end, start), SINKS), n, sks, skh, svs, svh, scale,
+                                         m_i, l_i, acc, BS, BLOCK_N, IEEE)
+    acc, m_i, l_i = _paged_tiles(q, K, V, TABLE, r, s_table, kvh, d, dmask, start, end, n, sks, skh, svs, svh, scale,
+                                 m_i, l_i, acc, BS, BLOCK_N, IEEE)
     o, lse = _finish(acc, m_i, l_i)
     tl.store(O + r * sor + split * sop + h[:, None] * soh + d[None, :], o, mask=gvalid[:, None] & dmask[None, :])
     tl.store(LSE + r * slr + split * slp + h, lse, mask=gvalid)

@@ -8,15 +8,8 @@ import triton
 import triton.language as tl
 
 from ..lowbit.write_kernel import _rotate
-from .kernels import _query_rows
+from .kernels import _dot, _query_rows
 
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 @triton.jit
 def _as_operand(n, DT: tl.constexpr):

@@ -20,7 +20,8 @@ query (or a prompt's output query) at position `pos[r]` sees its keys
 Static shapes and no host sync on the kernel path (the split size is a
 host-side argument), so a decode step that uses it can be captured in a CUDA
 graph. fp8 pools are read as stored; the caller folds the K/V scales into the
-queries and the output.
+queries and the output. With `sinks` S (and a window) a query also sees its
+sequence's first S positions (attention sinks, `OrthrosConfig.sink_tokens`).
 """
 
 from __future__ import annotations
@@ -39,14 +40,15 @@ def paged_splits(max_len: int, rows: int, kv_heads: int, device, block_n: int = 
 
 def paged_attention(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
                     scale: float | None = None, keys_per_split: int | None = None, max_len: int | None = None,
-                    out: torch.Tensor | None = None):
+                    out: torch.Tensor | None = None, sinks: int = 0):
     """Single queries over a paged pool.
 
     Args:
         q: [R, H, D] one query per row.
         k_pool, v_pool: [num_blocks * block_size, Hkv, D] (any float dtype, fp8 included).
         table: [R, max_blocks] int block ids of each row's sequence (entries past its length unused).
-        pos: [R] int position of each query (it sees keys 0..pos, or the last `window`).
+        pos: [R] int position of each query (it sees keys 0..pos, or the last `window` and the
+            first `sinks`).
         keys_per_split: the kernel's split size (static: fixes the launch grid); default from
             `max_len` (the longest sequence, default table.shape[1] * block_size).
         out: [R, H, D] in q's dtype (a view is fine) to write the result into, instead of a new
@@ -61,16 +63,16 @@ def paged_attention(q, k_pool, v_pool, table, pos, block_size: int, window: int 
     if q.shape[0] == 0:
         return q.new_zeros(q.shape) if out is None else out
     if not (q.is_cuda and triton_available()):
-        o = paged_attention_ref(q, k_pool, v_pool, table, pos, block_size, window, scale)
+        o = paged_attention_ref(q, k_pool, v_pool, table, pos, block_size, window, scale, sinks)
         return o if out is None else out.copy_(o)
     return paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size, window, scale, keys_per_split, max_len,
-                                  out)
+                                  out, sinks=sinks)
 
 
 def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
                            scale: float | None = None, keys_per_split: int | None = None,
                            max_len: int | None = None, out: torch.Tensor | None = None,
-                           fp16_dots: bool | None = None):
+                           fp16_dots: bool | None = None, sinks: int = 0):
     """`paged_attention` through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
     fp16_dots: see `common.use_fp16_dots`."""
     import triton
@@ -98,7 +100,7 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
         Hkv, scale, 0 if window is None else window, per,
         BS=block_size, G=G, D=D, BLOCK_R=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        F16=use_fp16_dots(q, k_pool, fp16_dots),
+        F16=use_fp16_dots(q, k_pool, fp16_dots), SINKS=sinks if window is not None else 0,
     )
     if P == 1:
         return out
@@ -108,19 +110,21 @@ def paged_attention_kernel(q, k_pool, v_pool, table, pos, block_size: int, windo
 
 
 def paged_attention_ref(q, k_pool, v_pool, table, pos, block_size: int, window: int | None = None,
-                        scale: float | None = None):
-    """`paged_attention` by gathering: each row's visible keys [lo, pos] into a padded
-    [R, S, Hkv, D] batch (S = the longest span), then the reference op."""
+                        scale: float | None = None, sinks: int = 0):
+    """`paged_attention` by gathering: each row's visible keys (its sinks below the window, then
+    [lo, pos]) into a padded [R, S, Hkv, D] batch (S = the longest span), then the reference op."""
     pos = pos.long()
     lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_min(0)
+    sinks = sinks if window is not None else 0
     span = int((pos - lo).max()) + 1
-    j = lo[:, None] + torch.arange(span, device=q.device)[None, :]  # [R, S] key positions
-    valid = j <= pos[:, None]
+    ar = torch.arange(sinks + span, device=q.device)[None, :]
+    j = torch.where(ar < sinks, ar, lo[:, None] + ar - sinks)  # [R, S] key positions: sinks, then the window
+    valid = (j <= pos[:, None]) & ((ar >= sinks) | (j < lo[:, None]))
     jc = torch.where(valid, j, 0)
     slot = table.long().gather(1, jc // block_size) * block_size + jc % block_size
     k = k_pool[slot].to(q.dtype)  # [R, S, Hkv, D]
     v = v_pool[slot].to(q.dtype)
     k_doc = torch.where(valid, 0, PAD_DOC)
-    q_slot = (pos - lo)[:, None]
-    o = naive_attention(q[:, None], k, v, q_slot, torch.zeros_like(q_slot), k_doc, window=window, scale=scale)
+    q_slot = torch.full_like(pos, sinks + span - 1)[:, None]  # every gathered key is visible or padding
+    o = naive_attention(q[:, None], k, v, q_slot, torch.zeros_like(q_slot), k_doc, scale=scale)
     return o[:, 0]
