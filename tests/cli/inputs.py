@@ -75,8 +75,6 @@ def build_models(w: Path, tok) -> None:
     torch.manual_seed(0)
     byte = w / "byte"  # byte-level: needs no tokenizer files
     OrthrosForCausalLM(OrthrosConfig.from_name("tiny", max_position_embeddings=64)).save_pretrained(byte)
-    OrthrosForCausalLM(OrthrosConfig.from_name("tiny", max_position_embeddings=64, sink_tokens=2)).save_pretrained(
-        w / "sinks")  # attention sinks: refused by the caches that do not keep them
     OrthrosForCausalLM(OrthrosConfig.from_name("tiny", vocab_size=320, max_position_embeddings=64)).save_pretrained(
         w / "vocab320")  # a teacher with another vocabulary
     bpe = w / "bpe"

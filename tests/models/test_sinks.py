@@ -1,9 +1,9 @@
-"""SPEC §2's invariants for a model with attention sinks (`sink_tokens`), and the caches that refuse them."""
+"""SPEC §2's invariants for a model with attention sinks (`sink_tokens`), on every cache that keeps them."""
 
 import pytest
 import torch
 
-from orthros.generate import decode_one_token, generate, new_static_cache, prefill
+from orthros.generate import decode_one_token, decode_one_token_fast, generate, left_pad, new_static_cache, prefill
 
 from ..conftest import DEVICE, make_model, rel_err
 
@@ -62,7 +62,7 @@ def test_window_and_sinks_covering_the_sequence_is_the_full_model():
         assert rel_err(model(ids).logits, full(ids).logits) < TOL
 
 
-def test_generate_on_both_dense_caches_and_the_low_bit_cache_refuses():
+def test_generate_on_both_dense_caches():
     model = make_model(window=4, sink_tokens=2)
     ids = ids_for(12, seed=3)
     ref = ids
@@ -72,8 +72,38 @@ def test_generate_on_both_dense_caches_and_the_low_bit_cache_refuses():
         out = generate(model, ids, max_new_tokens=5, temperature=0.0, fast=fast, compile=False,
                        prefill_chunk_size=5)
         assert torch.equal(out, ref), fast
-    with pytest.raises(NotImplementedError, match="LowBitStaticCache does not keep attention sinks.*sink_tokens=2"):
-        new_static_cache(model, 1, 32, "int4")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int4", "int2"])
+def test_low_bit_cache_keeps_sinks(kv_dtype):
+    """The low-bit cache's base stream reads the sinks from its bf16 sink slots (a prefill chunk's
+    window gets them before its keys; a decode step's low-bit read takes them): logits do not depend
+    on chunking or decoding, stay as close to the bf16 cache's as without sinks, and are far from a
+    model that ignores the sinks; a left-padded batch is refused."""
+    from ..generation.test_lowbit_cache import REL_ERR, chunked_logits, lowbit_cache
+
+    model = make_model(window=8, sink_tokens=2)
+    plain = make_model(window=8)
+    plain.load_state_dict(model.state_dict())
+    ids = ids_for(90, seed=1)
+    ref = chunked_logits(model, ids, None, lowbit_cache(model, 1, 90, kv_dtype), 90)
+    for chunk in (16, 37):
+        assert rel_err(chunked_logits(model, ids, None, lowbit_cache(model, 1, 90, kv_dtype), chunk), ref) < 1e-4
+    quantization = rel_err(ref, chunked_logits(model, ids, None, new_static_cache(model, 1, 90, "bf16"), 90))
+    assert 1e-4 < quantization < REL_ERR[kv_dtype]
+    no_sinks = rel_err(chunked_logits(plain, ids, None, lowbit_cache(plain, 1, 90, kv_dtype), 90), ref)
+    assert no_sinks > 3 * quantization, (no_sinks, quantization)  # the sinks are read
+    cache = lowbit_cache(model, 1, 90, kv_dtype)
+    logits, _ = prefill(model, ids[:, :40], None, cache=cache, chunk_size=13)
+    steps = [logits]
+    for t in range(40, 89):
+        steps.append(decode_one_token_fast(model, ids[:, t], cache))
+    assert rel_err(torch.stack(steps, 1), ref[:, 39:89]) < 0.2 * quantization
+    out = generate(model, ids[:, :30], max_new_tokens=4, temperature=0.0, fast=True, compile=False, kv_dtype=kv_dtype)
+    assert out.shape == (1, 34)
+    ids2, mask = left_pad([ids[0, :20].tolist(), ids[0, :30].tolist()], 0, DEVICE)
+    with pytest.raises(NotImplementedError, match="LowBitStaticCache keeps attention sinks.*left-padded"):
+        generate(model, ids2, mask, max_new_tokens=2, fast=True, compile=False, kv_dtype=kv_dtype)
 
 
 def test_sink_tokens_is_validated():

@@ -47,18 +47,23 @@ def _prompts(lengths, seed=0):
     return [[rng.randrange(256) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
+@pytest.mark.parametrize("kv_dtype, sinks", [("int4", 0), ("int2", 0), ("k4v2", 0), ("int4", 3), ("int2", 6)])
 @torch.no_grad()
-def test_greedy_tokens_equal_the_static_lowbit_cache(kv_dtype):
+def test_greedy_tokens_equal_the_static_lowbit_cache(kv_dtype, sinks):
     """Prompts chunked by the step budget (48) over blocks of 64, decoding past key-group edges: the
-    tokens of `generate` with the static low-bit cache of the same dtype (the same stored bits)."""
-    model = make_model("orthros", window=W, initializer_range=0.3)
+    tokens of `generate` with the static low-bit cache of the same dtype (the same stored bits); with
+    attention sinks too (6: more than the format's 4 bf16 sink slots)."""
+    model = make_model("orthros", window=W, initializer_range=0.3, sink_tokens=sinks)
     prompts = _prompts([150, 70, 5])
     got = _serve(_engine(model, kv_dtype), prompts, 60)
     for p, g in zip(prompts, got):
         assert g == _static(model, p, 60, kv_dtype)
     # and the storage shows: the 16-bit pool's tokens differ somewhere
     assert got != _serve(_engine(model, "auto", block_size=4, num_blocks=256), prompts, 60)
+    if sinks:  # and the sinks: the same weights without them serve other tokens
+        plain = make_model("orthros", window=W, initializer_range=0.3)
+        plain.load_state_dict(model.state_dict())
+        assert got != _serve(_engine(plain, kv_dtype), prompts, 60)
 
 
 @torch.no_grad()
@@ -163,6 +168,8 @@ def test_what_a_lowbit_pool_cannot_serve_is_a_clear_error():
         _engine(make_model("full"), "int4")
     with pytest.raises(ValueError, match="block size must be a multiple of 64, got 16"):
         _engine(make_model("orthros", window=W), "int2", block_size=16)
+    with pytest.raises(ValueError, match="block size must be at least sink_tokens=70, got 64"):
+        _engine(make_model("orthros", window=W, sink_tokens=70), "int4")
 
 
 def test_cli_lowbit_flags(capsys):

@@ -24,8 +24,8 @@ KVRead = Union[DenseKV, PagedKV, LowBitKV, PagedLowBitKV, ShardedKV]
 
 
 def check_no_sinks(config, cache: str) -> None:
-    """Attention sinks (`OrthrosConfig.sink_tokens`) are read from the dense caches and the serving
-    engine's bf16 / fp8 pool: a cache that does not keep them says so at construction instead of
+    """Attention sinks (`OrthrosConfig.sink_tokens`) are read from the dense, low-bit and paged caches:
+    a cache that does not keep them (context parallelism's) says so at construction instead of
     attending without them."""
     from ..errors import Unsupported
 
@@ -33,7 +33,7 @@ def check_no_sinks(config, cache: str) -> None:
     if sinks:
         raise Unsupported(
             f"{cache} does not keep attention sinks yet (this model has sink_tokens={sinks}): "
-            "use a dense cache (generate() without a low-bit kv_dtype; orthros serve with --kv-dtype bf16 or fp8)")
+            "run it on one device")
 
 
 @runtime_checkable

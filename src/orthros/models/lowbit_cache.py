@@ -54,7 +54,6 @@ from ..ops.lowbit import BITS, dense_kv, quantize_keys, quantize_values, rotate,
 from ..ops.lowbit.format import packed_bound
 from ..ops.lowbit.write import decode_write, write_kernel_applies
 from ..ops.masks import PAD_DOC
-from .kv import check_no_sinks
 from .static_cache import StaticOrthrosCache
 
 KEY_GROUP = 64  # slots per key (scale, zero) group
@@ -76,7 +75,6 @@ class LowBitStaticCache(StaticOrthrosCache):
                  key_group: int = KEY_GROUP, value_group: int = VALUE_GROUP, sinks: int = SINKS,
                  recent: int | None = None, rotate: bool = True, key_bits=None):
         Cache.__init__(self, layers=[])
-        check_no_sinks(config, "LowBitStaticCache")
         if kv_dtype not in BITS:
             raise ValueError(f"a low-bit cache's kv_dtype is one of {tuple(BITS)}, got {kv_dtype!r}")
         if config.attention != "orthros":
@@ -96,6 +94,9 @@ class LowBitStaticCache(StaticOrthrosCache):
         if key_group < 1 or sinks < 0 or recent < config.window_size:
             raise ValueError(f"key_group must be >= 1, sinks >= 0 and recent >= the window ({config.window_size}); "
                              f"got {key_group}, {sinks}, {recent}")
+        # the model's attention sinks (`sink_tokens`) are read by the base stream from the bf16 sinks
+        self.attn_sinks = getattr(config, "sink_tokens", 0)
+        sinks = max(sinks, self.attn_sinks)
         # key_bits: the kv_dtype's (every layer unless `layer_key_bits` says otherwise)
         self.kv_dtype, self.key_bits, self.value_bits = kv_dtype, kb, vb
         self.key_group, self.value_group, self.sinks, self.recent = key_group, value_group, sinks, recent
@@ -163,6 +164,15 @@ class LowBitStaticCache(StaticOrthrosCache):
         mean over the layers)."""
         slots = self.kq[0].shape[0] * self.kq[0].shape[1] * self.num_layers
         return sum(x.numel() * x.element_size() for i in range(self.num_layers) for x in self.layer(i)[2:8]) / slots
+
+    def append_tokens(self, doc, next_pos, last_doc, pos=None) -> None:
+        if self.attn_sinks and self.length == 0 and bool((doc[:, 0] == PAD_DOC).any()):
+            from ..errors import Unsupported
+
+            raise Unsupported(f"LowBitStaticCache keeps attention sinks (sink_tokens={self.attn_sinks}) for rows that "
+                              "start at the first slot: this batch is left-padded (generate its rows one at a time, "
+                              "or without a low-bit kv_dtype)")
+        super().append_tokens(doc, next_pos, last_doc, pos)
 
     # ----------------------------------------------------------- K/V storage
     def _ring_slots(self, a: int, b: int) -> torch.Tensor:
@@ -237,7 +247,12 @@ class LowBitStaticCache(StaticOrthrosCache):
         the others the whole cache (low-bit below the bound). Decode: the whole capacity, read by one
         capturable op (value scales head-major, as stored)."""
         wk, wv = self.update(layer_idx, k, v)
-        return self.read(layer_idx, None if self.decoding else DenseKV(wk, wv, start=self._win_start))
+        if self.decoding:
+            return self.read(layer_idx)
+        h = min(self._win_start, self.attn_sinks)  # attention sinks below the window: read before it
+        if h:
+            wk, wv = torch.cat([self.sk[layer_idx][:, :h], wk], 1), torch.cat([self.sv[layer_idx][:, :h], wv], 1)
+        return self.read(layer_idx, DenseKV(wk, wv, start=self._win_start, head=h))
 
     def read(self, layer_idx: int, window: DenseKV | None = None) -> LowBitKV:
         """What attention reads of layer `layer_idx` as the cache stands (`write` gives a prefill

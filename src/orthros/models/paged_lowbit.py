@@ -29,7 +29,6 @@ import torch
 
 from ..ops.kv import PagedChunk, PagedKV, PagedLowBitKV, PagedRows
 from ..ops.lowbit import BITS, quantize_keys, quantize_values, rotate, rotation_matrix
-from .kv import check_no_sinks
 from .lowbit_cache import KEY_GROUP, SINKS, VALUE_GROUP, high_dtype, layer_key_bits
 
 
@@ -43,6 +42,9 @@ def check_lowbit_pool(config, kv_dtype: str, block_size: int, key_group: int = K
     if block_size % key_group:
         raise ValueError(f"--kv-dtype {kv_dtype} stores key groups of {key_group} slots inside a block: the block "
                          f"size must be a multiple of {key_group}, got {block_size}")
+    if getattr(config, "sink_tokens", 0) > block_size:
+        raise ValueError(f"--kv-dtype {kv_dtype} keeps the attention sinks in a sequence's first block: the block "
+                         f"size must be at least sink_tokens={config.sink_tokens}, got {block_size}")
     D = config.head_dim
     bits = min(min(layer_key_bits(config, kv_dtype)), BITS[kv_dtype][1])
     if D % (8 // bits) or D % min(VALUE_GROUP, D):
@@ -82,7 +84,6 @@ class PagedLowBitPool:
 
     def __init__(self, config, num_blocks: int, block_size: int, device, dtype: torch.dtype, kv_dtype: str,
                  num_twins: int, rotate: bool = True):
-        check_no_sinks(config, "a low-bit paged KV pool (orthros serve)")
         check_lowbit_pool(config, kv_dtype, block_size)
         if num_blocks < 1 or num_twins < 1:
             raise ValueError(f"num_blocks and num_twins must be >= 1, got {num_blocks}, {num_twins}")
@@ -94,7 +95,10 @@ class PagedLowBitPool:
         self.fp8 = False
         self.layer_key_bits = layer_key_bits(config, kv_dtype)
         self.value_bits = BITS[kv_dtype][1]
-        self.key_group, self.value_group, self.sinks, self.recent = kg, VG, SINKS, config.window_size
+        # bf16 sink slots in block 0's twin: the format's, or the model's attention sinks if more (as
+        # `LowBitStaticCache` keeps them); the base rows read those from the twin
+        sinks = max(SINKS, getattr(config, "sink_tokens", 0))
+        self.key_group, self.value_group, self.sinks, self.recent = kg, VG, sinks, config.window_size
         self.rotated = rotate
         self.rotation = rotation_matrix(D, device) if rotate else None
         self.hi = high_dtype(dtype)
@@ -146,7 +150,7 @@ class PagedLowBitPool:
         chunks = [PagedChunk(c.r0, c.r1, c.dense_start, self.twin_slots(c.slots), c.q_slot, c.q_doc, c.k_doc)
                   for c in cache._dense]
         window = PagedKV(self.tk[0], self.tv[0], bs, single(cache._base_single), single(cache._out_single), chunks,
-                         self.compiled_chunks)
+                         self.compiled_chunks, sinks=cache.sinks)
         return LowBitPlan(self.twin_slots(cache.slots), gslots, self.twin_slots(gslots),
                           (gp[:, None] + ar) >= self.sinks, window, twin_table(cache._out_single.table))
 
@@ -172,7 +176,7 @@ class PagedLowBitPool:
             self.k_scale[layer].index_copy_(0, gid, s[:, 0])
             self.k_zero[layer].index_copy_(0, gid, z[:, 0])
         w = plan.window
-        window = PagedKV(tk, tv, w.block_size, w.base, w.out, w.chunks, w.compiled_chunks)
+        window = PagedKV(tk, tv, w.block_size, w.base, w.out, w.chunks, w.compiled_chunks, sinks=w.sinks)
         return PagedLowBitKV(window, out, plan.out_twins, self.kq[layer], self.vq[layer], self.k_scale[layer],
                              self.k_zero[layer], self.v_scale[layer], self.v_zero[layer], self.layer_key_bits[layer],
                              self.value_bits, self.key_group, self.sinks, self.recent, self.rotation)

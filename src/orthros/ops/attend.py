@@ -34,26 +34,28 @@ from .splitkv.common import splitkv_takes
 
 def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto", dense_start=None,
            window_rows=None, base_rows: int = 0, sinks: int = 0):
-    if sinks and window is not None and not isinstance(kv, PagedKV):  # attention sinks (a paged read knows its own)
-        if not isinstance(kv, DenseKV) or kv.start:
+    if sinks and window is not None and not isinstance(kv, (PagedKV, PagedLowBitKV, LowBitKV)):
+        # attention sinks: dense keys from slot 0, or a window with the sinks below it (a paged read knows its
+        # own; a low-bit cache reads them from its bf16 sinks)
+        if not isinstance(kv, DenseKV) or kv.head < min(kv.start, sinks):
             from ..errors import Unsupported
 
             what = type(kv).__name__ + (" (a window of keys)" if isinstance(kv, DenseKV) else "")
-            raise Unsupported(f"attention sinks (sink_tokens={sinks}) are read from dense and paged caches only "
-                              f"(the dynamic, the static and the serving engine's), not from {what}")
+            raise Unsupported(f"attention sinks (sink_tokens={sinks}) are read from dense, low-bit and paged caches "
+                              f"only, not from {what}")
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
         from .paged_read import paged_attend
 
         return paged_attend(q, kv, window, scale, backend, window_rows, base_rows)
-    if isinstance(kv, PagedLowBitKV):
+    if isinstance(kv, PagedLowBitKV):  # (its base rows' attention sinks: `kv.window.sinks`)
         from .paged_read import paged_lowbit_attend
 
         return paged_lowbit_attend(q, kv, window, scale, backend, window_rows, base_rows)
     if isinstance(kv, DenseKV):
         return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
     if isinstance(kv, LowBitKV):
-        return _lowbit(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
+        return _lowbit(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, ShardedKV):
         return _sharded(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, base_rows)
     raise TypeError(f"attend reads DenseKV, LowBitKV, PagedKV, PagedLowBitKV or ShardedKV, got {type(kv).__name__}")
@@ -102,11 +104,11 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
                              0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale,
                              -1 if window_rows is None else int(window_rows), int(sinks))
     else:
-        a = kv.start
-        if a:  # keys from slot `start` on (a window's keys)
-            k_doc, q_slot = k_doc[:, a: a + k.shape[1]], q_slot - a
-            dense_start = None if dense_start is None else dense_start - a
-        if kv.k_scale is not None and dense_start is not None and window is not None and not sinks:
+        a, h = kv.start, kv.head
+        if a:  # keys from slot `start` on (a window's keys), after `head` sinks from slot 0
+            k_doc, q_slot = torch.cat([k_doc[:, :h], k_doc[:, a: a + k.shape[1] - h]], 1), q_slot - a + h
+            dense_start = None if dense_start is None else dense_start - a + h
+        if kv.k_scale is not None and dense_start is not None and window is not None and not sinks and not h:
             c = max(0, dense_start - window + 1)  # a windowed chunk: dequantize only what it can see
             k, v, k_doc, q_slot, dense_start = k[:, c:], v[:, c:], k_doc[:, c:], q_slot - c, dense_start - c
         fp8_kernel = k.dtype == torch.float8_e4m3fn and splitkv_takes(q, k.shape[2], backend, k, v)
@@ -119,24 +121,25 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
     return o
 
 
-def _lowbit(q, kv: LowBitKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows):
+def _lowbit(q, kv: LowBitKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks=0):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kernel = splitkv_takes(q, kv.sk.shape[2], backend)
+    sinks = sinks if window is not None else 0
     if kv.capturable:
         q_slot, q_doc = _joined(q_slot, q_doc, q.shape[0])
         return lowbit_decode_attention(q, *kv.parts(), q_slot.expand(q.shape[0], -1), q_doc, k_doc, kv.bound,
                                        0 if window is None else int(window), scale,
                                        -1 if window_rows is None else int(window_rows), kv.key_bits, kv.value_bits,
-                                       kv.key_group, kv.rotation, kernel)
+                                       kv.key_group, kv.rotation, kernel, int(sinks))
     if window_rows is not None and window is not None and window_rows < q.shape[1]:  # a one-token pair
         r = window_rows
         (sa, qa), (sb, qb) = _groups(q_slot, q_doc, r, q.shape[0], q.shape[1])
-        a = _lowbit(q[:, :r], kv, sa, qa, k_doc, window, scale, backend, None, None)
+        a = _lowbit(q[:, :r], kv, sa, qa, k_doc, window, scale, backend, None, None, sinks)
         b = _lowbit(q[:, r:], kv, sb, qb, k_doc, None, scale, backend, None, None)
         return torch.cat([a, b], 1)
     q_slot, q_doc = _joined(q_slot, q_doc, q.shape[0])
-    if window is not None:  # the base stream reads only its bf16 window
-        return _dense(q, kv.window, q_slot, q_doc, k_doc, window, scale, backend, dense_start, None)
+    if window is not None:  # the base stream reads only its bf16 window (and the sinks below it)
+        return _dense(q, kv.window, q_slot, q_doc, k_doc, window, scale, backend, dense_start, None, sinks)
     return _lowbit_outputs(q, kv, q_slot.expand(q.shape[0], -1), q_doc, k_doc, scale, backend, kernel)
 
 
@@ -223,11 +226,12 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
                             rk: torch.Tensor, rv: torch.Tensor, q_slot: torch.Tensor, q_doc: torch.Tensor,
                             k_doc: torch.Tensor, bound: torch.Tensor, window: int, scale: float, window_rows: int,
                             key_bits: int, value_bits: int, key_group: int, rotation: torch.Tensor | None,
-                            kernel: bool) -> torch.Tensor:
+                            kernel: bool, sinks: int = 0) -> torch.Tensor:
     """A decode step's queries [B, M, H, D] over a low-bit cache (the whole capacity; the
     kernel clips to what each query sees). window 0 = none; window_rows -1 = every row;
     rotation: R [D, D] of a rotated cache, or None; kernel: the split-KV kernel, else
-    dequantize-then-attend; v_scale / v_zero head-major as the cache stores them, [B, Hkv, C, NG].
+    dequantize-then-attend; v_scale / v_zero head-major as the cache stores them, [B, Hkv, C, NG];
+    sinks: windowed rows' attention sinks (the first `sinks` slots).
     Opaque to torch.compile, captured as is in CUDA graphs."""
     v_scale, v_zero = v_scale.transpose(1, 2), v_zero.transpose(1, 2)
     win = None if window == 0 else window
@@ -239,14 +243,14 @@ def lowbit_decode_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor,
         kv = LowBitKV(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
                       key_group, rotation)
         return lowbit_splitkv_attention(q, kv, q_slot, q_doc, k_doc, window=win, scale=scale,
-                                        window_rows=rows).contiguous()
+                                        window_rows=rows, sinks=sinks).contiguous()
     kd, vd = dense_kv(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, S, key_bits, value_bits,
                       key_group, rotation is not None)
     return attention(q, kd.to(q.dtype), vd.to(q.dtype), q_slot, q_doc, k_doc, window=win, scale=scale,
-                     window_rows=rows).contiguous()
+                     window_rows=rows, sinks=sinks).contiguous()
 
 
 @lowbit_decode_attention.register_fake
 def _(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, window, scale,
-      window_rows, key_bits, value_bits, key_group, rotation, kernel):
+      window_rows, key_bits, value_bits, key_group, rotation, kernel, sinks=0):
     return torch.empty_like(q)

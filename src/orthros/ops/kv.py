@@ -27,7 +27,8 @@ import torch
 
 @dataclass
 class DenseKV:
-    """K/V [B, S, Hkv, D] whose key j is slot `start + j` of the layer.
+    """K/V [B, S, Hkv, D] whose key j is slot `start + j` of the layer; with `head` > 0 keys j < head are
+    slots 0 .. head - 1 (attention sinks below a window) and key j >= head is slot `start + j - head`.
 
     k_scale / v_scale: [Hkv] fp32 for fp8 storage (the stored values times these), else None.
     capturable: a decode step's read of a whole preallocated buffer: the op then runs as one
@@ -39,6 +40,7 @@ class DenseKV:
     v_scale: torch.Tensor | None = None
     start: int = 0
     capturable: bool = False
+    head: int = 0
 
 
 @dataclass

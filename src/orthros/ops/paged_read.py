@@ -91,7 +91,7 @@ def paged_lowbit_attend(q, kv: PagedLowBitKV, window, scale, backend, window_row
     if window_rows is not None:  # both streams of decodes: [base rows | output rows]
         r = window_rows
         o = q.new_empty(q.shape)
-        _single(kv.window, q[:, :r], kv.window.base, window, scale, out=o[:, :r])
+        _single(kv.window, q[:, :r], kv.window.base, window, scale, out=o[:, :r], sinks=kv.window.sinks)
         paged_lowbit_attention(q[0, r:], kv, kv.out, kv.out_twins, scale, out=o[0, r:])
         return o
     if base_rows:

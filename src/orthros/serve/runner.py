@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.lowbit_cache import KEY_GROUP, SINKS
+from ..models.lowbit_cache import KEY_GROUP
 from ..models.paged_cache import PagedKVPool, PagedStepCache, Segment, kv_bytes_per_token
 from ..models.paged_lowbit import PagedLowBitPool, check_lowbit_pool, twin_bytes_per_block
 from ..models.static_cache import LOWBIT_KV_DTYPES
@@ -69,7 +69,8 @@ class ModelRunner:
         if lowbit:
             self.pool = PagedLowBitPool(mc, self.num_blocks + 1, cfg.block_size, self.device, self.dtype,
                                         cfg.kv_dtype, twins)
-            self.twins = TwinBlocks(twins, self.num_blocks + 1, cfg.block_size, SINKS, mc.window_size, KEY_GROUP,
+            self.twins = TwinBlocks(twins, self.num_blocks + 1, cfg.block_size, self.pool.sinks, mc.window_size,
+                                    KEY_GROUP,
                                     reserved=(self.scratch_block,))
             self.sync_twins()
         else:

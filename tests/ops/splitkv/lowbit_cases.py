@@ -59,7 +59,7 @@ def filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device="
 def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window_rows=None, M=1, splits=None,
           dtype=torch.float32, seed=0, device="cpu", rotate=True, key_group=16, value_group=16, block_n=64,
           planar=None, dequant_values=None, fp16_dequant=None, q_mult=1.0, k_mult=1.0, packed_kernel=None,
-          pad_docs=False):
+          pad_docs=False, attn_sinks=0):
     cache = filled_cache(kv_dtype, H, Hkv, D, length, sinks, chunks, pad, seed, device, rotate, key_group,
                          value_group, k_mult)
     B = cache.batch_size
@@ -73,18 +73,19 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     kd = cache.doc[:, :length]
     bound = cache.bound_at(length)
     kr, vr = cache.dense(0, length, bound)
-    ref = _reference(q.float(), kr, vr, slot, qd, kd, window, window_rows)
+    ref = _reference(q.float(), kr, vr, slot, qd, kd, window, window_rows, sinks=attn_sinks)
     out = lowbit_splitkv_attention(q, *cache.layer(0), slot, qd, kd, torch.tensor([bound], device=device), length,
                                    cache.key_bits,
                                    cache.value_bits, cache.key_group, window=window, window_rows=window_rows,
                                    rotation=cache.rotation, num_splits=splits, block_n=block_n,
                                    planar=planar, dequant_values=dequant_values, fp16_dequant=fp16_dequant,
-                                   packed_kernel=packed_kernel)
+                                   packed_kernel=packed_kernel, sinks=attn_sinks)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     tol = 1e-5
     if dtype != torch.float32:  # 16-bit: the kernel's dots in that dtype; at most 2x the same math in plain
         # PyTorch at that dtype (which grows with the slots a row averages over), and never below 2e-2
-        half = _reference(q, kr.to(dtype), vr.to(dtype), slot, qd, kd, window, window_rows, probs_in=dtype)
+        half = _reference(q, kr.to(dtype), vr.to(dtype), slot, qd, kd, window, window_rows, probs_in=dtype,
+                          sinks=attn_sinks)
         tol = max(2e-2, 2 * ((half - ref).norm() / ref.norm()).item())
     assert err < tol, (kv_dtype, H, Hkv, D, length, sinks, chunks, window, window_rows, M, splits, dtype, rotate,
                        key_group, value_group, block_n, planar, dequant_values, fp16_dequant, q_mult, packed_kernel,
@@ -92,18 +93,21 @@ def check(kv_dtype, H, Hkv, D, length, sinks, chunks, pad=3, window=None, window
     return bound
 
 
-def _reference(q, k, v, slot, qd, kd, window, window_rows, probs_in=None):
-    """fp32 attention over dense K/V (rows past window_rows: no window); probs_in: the probabilities
-    rounded to that dtype before the value product (the 16-bit twin of a kernel's math)."""
+def _reference(q, k, v, slot, qd, kd, window, window_rows, probs_in=None, sinks=0):
+    """fp32 attention over dense K/V (rows past window_rows: no window; windowed rows with `sinks`);
+    probs_in: the probabilities rounded to that dtype before the value product (the 16-bit twin of a
+    kernel's math)."""
     rows = [(0, q.shape[1], None if window_rows else window)]
     if window_rows is not None:
         rows = [(0, window_rows, window), (window_rows, q.shape[1], None)]
     out = []
     for a, b, win in rows:
         if probs_in is None:
-            out.append(naive_attention(q[:, a:b].float(), k, v, slot[:, a:b], qd[:, a:b], kd, window=win))
+            out.append(naive_attention(q[:, a:b].float(), k, v, slot[:, a:b], qd[:, a:b], kd, window=win,
+                                       sinks=sinks))
             continue
-        _, probs = naive_attention(q[:, a:b], k, v, slot[:, a:b], qd[:, a:b], kd, window=win, return_probs=True)
+        _, probs = naive_attention(q[:, a:b], k, v, slot[:, a:b], qd[:, a:b], kd, window=win, return_probs=True,
+                                   sinks=sinks)
         vf = v.float().transpose(1, 2).repeat_interleave(q.shape[2] // v.shape[2], dim=1)
         out.append((probs.to(probs_in).float() @ vf).transpose(1, 2))
     return torch.cat(out, dim=1).float()
@@ -153,6 +157,12 @@ def dtype_cases(kv, device="cpu", which="all"):
                 bounds.add(check(kv, H, Hkv, D, length, sinks, chunks, splits=splits, device=device))
         check(kv, H, Hkv, D, 150, 4, [50], window=W, window_rows=1, M=2, device=device)  # a decode pair
         check(kv, H, Hkv, D, 150, 4, [50], window=W, M=1, device=device)  # windowed only: no packed slot read
+        # attention sinks (rows from slot 0): windowed rows also read the bf16 sinks, the pair and alone, one
+        # split and several
+        for sinks, splits in ((2, None), (4, 3)):
+            check(kv, H, Hkv, D, 150, 4, [50], pad=0, window=W, window_rows=1, M=2, device=device, attn_sinks=sinks,
+                  splits=splits)
+            check(kv, H, Hkv, D, 150, 4, [50], pad=0, window=W, M=1, device=device, attn_sinks=sinks, splits=splits)
         check(kv, H, Hkv, D, 150, 4, [150], M=3, dtype=half, device=device)
     for rotate in (False, True):  # unrotated; D = 24: blocks of 8, a 32-wide tile
         D = 24 if rotate else 16

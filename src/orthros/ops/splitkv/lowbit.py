@@ -123,22 +123,23 @@ def wide_tiles(D: int, VG: int, key_bits: int, value_bits: int) -> bool:
 
 
 def lowbit_splitkv_attention(q, kv: LowBitKV, q_slot, q_doc, k_doc, window=None, scale=None,
-                             window_rows: int | None = None):
+                             window_rows: int | None = None, sinks: int = 0):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `kv.length` slots of a low-bit
     cache layer; q_slot / q_doc [B, M], k_doc [B, >= length]. Same contract as `naive_attention`
     over `ops.lowbit.dense_kv` of the same storage: -> [B, M, H, D] in q's dtype.
-    window_rows: only the first `window_rows` queries use `window` (see `ops.attention`).
-    The packed slots are read by the Gluon kernel wherever it applies (`gluon_applies`), else by
+    window_rows: only the first `window_rows` queries use `window` (see `ops.attention`); sinks: windowed
+    queries also see the first `sinks` slots (attention sinks; at most the cache's bf16 sinks, rows that
+    start at slot 0). The packed slots are read by the Gluon kernel wherever it applies (`gluon_applies`), else by
     this module's Triton kernel; launch settings are the measured defaults (their variants:
     `ops.splitkv.study`)."""
-    return lowbit_attention_tuned(q, kv, q_slot, q_doc, k_doc, window, scale, window_rows)
+    return lowbit_attention_tuned(q, kv, q_slot, q_doc, k_doc, window, scale, window_rows, sinks=sinks)
 
 
 def lowbit_attention_tuned(q, kv: LowBitKV, q_slot, q_doc, k_doc, window=None, scale=None,
                            window_rows: int | None = None, num_splits=None, block_n: int = 64,
                            num_warps: int | None = None, num_stages: int | None = None, planar: bool | None = None,
                            dequant_values: bool | None = None, fp16_dequant: bool | None = None,
-                           maxnreg: int | None = None, packed_kernel: str | None = None):
+                           maxnreg: int | None = None, packed_kernel: str | None = None, sinks: int = 0):
     """`lowbit_splitkv_attention` with its launch settings and loop variants (for studies:
     `ops.splitkv.study.lowbit_splitkv_attention` documents them)."""
     parts = kv.parts()
@@ -155,12 +156,13 @@ def lowbit_attention_tuned(q, kv: LowBitKV, q_slot, q_doc, k_doc, window=None, s
             raise ValueError(f"the Gluon packed kernel does not apply: {why}")
     if packed_kernel == "gluon":
         return _gluon_attention(q, *parts, q_slot, q_doc, k_doc, kv.bound, kv.length, kb, vb, kg, window, scale,
-                                window_rows, rotation, row0, num_splits, block_n, num_warps, num_stages, maxnreg)
+                                window_rows, rotation, row0, num_splits, block_n, num_warps, num_stages, maxnreg,
+                                sinks)
     if packed_kernel != "triton":
         raise ValueError(f"packed_kernel must be 'gluon', 'triton' or None, got {packed_kernel!r}")
     plan = launch_plan(q, *parts, q_slot, q_doc, k_doc, kv.bound, kv.length, kb, vb, kg, window, scale, window_rows,
                        rotation, num_splits, block_n, num_warps, num_stages, planar, dequant_values, fp16_dequant,
-                       maxnreg)
+                       maxnreg, sinks=sinks)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     B, P, M, H, nparts, D = plan.o.shape
     if nparts == 1:
@@ -230,7 +232,7 @@ def gluon_applies(q, k_scale, v_scale, key_group, key_bits, value_bits, row0, pl
 
 def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                      length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, row0,
-                     num_splits, block_n, num_warps, num_stages, maxnreg):
+                     num_splits, block_n, num_warps, num_stages, maxnreg, sinks=0):
     """The bf16 slots (sinks, ring) by the Triton kernel in `bf16_splits` splits, the packed slots by the
     Gluon kernel in `num_splits` (default GLUON_WARPS_PER_SM programs an SM), merged."""
     B, M, H, D = q.shape
@@ -240,7 +242,7 @@ def _gluon_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv
     lse = torch.empty(B, NB + P2, M, H, device=q.device, dtype=torch.float32)
     qr = bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                     length, key_bits, value_bits, key_group, o, lse, window, scale, window_rows, rotation, block_n,
-                    num_warps, num_stages, maxnreg, splits=NB)
+                    num_warps, num_stages, maxnreg, splits=NB, sinks=sinks)
     kernel, grid, args, meta = gluon_launch(qr, kq, vq, k_scale, k_zero, v_scale, v_zero, q_doc, k_doc,
                                             bound, o, lse, sk.shape[1], length, key_bits, value_bits, key_group,
                                             scale, row0, P2, split0=NB)
@@ -262,7 +264,7 @@ def bf16_splits(rk, key_group: int) -> int:
 
 def bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound, length,
                key_bits, value_bits, key_group, o, lse, window=None, scale=None, window_rows=None, rotation=None,
-               block_n=64, num_warps=None, num_stages=None, maxnreg=None, splits=None) -> torch.Tensor:
+               block_n=64, num_warps=None, num_stages=None, maxnreg=None, splits=None, sinks=0) -> torch.Tensor:
     """The Gluon path's bf16 splits: the bf16 slots (sinks, ring) by the Triton kernel, its packed loop
     skipped, into o / lse at splits 0 .. splits - 1 (default `bf16_splits(rk, key_group)`; split 0: the
     sinks and the ring's first run; split i: the ring's i-th run of its slots from the bound on).
@@ -270,7 +272,8 @@ def bf16_split(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_sl
     splits = bf16_splits(rk, key_group) if splits is None else splits
     plan = launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                        length, key_bits, value_bits, key_group, window, scale, window_rows, rotation, splits,
-                       block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True)
+                       block_n, num_warps, num_stages, None, None, None, maxnreg, out=(o, lse), no_packed=True,
+                       sinks=sinks)
     _kernel()[plan.grid](*plan.args, **plan.meta)
     return plan.args[1]
 
@@ -354,10 +357,12 @@ class LaunchPlan:
 def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_slot, q_doc, k_doc, bound,
                 length, key_bits, value_bits, key_group, window=None, scale=None, window_rows=None, rotation=None,
                 num_splits=None, block_n=64, num_warps=None, num_stages=None, planar=None,
-                dequant_values=None, fp16_dequant=None, maxnreg=None, out=None, no_packed=False) -> LaunchPlan:
+                dequant_values=None, fp16_dequant=None, maxnreg=None, out=None, no_packed=False,
+                sinks=0) -> LaunchPlan:
     """The kernel's launch for `lowbit_splitkv_attention` (also what a compile check builds).
     out: (o, lse) buffers to write split p at (default: new ones of the launch's P splits);
-    no_packed: leave the packed slots to another kernel (`lowbit_gluon.py`)."""
+    no_packed: leave the packed slots to another kernel (`lowbit_gluon.py`); sinks: windowed rows' attention
+    sinks (the first `sinks` slots, all bf16 sinks of the cache)."""
     import triton
 
     B, M, H, D = q.shape
@@ -413,6 +418,8 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         o, lse = out
         if o.shape[2:] != (M, H, parts, D) or o.shape[1] < P or lse.shape[1] < P:
             raise ValueError(f"out buffers [B, >= {P}, {M}, {H}, {parts}, {D}] expected, got {tuple(o.shape)}")
+    if window is not None and sinks > sk.shape[1]:
+        raise ValueError(f"{sinks} attention sinks need as many bf16 sink slots, the cache keeps {sk.shape[1]}")
     if sk.shape[1] == 0:  # no sinks: any valid pointer (never read)
         sk, sv = rk, rv
     if rotation is None:
@@ -443,7 +450,7 @@ def launch_plan(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, q_s
         HAS_WINDOW=window is not None, ROTATED=rotation is not None, WIDE=wide, PLANAR=planar, VDQ=bool(dequant_values),
         IEEE=q.dtype == torch.float32 or not wide,  # narrow tiles: no TF32 either (see above)
         F16=bool(fp16_dequant), PTX=not interpreting(), NO_PACKED=bool(no_packed), HB=D & -D,
-        RSCALE=float(D & -D) ** -0.5,
+        RSCALE=float(D & -D) ** -0.5, ATTN_SINKS=sinks if window is not None else 0,
         **launch_options(num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg),
     )
     return LaunchPlan((B * Hkv, P), args, meta, o, lse)

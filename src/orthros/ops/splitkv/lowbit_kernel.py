@@ -173,11 +173,16 @@ def _softmax_step(s, vis, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 @triton.jit
-def _visible(j, jvalid, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW: tl.constexpr):
+def _visible(j, jvalid, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW: tl.constexpr,
+             SINKS: tl.constexpr = 0):
+    """SINKS > 0: windowed rows also see slots below SINKS (attention sinks of rows that start at slot 0)."""
     kdoc = tl.load(KDOC_b + j, mask=jvalid, other=-4).to(tl.int32)
     vis = (j[None, :] <= slot[:, None]) & (kdoc[None, :] == qdoc[:, None]) & jvalid[None, :]
     if HAS_WINDOW:  # rows past window_rows: no window
-        vis = vis & ((slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows))
+        near = (slot[:, None] - j[None, :] < window) | (m[:, None] >= window_rows)
+        if SINKS > 0:
+            near = near | (j[None, :] < SINKS)
+        vis = vis & near
     return vis
 
 @triton.jit
@@ -218,7 +223,8 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
                        HAS_WINDOW: tl.constexpr, ROTATED: tl.constexpr, WIDE: tl.constexpr,
                        PLANAR: tl.constexpr, VDQ: tl.constexpr, IEEE: tl.constexpr, F16: tl.constexpr,
                        PTX: tl.constexpr, NO_PACKED: tl.constexpr = False, HB: tl.constexpr = 1,
-                       RSCALE: tl.constexpr = 1.0):
+                       RSCALE: tl.constexpr = 1.0, ATTN_SINKS: tl.constexpr = 0):
+    # ATTN_SINKS > 0: windowed rows also see the sink slots below it (attention sinks; <= NS)
     # the dots' operand dtype: q's, fp32 for narrow packed tiles (see ops/splitkv/lowbit.py)
     DT: tl.constexpr = Q.dtype.element_ty if WIDE else tl.float32
     MAGIC: tl.constexpr = 128.0 if DT == tl.bfloat16 else (1024.0 if DT == tl.float16 else 0.0)
@@ -252,9 +258,12 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
         start = tl.where(split == 0, 0, rb + split * keys_per_split)
         end = tl.minimum(rb + (split + 1) * keys_per_split, S)
     end = tl.minimum(end, tl.max(tl.where(rvalid, slot, -1), axis=0) + 1)
+    sink_start = start  # attention sinks: the sink slots are read even below the window
     if HAS_WINDOW:
         if window_rows >= M:  # every row is windowed: skip the keys before the window
             start = tl.maximum(start, tl.min(tl.where(rvalid, slot, S), axis=0) - window + 1)
+    if ATTN_SINKS == 0:
+        sink_start = start
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
     # values by channel group: channel g * VG + c at acc[g, :, c]
@@ -270,12 +279,12 @@ def splitkv_lowbit_fwd(Q, QR, SK, SV, KQ, VQ, KS, KZ, VS, VZ, RK, RV, SLOT, QDOC
     n = tl.arange(0, BLOCK_N)
     n3 = n[None, :, None]
     SK_b, SV_b = SK + b * ssb + kvh * ssh, SV + b * ssb + kvh * ssh
-    for j0 in range(start, tl.minimum(end, NS), BLOCK_N):
+    for j0 in range(sink_start, tl.minimum(end, NS), BLOCK_N):
         j = j0 + n
         jv = j < tl.minimum(end, NS)
         k = tl.load(SK_b + j[:, None] * sss + d[None, :], mask=jv[:, None] & dmask[None, :], other=0.0)
         v = tl.load(SV_b + (j0 + n3) * sss + ch3, mask=(j0 + n3 < tl.minimum(end, NS)) & cmask3, other=0.0)
-        vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW)
+        vis = _visible(j, jv, KDOC_b, slot, qdoc, m, window, window_rows, HAS_WINDOW, ATTN_SINKS)
         m_i, l_i, acc, alpha = _dense_tile(qd, k.to(DT), v.to(DT), vis, m_i, l_i, acc, BLOCK_NG, IEEE)
 
     # packed [NS, bound): tiles aligned to BLOCK_Q, so (KEY_FOLD) each lies in one key group

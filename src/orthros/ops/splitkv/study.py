@@ -53,7 +53,7 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
                              num_splits=None, block_n: int = 64, num_warps: int | None = None,
                              num_stages: int | None = None, planar: bool | None = None,
                              dequant_values: bool | None = None, fp16_dequant: bool | None = None,
-                             maxnreg: int | None = None, packed_kernel: str | None = None):
+                             maxnreg: int | None = None, packed_kernel: str | None = None, sinks: int = 0):
     """Queries q [B, M, H, D] (G * M <= MAX_ROWS) over the first `length` slots of a low-bit
     cache layer (`LowBitStaticCache.layer`); q_slot / q_doc [B, M], k_doc [B, >= length],
     bound: [1] int64 tensor (first slot read from the ring); rotation: R [D, D] fp32 of a
@@ -71,8 +71,9 @@ def lowbit_splitkv_attention(q, sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero
     and values dequantized in fp32 (the loop before, for comparisons). packed_kernel: what reads the
     packed slots: "gluon" (`lowbit_gluon.py`; `lowbit.gluon_refusal` says where it cannot), "triton"
     (`lowbit_kernel.py`, with the loop variants above), or None: the Gluon kernel wherever it applies
-    and no Triton loop variant is asked for (`lowbit.gluon_applies`)."""
+    and no Triton loop variant is asked for (`lowbit.gluon_applies`). sinks: windowed rows' attention sinks."""
     kv = LowBitKV(sk, sv, kq, vq, k_scale, k_zero, v_scale, v_zero, rk, rv, bound, length, key_bits, value_bits,
                   key_group, rotation)
     return lowbit_attention_tuned(q, kv, q_slot, q_doc, k_doc, window, scale, window_rows, num_splits, block_n,
-                                  num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg, packed_kernel)
+                                  num_warps, num_stages, planar, dequant_values, fp16_dequant, maxnreg, packed_kernel,
+                                  sinks)
