@@ -46,3 +46,39 @@ def test_the_real_model_demo_answers_and_times_both_models(tmp_path):
     assert "4 sink tokens" in res["orthros_model"] and res["prefill"]["64"]["orthros"] > 0  # the default conversion
     assert (tmp_path / "d" / "demo.png").stat().st_size > 0
     assert "time to first token" in r.stdout
+
+
+def test_the_question_set_contexts_hold_each_fact_at_its_depth():
+    from orthros.demo.questions import QUESTIONS, context
+    from pydoc_data.topics import topics
+
+    for q in QUESTIONS:
+        for depth in (0.1, 0.9):
+            text = context(q, 24000, depth)
+            own = topics[q.topic]
+            at = text.index(own)
+            assert abs(len(text) - max(24000, len(own))) < 10
+            assert abs(at - depth * (len(text) - len(own))) < 10  # the chapter starts at that depth
+            assert text.count(own) == 1
+
+
+def test_the_real_model_answers_the_question_set(tmp_path, monkeypatch):
+    """`orthros demo --questions`, one short question here: both answers, whether each holds the fact,
+    the JSON and the Markdown table; --questions with --question or --recall is a one-line error."""
+    from orthros.cli import main
+    from orthros.demo import questions
+
+    from .conftest import smollm2_dir
+
+    monkeypatch.setattr(questions, "QUESTIONS", questions.QUESTIONS[2:3])  # nonlocal: a 930-character chapter
+    out = tmp_path / "q"
+    assert main(["demo", "--questions", "--model-dir", str(smollm2_dir("hf")),
+                 "--window", "64", "--document-chars", "1500", "--max-new-tokens", "12", "--out", str(out)]) == 0
+    res = json.loads((out / "questions.json").read_text())
+    (row,) = res["questions"]
+    assert row["prompt_tokens"] > 300 and row["topic"] == "nonlocal"
+    for k in ("source", "orthros"):
+        assert row[k]["answer"] and row[k]["right"] == ("3104" in row[k]["answer"])
+    assert "| 1 | Which PEP" in (out / "questions.md").read_text()
+    for bad in (["--question", "x"], ["--recall"]):
+        assert main(["demo", "--questions", *bad, "--out", str(tmp_path / "x")]) == 2

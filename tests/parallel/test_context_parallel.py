@@ -45,6 +45,11 @@ CASES = {
     "w2-moe-bound": dict(world=2, attention="orthros", W=6, T=29, moe="bound"),
     "w4-moe-base-padded": dict(world=4, attention="orthros", W=5, T=27, sizes=[6, 9, 2, 10], B=2, pad=[0, 7],
                                moe="base"),
+    # attention sinks: the first shard's first slots, broadcast into every halo; a window spanning ranks
+    "w2-orthros-sinks": dict(world=2, attention="orthros", W=6, T=40, sinks=3),
+    "w4-orthros-sinks-halo-spans-ranks": dict(world=4, attention="orthros", W=7, T=37, sizes=[4, 3, 20, 10], sinks=4,
+                                              B=2),
+    "w4-swa-sinks": dict(world=4, attention="swa", W=5, T=30, sinks=2),
 }
 GENERATE = dict(world=4, attention="orthros", W=6, T=26, sizes=[4, 9, 2, 11], new=6)
 CLI_PROMPT = "def main():\n    return sum(range(10))\n"
@@ -55,6 +60,8 @@ BENCH = ["--preset", "tiny", "--window", "8", "--lengths", "37,64", "--attention
 def build_case(spec: dict, seed: int):
     """(case for the ranks, single-process reference logits [STEPS + 1, B, V])."""
     extra = {"qk_norm": True} if spec.get("qk_norm") else {}
+    if spec.get("sinks"):
+        extra["sink_tokens"] = spec["sinks"]
     if spec.get("moe"):
         extra.update(base="tiny-moe", output_routing=spec["moe"])
     model = make_model(spec["attention"], window=spec["W"], seed=seed, **extra).cpu()
@@ -263,3 +270,6 @@ def test_errors_name_the_mistake():
     model.train()
     with pytest.raises(ValueError, match="model.eval"):
         cp_prefill(model, ids)
+    sinks = make_model("orthros", window=3, sink_tokens=2).cpu()
+    with pytest.raises(ValueError, match="attention sinks.*left-padded"):
+        cp_prefill(sinks, torch.zeros(2, 8, dtype=torch.long), attention_mask=torch.tensor([[1] * 8, [0] + [1] * 7]))

@@ -3,6 +3,7 @@
     orthros demo                 # SmolLM2-135M-Instruct converted to Orthros (4 attention sinks, zero-shot):
                                  # a question about a long document, both models' answers and times
     orthros demo --adapter adapters/smollm2-135m-w128-lora   # the conversion without sinks + its LoRA + SO adapter
+    orthros demo --questions     # both models answer 10 questions about documents in their context (~6 min)
     orthros demo --recall        # Orthros / Transformer / SWA trained on this CPU: recall + prefill (~4 min)
     orthros demo --recall --quick
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import real, recall
+from . import questions, real, recall
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", default=None,
                    help="a light-CPT adapter directory to apply (default none: the zero-shot conversion with "
                         f"--sink-tokens {real.DEFAULT_SINKS}; e.g. adapters/{real.DEFAULT_ADAPTER.name})")
+    p.add_argument("--questions", action="store_true",
+                   help=f"both models answer {len(questions.QUESTIONS)} questions about chapters of Python's "
+                        "reference manual placed among others (--document-chars of context each)")
     p.add_argument("--question", default=None, help=f"the question about the document (default: {real.QUESTION})")
     p.add_argument("--document-chars", type=int, default=real.DOC_CHARS,
                    help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
@@ -48,6 +52,8 @@ def run(args) -> int:
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     if args.recall:
+        if args.questions:
+            raise UserError("--questions asks the real model; --recall runs the tiny trained models: choose one")
         return recall.run(args)
     if args.window < 1:
         raise UserError(f"--window must be >= 1, got {args.window}")
@@ -66,4 +72,8 @@ def run(args) -> int:
         args.sink_tokens = real.DEFAULT_SINKS
     if args.adapter != "none" and not (real.Path(args.adapter) / "adapter.json").is_file():
         raise UserError(f"{args.adapter}: not an adapter directory (no adapter.json)")
+    if args.questions:
+        if args.question is not None:
+            raise UserError("--question asks one question of the demo's document; --questions asks its own set")
+        return questions.run(args)
     return real.run(args)

@@ -23,19 +23,6 @@ from ..ops.kv import DenseKV, LowBitKV, PagedKV, PagedLowBitKV, ShardedKV
 KVRead = Union[DenseKV, PagedKV, LowBitKV, PagedLowBitKV, ShardedKV]
 
 
-def check_no_sinks(config, cache: str) -> None:
-    """Attention sinks (`OrthrosConfig.sink_tokens`) are read from the dense, low-bit and paged caches:
-    a cache that does not keep them (context parallelism's) says so at construction instead of
-    attending without them."""
-    from ..errors import Unsupported
-
-    sinks = getattr(config, "sink_tokens", 0)
-    if sinks:
-        raise Unsupported(
-            f"{cache} does not keep attention sinks yet (this model has sink_tokens={sinks}): "
-            "run it on one device")
-
-
 @runtime_checkable
 class KVCache(Protocol):
     """Storage for every layer's K/V, written by the base stream and read by both streams.

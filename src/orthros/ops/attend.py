@@ -34,16 +34,6 @@ from .splitkv.common import splitkv_takes
 
 def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = "auto", dense_start=None,
            window_rows=None, base_rows: int = 0, sinks: int = 0):
-    if sinks and window is not None and not isinstance(kv, (PagedKV, PagedLowBitKV, LowBitKV)):
-        # attention sinks: dense keys from slot 0, or a window with the sinks below it (a paged read knows its
-        # own; a low-bit cache reads them from its bf16 sinks)
-        if not isinstance(kv, DenseKV) or kv.head < min(kv.start, sinks):
-            from ..errors import Unsupported
-
-            what = type(kv).__name__ + (" (a window of keys)" if isinstance(kv, DenseKV) else "")
-            raise Unsupported(f"attention sinks (sink_tokens={sinks}) are read from dense, low-bit and paged caches "
-                              f"only, not from {what}")
-        return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, PagedKV):  # its plans know every row: the slots and documents are not read
         from .paged_read import paged_attend
 
@@ -53,11 +43,12 @@ def attend(q, kv, q_slot, q_doc, k_doc, window=None, scale=None, backend: str = 
 
         return paged_lowbit_attend(q, kv, window, scale, backend, window_rows, base_rows)
     if isinstance(kv, DenseKV):
-        return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows)
+        return _dense(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, LowBitKV):
         return _lowbit(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks)
     if isinstance(kv, ShardedKV):
-        return _sharded(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, base_rows)
+        return _sharded(q, kv, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, base_rows,
+                        sinks)
     raise TypeError(f"attend reads DenseKV, LowBitKV, PagedKV, PagedLowBitKV or ShardedKV, got {type(kv).__name__}")
 
 
@@ -84,7 +75,12 @@ def _per_head(s: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows, sinks=0):
+    """sinks: windowed rows' attention sinks, which keys from slot 0 hold, or a window's keys after its `head`."""
     k, v = kv.k, kv.v
+    sinks = sinks if window is not None else 0
+    if sinks and kv.head < min(kv.start, sinks):
+        raise ValueError(f"attention sinks (sink_tokens={sinks}): these keys start at slot {kv.start} without the "
+                         f"sinks below them (DenseKV.head={kv.head})")
     M = q.shape[1]
     pair = window is not None and window_rows is not None and window_rows < M
     if pair and not kv.capturable and not splitkv_takes(q, k.shape[2], backend, k, v):
@@ -173,7 +169,7 @@ def _lowbit_outputs(q, kv: LowBitKV, q_slot, q_doc, k_doc, scale, backend, kerne
 
 
 def _sharded(q, kv: ShardedKV, q_slot, q_doc, k_doc, window, scale, backend, dense_start, window_rows,
-             base_rows: int):
+             base_rows: int, sinks: int = 0):
     """A context-parallel shard's read (slots and k_doc are global). With a halo (prefill) a group of
     base rows reads it here; any other group (all of them when decoding) reads this rank's keys and
     merges with the other ranks' partials, one `kv.merge` a call."""
@@ -181,12 +177,13 @@ def _sharded(q, kv: ShardedKV, q_slot, q_doc, k_doc, window, scale, backend, den
     if kv.halo is not None and base_rows:
         if base_rows < M:  # the model keeps a shard's streams apart (`OrthrosModel.forward`)
             raise ValueError("a prefill shard's base rows and output rows must be read as separate groups")
-        return _dense(q, kv.halo(), q_slot, q_doc, k_doc, window, scale, backend, dense_start, None)
+        return _dense(q, kv.halo(), q_slot, q_doc, k_doc, window, scale, backend, dense_start, None, sinks)
     q_slot, q_doc = _joined(q_slot, q_doc, B)
     a, S = kv.shard.start, kv.shard.k.shape[1]
     slot, k_doc = q_slot.expand(B, M) - a, k_doc[:, a:a + S]
     w = M if window is None or window_rows is None else window_rows  # the rows that use the window
-    parts = [partial_attention(q[:, i:j], kv.shard.k, kv.shard.v, slot[:, i:j], q_doc[:, i:j], k_doc, win, scale)
+    parts = [partial_attention(q[:, i:j], kv.shard.k, kv.shard.v, slot[:, i:j], q_doc[:, i:j], k_doc, win, scale,
+                               sinks=kv.sinks if sinks else 0)
              for i, j, win in ((0, w, window), (w, M, None)) if i < j]
     o, lse = (torch.cat(x, 1) for x in zip(*parts))
     return kv.merge(o, lse).to(q.dtype)

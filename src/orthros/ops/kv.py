@@ -186,3 +186,4 @@ class ShardedKV:
     shard: DenseKV
     merge: Callable
     halo: Callable | None = None
+    sinks: int = 0  # windowed rows' attention sinks among this shard's keys (the first shard's first slots)

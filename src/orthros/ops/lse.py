@@ -32,22 +32,27 @@ def lse_merge(o, lse: torch.Tensor):
 KEY_CHUNK = 1 << 15  # keys per reference-op call where the split-KV kernel does not take a part
 
 
-def partial_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, key_chunk: int = KEY_CHUNK):
+def partial_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, key_chunk: int = KEY_CHUNK,
+                      sinks: int = 0):
     """Attention of a few queries over one part of the keys: (o [B, M, H, D] fp32, lse [B, M, H]),
     to be merged with the other parts' by `lse_merge`. Shapes as `naive_attention`; slots are
     the part's own (key i of k is slot i).
 
-    Keys before every query's window are skipped; a part none of whose keys is visible returns
-    lse = -inf (weight 0). The split-KV kernel where it takes the call (on CUDA, or under the
+    Keys before every query's window are skipped (but the first `sinks`: windowed queries' attention
+    sinks, for a part whose documents start at its first key); a part none of whose keys is visible
+    returns lse = -inf (weight 0). The split-KV kernel where it takes the call (on CUDA, or under the
     Triton interpreter in tests), else the reference op on blocks of `key_chunk` keys, merged
     like parts."""
     from .naive import naive_attention
     from .splitkv.common import interpreting, splitkv_takes
 
     B, M, H, D = q.shape
+    sinks = sinks if window is not None else 0
     if window is not None and k.shape[1]:
         lo = max(0, int(q_slot.min()) - window + 1)
-        k, v, k_doc, q_slot = k[:, lo:], v[:, lo:], k_doc[:, lo:], q_slot - lo
+        h = min(lo, sinks)  # the sinks below the window stay, before it (slots closed up)
+        k, v = (torch.cat([x[:, :h], x[:, lo:]], 1) for x in (k, v))
+        k_doc, q_slot = torch.cat([k_doc[:, :h], k_doc[:, lo:]], 1), q_slot - lo + h
     S = k.shape[1]
     if S == 0:
         return q.new_zeros(B, M, H, D, dtype=torch.float32), q.new_full((B, M, H), float("-inf"), dtype=torch.float32)
@@ -55,12 +60,12 @@ def partial_attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, ke
         from .splitkv.dense import splitkv_attention
 
         return splitkv_attention(q.contiguous(), k, v, q_slot, q_doc, k_doc, window=window, scale=scale,
-                                 return_lse=True)
+                                 return_lse=True, sinks=sinks)
     os_, lses = [], []
     for s in range(0, S, key_chunk):
         e = s + key_chunk
         o, lse = naive_attention(q, k[:, s:e], v[:, s:e], q_slot - s, q_doc, k_doc[:, s:e], window=window,
-                                 scale=scale, return_lse=True)
+                                 scale=scale, return_lse=True, sinks=sinks if s == 0 else 0)
         os_.append(o.float())
         lses.append(lse)
     if len(os_) == 1:

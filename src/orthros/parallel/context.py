@@ -67,7 +67,6 @@ import torch.distributed as dist
 
 from ..generate import SamplingConfig, sample
 from ..models.layout import Layout, build_layout
-from ..models.kv import check_no_sinks
 from ..ops.kv import DenseKV, ShardedKV
 from .comm import CPGroup, all_gather, gather_merge, halo_exchange, shard_bounds
 
@@ -85,9 +84,11 @@ class ShardedCache:
 
     reference_reads = False
 
-    def __init__(self, num_layers: int, cp: CPGroup, window: int | None):
-        """cp: with the prompt's shards (`CPGroup.with_shards`); window: the base stream's (None: full)."""
+    def __init__(self, num_layers: int, cp: CPGroup, window: int | None, sinks: int = 0):
+        """cp: with the prompt's shards (`CPGroup.with_shards`); window: the base stream's (None: full);
+        sinks: its attention sinks, the first slots of the first shard (rows that start at slot 0)."""
         self.num_layers, self.cp = num_layers, cp
+        self.sinks = sinks if window is not None else 0
         self.start = cp.bounds[cp.rank][0]
         self.span = None if window is None else window - 1  # halo slots
         self.keys: list[torch.Tensor | None] = [None] * self.num_layers
@@ -124,14 +125,30 @@ class ShardedCache:
                 self.values[layer] = torch.cat([self.values[layer], v], dim=1)
         shard = DenseKV(self.keys[layer], self.values[layer], start=self.start)
         halo = functools.partial(self._halo, k, v) if self.prefilling else None
-        return ShardedKV(shard, functools.partial(gather_merge, cp=self.cp), halo)
+        return ShardedKV(shard, functools.partial(gather_merge, cp=self.cp), halo,
+                         sinks=self.sinks if self.start == 0 else 0)
 
     def _halo(self, k: torch.Tensor, v: torch.Tensor) -> DenseKV:
-        """The shard's k, v after the `span` slots before it (from earlier ranks)."""
+        """The shard's k, v after the `span` slots before it (from earlier ranks), after the attention sinks
+        below those (from the first rank)."""
         hk, hv = halo_exchange((k, v), self.cp, self.span)
-        if not hk.shape[1]:
-            return DenseKV(k, v, start=self.start)
-        return DenseKV(torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1), start=self.start - hk.shape[1])
+        a = self.start - hk.shape[1]
+        hk, hv = torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1)
+        if self.sinks:
+            sk, sv = self._sink_kv(k, v)
+            h = min(a, self.sinks)
+            hk, hv = torch.cat([sk[:, :h], hk], dim=1), torch.cat([sv[:, :h], hv], dim=1)
+            return DenseKV(hk, hv, start=a, head=h)
+        return DenseKV(hk, hv, start=a)
+
+    def _sink_kv(self, k: torch.Tensor, v: torch.Tensor):
+        """The first rank's first `sinks` slots of k, v, on every rank (a broadcast)."""
+        S = self.sinks
+        kv = torch.cat([k[:, :S], v[:, :S]], -1).contiguous() if self.cp.rank == 0 else \
+            k.new_empty(k.shape[0], S, *k.shape[2:-1], k.shape[-1] + v.shape[-1])
+        if self.cp.world > 1:
+            dist.broadcast(kv, self.cp.global_rank(0), group=self.cp.group)
+        return kv[..., :k.shape[-1]], kv[..., k.shape[-1]:]
 
     def __repr__(self) -> str:
         return (f"ShardedCache(rank={self.cp.rank}/{self.cp.world}, slots=[{self.start}, "
@@ -204,8 +221,16 @@ def cp_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | No
     cp = cp.with_shards(bounds)
     a, b = bounds[cp.rank]
     inner = model.model
-    check_no_sinks(model.config, "context parallelism's ShardedCache")
-    cache = ShardedCache(len(inner.layers), cp, inner.layers[0].self_attn.base_window)
+    attn = inner.layers[0].self_attn
+    sinks = attn.sinks if attn.base_window is not None else 0
+    if sinks:  # the first shard holds the sinks; every row starts at slot 0
+        if bounds[0][1] - bounds[0][0] < min(sinks, T):
+            raise ValueError(f"the first shard must hold the model's {sinks} attention sinks, it has "
+                             f"{bounds[0][1] - bounds[0][0]} tokens (give it more: shard_sizes)")
+        if attention_mask is not None and not bool(attention_mask[:, 0].all()):
+            raise ValueError(f"context parallelism keeps the attention sinks (sink_tokens={sinks}) of rows that "
+                             "start at the first token: this batch is left-padded (prefill its rows one at a time)")
+    cache = ShardedCache(len(inner.layers), cp, attn.base_window, sinks)
     out_idx = torch.full((B, 1), T - 1, dtype=torch.long, device=input_ids.device)
     lay = build_layout(B, T, input_ids.device, out_idx, torch.ones_like(out_idx, dtype=torch.bool), attention_mask)
     cache.append_tokens(lay.base_doc, lay.next_pos, lay.last_doc)
