@@ -48,7 +48,7 @@ QUESTIONS = (
     Question("integers", "What character can be used to group the digits of an integer literal?",
              r"underscore|\"_\"|'_'|`_`", "Underscores are ignored for determining the numeric value"),
     Question("while", 'What happens when a "break" statement is executed in the first suite of a while loop?',
-             r"without executing|not execut\w*|skip\w*|terminat\w*",
+             r"without (executing|running) the .?else|(not|never|skip\w*)\W+(\w+\W+){0,3}.?else",
              "statement executed in the first suite terminates the loop without executing"),
 )
 # the chapters around each question's own (the haystack), in this order
