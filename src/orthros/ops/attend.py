@@ -102,7 +102,8 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
     else:
         a, h = kv.start, kv.head
         if a:  # keys from slot `start` on (a window's keys), after `head` sinks from slot 0
-            k_doc, q_slot = torch.cat([k_doc[:, :h], k_doc[:, a: a + k.shape[1] - h]], 1), q_slot - a + h
+            win_doc = k_doc[:, a: a + k.shape[1] - h]
+            k_doc, q_slot = (torch.cat([k_doc[:, :h], win_doc], 1) if h else win_doc), q_slot - a + h
             dense_start = None if dense_start is None else dense_start - a + h
         if kv.k_scale is not None and dense_start is not None and window is not None and not sinks and not h:
             c = max(0, dense_start - window + 1)  # a windowed chunk: dequantize only what it can see
