@@ -48,6 +48,16 @@ def test_paged_kernel_interpreted():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernel compiled for the GPU (the interpreter case above on CPU)")
+def test_paged_kernel_on_the_gpu():
+    from .paged_kernel_cases import main
+
+    try:
+        main()  # the same cases, compiled (sets CUDA as the default device while it runs)
+    finally:
+        torch.set_default_device(None)
+
+
 def _forward(model, pool, segments):
     cache = PagedStepCache(pool, model.config, segments)
     h = model.model.forward_streams(model.model.embed_tokens(cache.input_ids), cache.layout, cache)
