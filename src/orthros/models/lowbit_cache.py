@@ -61,6 +61,12 @@ VALUE_GROUP = 64  # channels per value (scale, zero) group (the head size if sma
 SINKS = 4  # first slots kept in bf16
 
 
+def bf16_sinks(config, sinks: int = SINKS) -> int:
+    """The first slots a low-bit cache or pool keeps in bf16: `sinks`, or the model's attention sinks
+    (`sink_tokens`, which the base stream reads there) if more."""
+    return max(sinks, getattr(config, "sink_tokens", 0))
+
+
 def high_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the sink and recent slots: the model's if 16-bit, else bf16."""
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -96,7 +102,7 @@ class LowBitStaticCache(StaticOrthrosCache):
                              f"got {key_group}, {sinks}, {recent}")
         # the model's attention sinks (`sink_tokens`) are read by the base stream from the bf16 sinks
         self.attn_sinks = getattr(config, "sink_tokens", 0)
-        sinks = max(sinks, self.attn_sinks)
+        sinks = bf16_sinks(config, sinks)
         # key_bits: the kv_dtype's (every layer unless `layer_key_bits` says otherwise)
         self.kv_dtype, self.key_bits, self.value_bits = kv_dtype, kb, vb
         self.key_group, self.value_group, self.sinks, self.recent = key_group, value_group, sinks, recent
@@ -249,10 +255,9 @@ class LowBitStaticCache(StaticOrthrosCache):
         wk, wv = self.update(layer_idx, k, v)
         if self.decoding:
             return self.read(layer_idx)
-        h = min(self._win_start, self.attn_sinks)  # attention sinks below the window: read before it
-        if h:
-            wk, wv = torch.cat([self.sk[layer_idx][:, :h], wk], 1), torch.cat([self.sv[layer_idx][:, :h], wv], 1)
-        return self.read(layer_idx, DenseKV(wk, wv, start=self._win_start, head=h))
+        S = self.attn_sinks  # attention sinks below the window: read before it
+        sinks = (self.sk[layer_idx][:, :S], self.sv[layer_idx][:, :S]) if S else ()
+        return self.read(layer_idx, DenseKV.window(wk, wv, self._win_start, *sinks))
 
     def read(self, layer_idx: int, window: DenseKV | None = None) -> LowBitKV:
         """What attention reads of layer `layer_idx` as the cache stands (`write` gives a prefill

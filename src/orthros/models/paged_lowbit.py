@@ -29,7 +29,7 @@ import torch
 
 from ..ops.kv import PagedChunk, PagedKV, PagedLowBitKV, PagedRows
 from ..ops.lowbit import BITS, quantize_keys, quantize_values, rotate, rotation_matrix
-from .lowbit_cache import KEY_GROUP, SINKS, VALUE_GROUP, high_dtype, layer_key_bits
+from .lowbit_cache import KEY_GROUP, VALUE_GROUP, bf16_sinks, high_dtype, layer_key_bits
 
 
 def check_lowbit_pool(config, kv_dtype: str, block_size: int, key_group: int = KEY_GROUP) -> None:
@@ -95,10 +95,8 @@ class PagedLowBitPool:
         self.fp8 = False
         self.layer_key_bits = layer_key_bits(config, kv_dtype)
         self.value_bits = BITS[kv_dtype][1]
-        # bf16 sink slots in block 0's twin: the format's, or the model's attention sinks if more (as
-        # `LowBitStaticCache` keeps them); the base rows read those from the twin
-        sinks = max(SINKS, getattr(config, "sink_tokens", 0))
-        self.key_group, self.value_group, self.sinks, self.recent = kg, VG, sinks, config.window_size
+        # bf16 sink slots in block 0's twin, as `LowBitStaticCache` keeps them; the base rows read those
+        self.key_group, self.value_group, self.sinks, self.recent = kg, VG, bf16_sinks(config), config.window_size
         self.rotated = rotate
         self.rotation = rotation_matrix(D, device) if rotate else None
         self.hi = high_dtype(dtype)

@@ -42,6 +42,15 @@ class DenseKV:
     capturable: bool = False
     head: int = 0
 
+    @classmethod
+    def window(cls, k, v, start: int, sink_k=None, sink_v=None) -> "DenseKV":
+        """Keys k, v [B, S, Hkv, D] from slot `start`, after the sinks sink_k / sink_v [B, >= h, Hkv, D] (slots
+        0 ..) below them: h = min(start, sinks) of those go first (`head`); none given, none."""
+        h = 0 if sink_k is None else min(start, sink_k.shape[1])
+        if h:
+            k, v = torch.cat([sink_k[:, :h], k], 1), torch.cat([sink_v[:, :h], v], 1)
+        return cls(k, v, start=start, head=h)
+
 
 @dataclass
 class PagedRows:

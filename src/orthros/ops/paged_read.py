@@ -31,14 +31,14 @@ def paged_attend(q, kv: PagedKV, window, scale, backend, window_rows, base_rows:
     if window_rows is not None:  # both streams of decodes: [base rows | output rows]
         r = window_rows
         o = q.new_empty(q.shape)  # both calls store into it: no concatenation
-        _single(kv, q[:, :r], kv.base, window, scale, out=o[:, :r], sinks=kv.sinks)
+        _single(kv, q[:, :r], kv.base, window, scale, out=o[:, :r])
         _single(kv, q[:, r:], kv.out, None, scale, out=o[:, r:])
     elif base_rows and not kv.chunks:  # every segment is one token: rows in order
-        o = _single(kv, q, kv.base, window, scale, sinks=kv.sinks)
+        o = _single(kv, q, kv.base, window, scale)
     elif base_rows:
         o = q.new_empty(q.shape)
         if kv.base.rows.numel():
-            o[:, kv.base.rows] = _single(kv, q[:, kv.base.rows], kv.base, window, scale, sinks=kv.sinks)
+            o[:, kv.base.rows] = _single(kv, q[:, kv.base.rows], kv.base, window, scale)
         for d in kv.chunks:
             kd, vd = _gather(kv, d.slots, q.dtype)
             n, m = d.r1 - d.r0, d.q_slot.shape[1]
@@ -58,18 +58,19 @@ def paged_attend(q, kv: PagedKV, window, scale, backend, window_rows, base_rows:
                            backend=be, dense_start=d.dense_start, sinks=kv.sinks)
             o[:, d.r0:d.r1] = oc[:, :n]
     else:
-        o = _single(kv, q, kv.out, window, scale, sinks=kv.sinks)
+        o = _single(kv, q, kv.out, window, scale)
     if kv.v_scale is not None:
         o = o * kv.v_scale.repeat_interleave(H // Hkv)[:, None].to(o.dtype)
     return o
 
 
-def _single(kv: PagedKV, q, single: PagedRows, window, scale, out=None, sinks: int = 0):
-    """q [1, R, H, D], one query per row of `single` -> [1, R, H, D] (into `out` if given)."""
+def _single(kv: PagedKV, q, single: PagedRows, window, scale, out=None):
+    """q [1, R, H, D], one query per row of `single` -> [1, R, H, D] (into `out` if given); windowed
+    queries also see their sequence's first `kv.sinks` positions."""
     if q.shape[1] == 0:
         return q if out is None else out
     o = paged_attention(q[0], kv.k, kv.v, single.table, single.pos, kv.block_size, window=window, scale=scale,
-                        max_len=single.max_len, out=None if out is None else out[0], sinks=sinks)
+                        max_len=single.max_len, out=None if out is None else out[0], sinks=kv.sinks)
     return o[None]
 
 
@@ -91,7 +92,7 @@ def paged_lowbit_attend(q, kv: PagedLowBitKV, window, scale, backend, window_row
     if window_rows is not None:  # both streams of decodes: [base rows | output rows]
         r = window_rows
         o = q.new_empty(q.shape)
-        _single(kv.window, q[:, :r], kv.window.base, window, scale, out=o[:, :r], sinks=kv.window.sinks)
+        _single(kv.window, q[:, :r], kv.window.base, window, scale, out=o[:, :r])
         paged_lowbit_attention(q[0, r:], kv, kv.out, kv.out_twins, scale, out=o[0, r:])
         return o
     if base_rows:

@@ -88,7 +88,7 @@ class ShardedCache:
         """cp: with the prompt's shards (`CPGroup.with_shards`); window: the base stream's (None: full);
         sinks: its attention sinks, the first slots of the first shard (rows that start at slot 0)."""
         self.num_layers, self.cp = num_layers, cp
-        self.sinks = sinks if window is not None else 0
+        self.sinks = sinks
         self.start = cp.bounds[cp.rank][0]
         self.span = None if window is None else window - 1  # halo slots
         self.keys: list[torch.Tensor | None] = [None] * self.num_layers
@@ -132,14 +132,10 @@ class ShardedCache:
         """The shard's k, v after the `span` slots before it (from earlier ranks), after the attention sinks
         below those (from the first rank)."""
         hk, hv = halo_exchange((k, v), self.cp, self.span)
-        a = self.start - hk.shape[1]
-        hk, hv = torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1)
-        if self.sinks:
-            sk, sv = self._sink_kv(k, v)
-            h = min(a, self.sinks)
-            hk, hv = torch.cat([sk[:, :h], hk], dim=1), torch.cat([sv[:, :h], hv], dim=1)
-            return DenseKV(hk, hv, start=a, head=h)
-        return DenseKV(hk, hv, start=a)
+        sinks = self._sink_kv(k, v) if self.sinks else ()
+        if hk.shape[1]:
+            k, v = torch.cat([hk, k], dim=1), torch.cat([hv, v], dim=1)
+        return DenseKV.window(k, v, self.start - hk.shape[1], *sinks)
 
     def _sink_kv(self, k: torch.Tensor, v: torch.Tensor):
         """The first rank's first `sinks` slots of k, v, on every rank (a broadcast)."""
