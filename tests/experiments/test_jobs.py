@@ -86,6 +86,50 @@ def test_a_job_starts_after_the_jobs_it_needs(tmp_path, workers):
         run_after(_log, {"a": ("a", str(log)), "b": ("b", str(log))}, {"a": ["b"], "b": ["a"]}, workers)
 
 
+def _log_or_fail(name, path):
+    if name.startswith("bad"):
+        raise MemoryError(f"{name} ran out")
+    return _log(name, path)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_job_is_said_at_once_and_the_others_finish(tmp_path, workers, capfd):
+    """A job that raises (an arm out of memory) does not stop the jobs beside it: they finish, the
+    jobs that need it do not run, and the error names it with what finished."""
+    from orthros.experiments.jobs import JobsFailed, run_after
+
+    log = tmp_path / "log"
+    jobs = {n: (n, str(log)) for n in ("bad", "free", "student", "teacher", "after-bad")}
+    with pytest.raises(JobsFailed) as e:
+        run_after(_log_or_fail, jobs, {"student": ["teacher"], "after-bad": ["bad"]}, workers)
+    assert set(e.value.done) == {"free", "student", "teacher"} and list(e.value.errors) == ["bad"]
+    assert isinstance(e.value.errors["bad"], MemoryError) and e.value.skipped == ["after-bad"]
+    assert "bad: MemoryError: bad ran out" in str(e.value) and "after-bad" in str(e.value)
+    assert "job bad failed: MemoryError: bad ran out" in capfd.readouterr().err
+    assert "start after-bad" not in log.read_text()
+
+
+def test_a_failed_arm_leaves_the_finished_arms_reported(tmp_path, monkeypatch, capsys):
+    from orthros.experiments import cpt
+    from orthros.experiments.cli import run_cpt_command
+
+    def fake_arm(arm, conv, out, preset, device, position=0, train_only=False):
+        if arm == "orthros-kd":
+            raise MemoryError("CUDA out of memory")
+        return {"arm": arm, "eval": {}}
+
+    monkeypatch.setattr(cpt, "prepare", lambda *a, **k: tmp_path / "orthros")
+    monkeypatch.setattr(cpt, "run_arm", fake_arm)
+    monkeypatch.setattr(cpt, "write_report", lambda results, preset, meta, out: {"results": results,
+                                                                                "table": f"table of {sorted(results)}"})
+    args = type("A", (), dict(preset="smollm2-cpu-smoke", out=str(tmp_path / "o"), from_json=None, source="x.gguf",
+                              archs=["orthros-kd", "orthros-cpt"], device="cpu", jobs=1, steps=None,
+                              lm_eval_limit=None, compile=None))
+    assert run_cpt_command(args) == 1
+    err = capsys.readouterr().err
+    assert "table of ['orthros-cpt']" in err and "orthros-kd: MemoryError: CUDA out of memory" in err
+
+
 def test_students_start_once_their_teacher_is_trained_not_evaluated(tmp_path, monkeypatch):
     """The conversion experiment: a teacher arm is two jobs (train and save; evaluate), and the arms
     it teaches wait only for the first."""

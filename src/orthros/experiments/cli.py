@@ -11,6 +11,7 @@ Writes results.json, table.md (the paper's layout) and plots to --out.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -72,6 +73,7 @@ def run(args) -> int:
 def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
     from .cpt import DEFAULT_ARMS, merge_runs, run_cpt
+    from .jobs import JobsFailed
 
     from ..errors import check_output_dir
 
@@ -84,8 +86,12 @@ def run_cpt_command(args) -> int:
         print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
         return 0
     source = args.source or smollm2_gguf()
-    res = run_cpt(preset, source, out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, args.steps,
-                  args.lm_eval_limit, args.compile)
+    try:
+        res = run_cpt(preset, source, out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, args.steps,
+                      args.lm_eval_limit, args.compile)
+    except JobsFailed as e:  # each failure was printed with its traceback when it happened
+        print(f"\n{e.report['table']}\n\nsaved the finished arms to {out}/results.json; {e}", file=sys.stderr)
+        return 1
     print()
     print(res["table"])
     print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")

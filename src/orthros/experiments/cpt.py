@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .jobs import run_after
+from .jobs import JobsFailed, run_after
 
 
 @dataclass(frozen=True)
@@ -680,13 +680,21 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
     specs.update({f"{t}/train": (t, str(conv), str(out), preset, device, todo.index(t), True) for t in teachers})
     needs = {a: [f"{ARMS[a].teacher}/train"] for a in todo if ARMS[a].teacher in teachers}
     needs.update({t: [f"{t}/train"] for t in teachers})
-    done = run_after(run_arm, specs, needs, jobs)
+    failed = None
+    try:
+        done = run_after(run_arm, specs, needs, jobs)
+    except JobsFailed as e:  # the arms that finished are reported all the same, then the failure
+        done, failed = e.done, e
     results.update({a: r for a, r in done.items() if "/" not in a})
     meta = {"preset": preset_name, "config": dataclasses.asdict(preset), "train_tokens": preset.train_tokens,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "seconds": time.time() - t0}
-    return write_report(results, preset, meta, out)
+    report = write_report(results, preset, meta, out)
+    if failed is not None:
+        failed.report = report
+        raise failed
+    return report
 
 
 def write_report(results: dict, preset: CPTPreset, meta: dict, out: str | Path, name: str = "results.json") -> dict:
@@ -697,6 +705,8 @@ def write_report(results: dict, preset: CPTPreset, meta: dict, out: str | Path, 
     out.mkdir(parents=True, exist_ok=True)
     results = {a: results[a] for a in ARMS if a in results}
     (out / name).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    if not results:  # every arm failed
+        return {"meta": meta, "results": results, "table": "(no arm finished)"}
     table = format_table(results, preset)
     (out / "table.md").write_text(table + "\n")
     plot_all(results, preset, out)

@@ -9,12 +9,13 @@ seeded on its own, so its result does not depend on what runs beside it.
 from __future__ import annotations
 
 import multiprocessing
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 
 
 def run_jobs(fn, jobs: list[tuple], workers: int = 1) -> list:
     """[fn(*job) for job in jobs], in `workers` spawned processes when > 1 (results in order).
-    `fn` must be a module-level function; a job's exception is raised here."""
+    `fn` must be a module-level function; a job's exception is printed when it happens and the
+    first (in job order) raised here once every job has ended."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if workers == 1 or len(jobs) <= 1:
@@ -22,13 +23,41 @@ def run_jobs(fn, jobs: list[tuple], workers: int = 1) -> list:
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
-        return [f.result() for f in futures]
+        for f in as_completed(futures):  # a failure is said when it happens, the others run on
+            if f.exception() is not None:
+                i = futures.index(f)
+                _failed(f"#{i} ({jobs[i][0]})" if jobs[i] else f"#{i}", f.exception())
+    return [f.result() for f in futures]
+
+
+class JobsFailed(RuntimeError):
+    """Jobs of a `run_after` call raised: `errors` {name: exception}; `done` holds what the other
+    jobs returned (those that needed a failed job did not run: `skipped`)."""
+
+    def __init__(self, errors: dict, done: dict, skipped: list):
+        self.errors, self.done, self.skipped = errors, done, skipped
+        lines = [f"{n}: {type(e).__name__}: {e}" for n, e in errors.items()]
+        if skipped:
+            lines.append(f"not run (they needed a failed job): {', '.join(skipped)}")
+        super().__init__(f"{len(errors)} job(s) failed; {len(done)} finished\n  " + "\n  ".join(lines))
+
+
+def _failed(name: str, err: BaseException) -> None:
+    """A job's failure, said when it happens (not after the jobs beside it end)."""
+    import sys
+    import traceback
+
+    print(f"job {name} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+    traceback.print_exception(err, file=sys.stderr)
 
 
 def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
     """{name: fn(*jobs[name])}, each job started once the jobs it `needs` ({name: [names]})
     are done, up to `workers` at a time: a job that others wait for starts first, and the
-    rest fill the workers beside it (no stage waits for its slowest job)."""
+    rest fill the workers beside it (no stage waits for its slowest job).
+
+    A job that raises is reported at once (stderr); the jobs that need it are not run, the others
+    go on, and `JobsFailed` (with what finished) is raised once they are done."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     unknown = {d for ds in needs.values() for d in ds} - set(jobs)
@@ -37,28 +66,45 @@ def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
     waited_for = {d for ds in needs.values() for d in ds}
     order = sorted(jobs, key=lambda n: (n not in waited_for, list(jobs).index(n)))
     done: dict = {}
+    errors: dict = {}
+    running: dict = {}
+
+    def blocked(n, seen=()):  # needs a failed job, directly or through another
+        return any(d in errors or (d not in seen and blocked(d, (*seen, n))) for d in needs.get(n, ()))
 
     def ready():
-        return [n for n in order if n not in done and n not in running and set(needs.get(n, ())) <= set(done)]
+        return [n for n in order if n not in done and n not in errors and n not in running
+                and set(needs.get(n, ())) <= set(done)]
 
-    running: dict = {}
+    def settle(n, call):
+        try:
+            done[n] = call()
+        except Exception as e:  # noqa: BLE001 - reported now, raised with the others at the end
+            errors[n] = e
+            _failed(n, e)
+
+    def left():
+        return [n for n in order if n not in done and n not in errors and not blocked(n)]
+
     if workers == 1:
-        while len(done) < len(jobs):
+        while left():
             todo = ready()
             if not todo:
                 raise ValueError("jobs wait for each other in a cycle")
-            done[todo[0]] = fn(*jobs[todo[0]])
-        return done
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        while len(done) < len(jobs):
-            for n in ready()[: workers - len(running)]:
-                running[n] = pool.submit(fn, *jobs[n])
-            if not running:
-                raise ValueError("jobs wait for each other in a cycle")
-            finished, _ = wait(running.values(), return_when=FIRST_COMPLETED)
-            for n, f in list(running.items()):
-                if f in finished:
-                    done[n] = f.result()
-                    del running[n]
+            settle(todo[0], lambda: fn(*jobs[todo[0]]))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            while left():
+                for n in ready()[: workers - len(running)]:
+                    running[n] = pool.submit(fn, *jobs[n])
+                if not running:
+                    raise ValueError("jobs wait for each other in a cycle")
+                finished, _ = wait(running.values(), return_when=FIRST_COMPLETED)
+                for n, f in list(running.items()):
+                    if f in finished:
+                        settle(n, f.result)
+                        del running[n]
+    if errors:
+        raise JobsFailed(errors, done, [n for n in order if n not in done and n not in errors])
     return done
