@@ -86,8 +86,10 @@ def paged_lowbit_attention_kernel(q, kv: PagedLowBitKV, table, twins, pos, scale
     """`paged_lowbit_attention` through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1).
 
     On CUDA the kernel computes in fp32 (IEEE dots) whatever q's dtype: its half-precision tiles gave
-    wrong outputs on an H200 with bf16 queries (relative error 1.15 against the reference; fp32 exact),
-    a fault not yet located (`python -m tests.ops.splitkv.lowbit_paged_cases --locate` launches the
+    wrong outputs on an H200 with bf16 queries (relative error 1.15 against the reference; fp32 exact).
+    Located so far (H100): packed slots of 16-channel heads in key groups of 16, fp16 and bf16 alike;
+    64-channel heads in groups of 64 are right. Which of the two sizes breaks the tile is what
+    `python -m tests.ops.splitkv.lowbit_paged_cases --locate` measures next (it launches the
     half-precision tiles on purpose, through `launch`). The result is returned in q's dtype."""
     if q.is_cuda and q.dtype != torch.float32:
         return launch(q.float(), kv, table, twins, pos, scale, max_len, keys_per_split).to(q.dtype)
