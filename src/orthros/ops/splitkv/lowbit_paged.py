@@ -90,7 +90,10 @@ def paged_lowbit_attention_kernel(q, kv: PagedLowBitKV, table, twins, pos, scale
     Located so far (H100): packed slots of 16-channel heads in key groups of 16, fp16 and bf16 alike;
     64-channel heads in groups of 64 are right. Which of the two sizes breaks the tile is what
     `python -m tests.ops.splitkv.lowbit_paged_cases --locate` measures next (it launches the
-    half-precision tiles on purpose, through `launch`). The result is returned in q's dtype."""
+    half-precision tiles on purpose, through `launch`). The suspect: groups of 16 make the packed
+    tile 16 slots, so p @ v chains a dot of K = 16 onto the scores' dot (the twins' tiles, 64
+    slots, are right); chained dots at 16 x 16 have given wrong MMA results before (Triton issue
+    1162). The result is returned in q's dtype."""
     if q.is_cuda and q.dtype != torch.float32:
         return launch(q.float(), kv, table, twins, pos, scale, max_len, keys_per_split).to(q.dtype)
     return launch(q, kv, table, twins, pos, scale, max_len, keys_per_split)
