@@ -247,6 +247,7 @@ PRESETS = {
     # question, where every arm of the rq run lost them (0-20% beyond ~3K). Activations are kept
     # (the same math as recomputing them, ~1.4x faster a step: benchmarks/cpt_steps.py; three arms
     # side by side: an estimated 20-25 GB each), so that three arms train and are evaluated in one 10-minute call
+    # on an H200; on an H100 (80 GB) the two distilled arms of three did not finish (2026-12-05): --jobs 2 there
     "smollm2-kd-h200-far": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8,
                                      retrieval_lengths=(4096, 8192), gradient_checkpointing=False),
     # the same as rq, a quarter of the retrieval samples questions about their text that the source answers
