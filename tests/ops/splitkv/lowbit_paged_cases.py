@@ -86,7 +86,8 @@ def locate() -> None:
     rows that read only bf16 twins (positions inside the window), only packed slots beyond it,
     or both; the relative error of each against the reference, printed. Then the packed rows over a
     grid of head sizes D and key groups kg (the packed tile is min(64, kg) slots by max(16, D)
-    channels), to tell which of the two makes a tile go wrong.
+    channels), to tell which of the two makes a tile go wrong; and the suspect alone: two chained
+    dots, the second of K = n (`chained_dots`).
 
     Measured (H100, 2026-12-05): with D = 16 and kg = 16, fp16 and bf16 are both wrong on packed
     slots (relative error 2.2; 0.72 where rows read twins too), right on twins alone (2e-4 / 2e-3);
@@ -101,12 +102,38 @@ def locate() -> None:
             for per in (None, 64):
                 errs = [check("int4", **shape, pos=pos, per=per, dtype=dt, raw=True) for dt in dtypes]
                 print(f"{sname:<16} {rname:<14} {per or '-':>5}  " + "  ".join(f"{e:9.2e}" for e in errs), flush=True)
+    print("chained dots, 16 rows: relative error of p @ v (fp16, bf16)")
+    for n, d in ((16, 16), (16, 64), (32, 16), (64, 16), (64, 64)):
+        print(f"  n={n:<3} d={d:<3} " + "  ".join(f"{chained_dots(n, d, dt):9.2e}" for dt in dtypes[1:]), flush=True)
     for D, kg in ((16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32), (128, 16), (128, 64)):
         for kv in ("int4", "int2"):
             shape = dict(D=D, kg=kg, bs=max(32, kg), recent=16)
             errs = [check(kv, **shape, pos=regions["mostly packed"], dtype=dt, raw=True) for dt in dtypes]
             print(f"{f'D{D} kg{kg} {kv}':<16} {'mostly packed':<14} {'-':>5}  " + "  ".join(f"{e:9.2e}" for e in errs),
                   flush=True)
+
+
+def chained_dots(n: int, d: int, dtype) -> float:
+    """The suspect alone: s = q k^T [16, n], then p = s (cast to dtype) @ v [n, d] in one program,
+    against the same in fp32 torch; the relative error of the second dot (printed by `locate`)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(Q, K, V, O, N: tl.constexpr, D: tl.constexpr):
+        r, c, dd = tl.arange(0, 16), tl.arange(0, N), tl.arange(0, D)
+        q = tl.load(Q + r[:, None] * D + dd[None, :])
+        k = tl.load(K + c[:, None] * D + dd[None, :])
+        v = tl.load(V + c[:, None] * D + dd[None, :])
+        s = tl.dot(q, tl.trans(k))
+        tl.store(O + r[:, None] * D + dd[None, :], tl.dot((s * 0.125).to(q.dtype), v))
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(m, d, generator=g).to(DEVICE, dtype) for m in (16, n, n))
+    o = torch.empty(16, d, device=DEVICE, dtype=torch.float32)
+    kernel[(1,)](q, k, v, o, N=n, D=d)
+    ref = ((q.float() @ k.float().T * 0.125).to(dtype).float() @ v.float())
+    return ((o - ref).norm() / ref.norm()).item()
 
 
 def main(which="all"):
