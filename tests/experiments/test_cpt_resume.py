@@ -102,3 +102,32 @@ def test_a_freeze_recipe_keeps_those_weights_the_source_s():
     with pytest.raises(ValueError, match="no trainable parameter"):
         train_arm(make_model(perturb_so=False), "so+norms", dataclasses.replace(p, freeze=("q_proj",)), rows,
                   str(DEVICE), "freeze")
+
+
+def test_a_sharpened_start_scales_the_output_queries_of_the_later_layers_only(tmp_path):
+    """`Arm.sharpen` (f, s): the output rows' queries of layers >= f * L are s times the unsharpened
+    model's, so their scores are s times too; every other layer, the base stream and the K/V match."""
+    from orthros.experiments import cpt
+
+    torch.manual_seed(0)
+    model = make_model(perturb_so=True)
+    model.save_pretrained(tmp_path / "conv")
+    cpt.ARMS["sharp-test"] = cpt.Arm("x", dict(attention="orthros"), "so-out", sharpen=(0.5, 1.5))
+    try:
+        plain = cpt.load_arm(tmp_path / "conv", "orthros-0shot", model.config.window_size, "cpu")
+        sharp = cpt.load_arm(tmp_path / "conv", "sharp-test", model.config.window_size, "cpu")
+    finally:
+        del cpt.ARMS["sharp-test"]
+    L = model.config.num_hidden_layers
+    first = round(0.5 * L)
+    for i in range(L):
+        a, b = plain.model.layers[i].self_attn, sharp.model.layers[i].self_attn
+        s = 1.5 if i >= first else 1.0
+        assert torch.allclose(b.so_alpha_out, s * a.so_alpha_out) and torch.allclose(b.so_beta_out, s * a.so_beta_out)
+        assert torch.equal(b.q_proj.weight, a.q_proj.weight) and torch.equal(b.k_proj.weight, a.k_proj.weight)
+        assert not a.base_so or torch.equal(b.so_alpha, a.so_alpha)  # the last layer has no base SO
+    ids = torch.randint(0, model.config.vocab_size, (1, 24))
+    with torch.no_grad():
+        assert not torch.allclose(plain(ids).logits, sharp(ids).logits, atol=1e-4)
+    with pytest.raises(ValueError, match="sharpen"):
+        cpt.sharpen_output_queries(plain, 1.5, 2.0)

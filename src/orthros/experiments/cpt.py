@@ -69,6 +69,10 @@ class Arm:
     """rows mixed with retrieval samples (preset.retrieval_share of them)"""
     recipe: dict = field(default_factory=dict)
     """training fields of the preset this arm changes (lr, align_frac, ce, ...: `arm_preset`)"""
+    sharpen: tuple = ()
+    """(fraction f, scale s): before training, the output stream's queries of the layers from
+    f * L on multiplied by s (their SO vectors): sharper lookups over a long prompt
+    (benchmarks/passkey_temperature_probe.py); a start, which training then moves"""
 
 
 SINK = 4  # attention sinks of the -sink arms (StreamingLLM's 4; 1 measured as good zero-shot: docs/conversion.md)
@@ -130,6 +134,15 @@ ARMS = {
                                   dict(attention="orthros", sink_tokens=SINK), "so-out", "source", mix=True,
                                   # the CPU calibration's rate; no K/V alignment (the base stream is frozen)
                                   recipe=dict(light_lr=1e-2, align_frac=0.0)),
+    # the same two light arms from sharper output-stream lookups in the second half of the layers
+    # (x 1.4: the probe's setting that extends a learnt lookup to 7,680 tokens at +3-4% perplexity)
+    "orthros-kd-so-out-sink-sharp": Arm(f"Orthros + {SINK} sinks, output-stream SO distilled from the source, "
+                                        "sharpened start", dict(attention="orthros", sink_tokens=SINK), "so-out",
+                                        "source", mix=True, recipe=dict(light_lr=1e-2, align_frac=0.0),
+                                        sharpen=(0.5, 1.4)),
+    "orthros-kd-lora-sink-sharp": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO, sharpened start",
+                                      dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True,
+                                      sharpen=(0.5, 1.4)),
     "orthros-kd-d-w256-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), W=256",
                                   dict(attention="orthros", sink_tokens=SINK), "all", "full-cpt", window=256, mix=True),
     "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
@@ -292,7 +305,21 @@ def load_arm(orthros_dir: str | Path, arm: str, window: int, device, dtype=torch
         raise ValueError(f"{orthros_dir}: lacks {sorted(missing)[:3]} for arm {arm}")
     model.load_state_dict(state, strict=False)
     model.tie_weights()
+    if spec.sharpen:
+        sharpen_output_queries(model, *spec.sharpen)
     return model.to(device=device, dtype=dtype)
+
+
+def sharpen_output_queries(model, fraction: float, scale: float) -> None:
+    """The output stream's queries of layers >= fraction * num_layers multiplied by `scale`: SO
+    (`so_alpha_out`, `so_beta_out`) acts on a query before RoPE, so scaling both scales the query."""
+    if not model.config.scale_offset or scale <= 0 or not 0 <= fraction <= 1:
+        raise ValueError(f"sharpen needs SO, a positive scale and a fraction in [0, 1]; got {fraction}, {scale}")
+    first = round(fraction * model.config.num_hidden_layers)
+    with torch.no_grad():
+        for layer in model.model.layers[first:]:
+            layer.self_attn.so_alpha_out.mul_(scale)
+            layer.self_attn.so_beta_out.mul_(scale)
 
 
 # ------------------------------------------------------------------ training
