@@ -68,16 +68,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_temperature_probe.json")
     args = ap.parse_args()
     t0 = time.time()
-    model, tok = sink_probe.zero_shot(Path(args.work), args.window, args.threads)
-    sink_probe.set_sinks(model, args.sinks)
-    if args.adapter:
-        from orthros.models.adapter import apply_adapter
-
-        info = json.loads((Path(args.adapter) / "adapter.json").read_text())
-        if (info.get("sink_tokens", 0), info["window"]) != (args.sinks, args.window):
-            raise SystemExit(f"{args.adapter}: trained with {info.get('sink_tokens', 0)} sinks at W={info['window']}, "
-                             f"not --sinks {args.sinks} --window {args.window}")
-        apply_adapter(model, args.adapter)
+    model, tok = sink_probe.with_sinks(Path(args.work), args.window, args.sinks, args.threads, args.adapter)
     rng = random.Random(11)
     cases = [(L, d, eval_key(rng)) for L in args.lengths for d in args.depths for _ in range(args.samples)]
     prompts = [passkey_prompt(tok, L, d, k) for L, d, k in cases]

@@ -84,6 +84,22 @@ def zero_shot(work: Path, window: int, threads: int):
     return load_arm(conv, "orthros-0shot", window, "cpu").eval(), tok
 
 
+def with_sinks(work: Path, window: int, sinks: int, threads: int, adapter: str | None = None):
+    """`zero_shot` with `sinks` attention sinks, and a light-CPT adapter applied if given (one trained
+    with those sinks at that window; another is refused)."""
+    model, tok = zero_shot(work, window, threads)
+    set_sinks(model, sinks)
+    if adapter:
+        from orthros.models.adapter import apply_adapter
+
+        info = json.loads((Path(adapter) / "adapter.json").read_text())
+        if (info.get("sink_tokens", 0), info["window"]) != (sinks, window):
+            raise SystemExit(f"{adapter}: trained with {info.get('sink_tokens', 0)} sinks at W={info['window']}, "
+                             f"not --sinks {sinks} --window {window}")
+        apply_adapter(model, adapter)
+    return model, tok
+
+
 def heldout_rows(tok, work: Path, rows: int, seq_len: int, source_len: int) -> dict[str, torch.Tensor]:
     """The first `rows` held-out code and prose rows, cut to `seq_len` tokens."""
     held = heldout_sets(tok, source_len, rows, work / "cache")

@@ -9,6 +9,8 @@ seeded on its own, so its result does not depend on what runs beside it.
 from __future__ import annotations
 
 import multiprocessing
+import sys
+import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 
 
@@ -32,10 +34,12 @@ def run_jobs(fn, jobs: list[tuple], workers: int = 1) -> list:
 
 class JobsFailed(RuntimeError):
     """Jobs of a `run_after` call raised: `errors` {name: exception}; `done` holds what the other
-    jobs returned (those that needed a failed job did not run: `skipped`)."""
+    jobs returned (those that needed a failed job did not run: `skipped`); `report`: what the
+    caller made of those (orthros experiment cpt: the finished arms' report)."""
 
     def __init__(self, errors: dict, done: dict, skipped: list):
         self.errors, self.done, self.skipped = errors, done, skipped
+        self.report: dict | None = None
         lines = [f"{n}: {type(e).__name__}: {e}" for n, e in errors.items()]
         if skipped:
             lines.append(f"not run (they needed a failed job): {', '.join(skipped)}")
@@ -44,9 +48,6 @@ class JobsFailed(RuntimeError):
 
 def _failed(name: str, err: BaseException) -> None:
     """A job's failure, said when it happens (not after the jobs beside it end)."""
-    import sys
-    import traceback
-
     print(f"job {name} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
     traceback.print_exception(err, file=sys.stderr)
 

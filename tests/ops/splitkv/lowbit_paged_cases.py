@@ -12,6 +12,8 @@ import os
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from orthros.ops.kv import PagedKV, PagedLowBitKV, PagedRows
 from orthros.ops.lowbit import BITS, quantize_keys, quantize_values, rotate, rotation_matrix
@@ -113,25 +115,23 @@ def locate() -> None:
                   flush=True)
 
 
+@triton.jit
+def _chained(Q, K, V, O, N: tl.constexpr, D: tl.constexpr):
+    r, c, dd = tl.arange(0, 16), tl.arange(0, N), tl.arange(0, D)
+    q = tl.load(Q + r[:, None] * D + dd[None, :])
+    k = tl.load(K + c[:, None] * D + dd[None, :])
+    v = tl.load(V + c[:, None] * D + dd[None, :])
+    s = tl.dot(q, tl.trans(k))
+    tl.store(O + r[:, None] * D + dd[None, :], tl.dot((s * 0.125).to(q.dtype), v))
+
+
 def chained_dots(n: int, d: int, dtype) -> float:
     """The suspect alone: s = q k^T [16, n], then p = s (cast to dtype) @ v [n, d] in one program,
     against the same in fp32 torch; the relative error of the second dot (printed by `locate`)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def kernel(Q, K, V, O, N: tl.constexpr, D: tl.constexpr):
-        r, c, dd = tl.arange(0, 16), tl.arange(0, N), tl.arange(0, D)
-        q = tl.load(Q + r[:, None] * D + dd[None, :])
-        k = tl.load(K + c[:, None] * D + dd[None, :])
-        v = tl.load(V + c[:, None] * D + dd[None, :])
-        s = tl.dot(q, tl.trans(k))
-        tl.store(O + r[:, None] * D + dd[None, :], tl.dot((s * 0.125).to(q.dtype), v))
-
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(m, d, generator=g).to(DEVICE, dtype) for m in (16, n, n))
     o = torch.empty(16, d, device=DEVICE, dtype=torch.float32)
-    kernel[(1,)](q, k, v, o, N=n, D=d)
+    _chained[(1,)](q, k, v, o, N=n, D=d)
     ref = ((q.float() @ k.float().T * 0.125).to(dtype).float() @ v.float())
     return ((o - ref).norm() / ref.norm()).item()
 
