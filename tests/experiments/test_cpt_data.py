@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from orthros.experiments.cpt import PRESETS, prepare_data
+from orthros.experiments.cpt import prepare_data
+from orthros.experiments.cpt_arms import PRESETS
 
 
 def test_retrieval_rows_follow_the_preset(tmp_path, chat_tok):

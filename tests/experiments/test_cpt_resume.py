@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from orthros.experiments.cpt import PRESETS, train_arm
+from orthros.experiments.cpt import train_arm
+from orthros.experiments.cpt_arms import PRESETS
 from orthros.train.checkpoint import list_checkpoints
 
 from ..conftest import DEVICE, make_model
@@ -107,17 +108,17 @@ def test_a_freeze_recipe_keeps_those_weights_the_source_s():
 def test_a_sharpened_start_scales_the_output_queries_of_the_later_layers_only(tmp_path):
     """`Arm.sharpen` (f, s): the output rows' queries of layers >= f * L are s times the unsharpened
     model's, so their scores are s times too; every other layer, the base stream and the K/V match."""
-    from orthros.experiments import cpt
+    from orthros.experiments import cpt, cpt_arms
 
     torch.manual_seed(0)
     model = make_model(perturb_so=True)
     model.save_pretrained(tmp_path / "conv")
-    cpt.ARMS["sharp-test"] = cpt.Arm("x", dict(attention="orthros"), "so-out", sharpen=(0.5, 1.5))
+    cpt_arms.ARMS["sharp-test"] = cpt_arms.Arm("x", dict(attention="orthros"), "so-out", sharpen=(0.5, 1.5))
     try:
         plain = cpt.load_arm(tmp_path / "conv", "orthros-0shot", model.config.window_size, "cpu")
         sharp = cpt.load_arm(tmp_path / "conv", "sharp-test", model.config.window_size, "cpu")
     finally:
-        del cpt.ARMS["sharp-test"]
+        del cpt_arms.ARMS["sharp-test"]
     L = model.config.num_hidden_layers
     first = round(0.5 * L)
     for i in range(L):

@@ -152,7 +152,7 @@ def test_students_start_once_their_teacher_is_trained_not_evaluated(tmp_path, mo
 
 
 def test_an_arm_s_recipe_changes_its_training_only():
-    from orthros.experiments import cpt
+    from orthros.experiments import cpt_arms as cpt
 
     base = cpt.PRESETS["smollm2-kd-h200"]
     p = cpt.arm_preset("orthros-kd-d-w256-lr3", base)

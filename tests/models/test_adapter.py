@@ -9,7 +9,8 @@ import torch
 
 from orthros import OrthrosForCausalLM, cli
 from orthros.convert.tiny import make_tiny_checkpoint, tiny_tokenizer
-from orthros.experiments.cpt import PRESETS, train_arm
+from orthros.experiments.cpt import train_arm
+from orthros.experiments.cpt_arms import PRESETS
 from orthros.loading import load_model
 from orthros.models.adapter import apply_adapter, make_trainable, save_adapter
 

@@ -19,8 +19,8 @@ EXPERIMENTS = ("recall", "cpt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from .cpt import ARMS
-    from .cpt import PRESETS as CPT_PRESETS
+    from .cpt_arms import ARMS
+    from .cpt_arms import PRESETS as CPT_PRESETS
     from .presets import ARCHS, PRESETS
 
     p.add_argument("name", choices=EXPERIMENTS, help="which experiment")
@@ -72,7 +72,8 @@ def run(args) -> int:
 
 def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
-    from .cpt import DEFAULT_ARMS, merge_runs, run_cpt
+    from .cpt import merge_runs, run_cpt
+    from .cpt_arms import DEFAULT_ARMS
     from .jobs import JobsFailed
 
     from ..errors import check_output_dir

@@ -1,0 +1,243 @@
+"""The conversion experiment's arms (what each trains, from which teacher, on which rows) and its
+presets (budgets, data and evaluation), by name: `orthros experiment cpt --preset P --arms A B`.
+
+    source            the source model, untouched (the same-code full attention)
+    orthros-0shot     converted to Orthros (window W), no training
+    orthros-cpt       Orthros after CE CPT (every weight)
+    full-cpt          the source architecture after the same CE CPT (the paper's control)
+    orthros-kd        Orthros distilled from the source (KL, K/V alignment warm-up; `train.distill`)
+    orthros-kd-d      Orthros distilled from full-cpt, the same-data teacher (trained first)
+    ...               the rest below, each with its label (the module docstring of `cpt` says more)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+@dataclass(frozen=True)
+class Arm:
+    label: str
+    changes: dict
+    mode: str | None = None
+    """trainable set (models.adapter.MODES) or None (not trained)"""
+    teacher: str | None = None
+    """"source" or the name of an arm whose trained weights teach this one"""
+    window: int | None = None
+    """the base stream's window; default the preset's"""
+    seed: int = 0
+    """seed of the row order (0: the corpus order) and of initialisation"""
+    mix: bool = False
+    """rows mixed with retrieval samples (preset.retrieval_share of them)"""
+    recipe: dict = field(default_factory=dict)
+    """training fields of the preset this arm changes (lr, align_frac, ce, ...: `arm_preset`)"""
+    sharpen: tuple = ()
+    """(fraction f, scale s): before training, the output stream's queries of the layers from
+    f * L on multiplied by s (their SO vectors): sharper lookups over a long prompt
+    (benchmarks/passkey_temperature_probe.py); a start, which training then moves"""
+
+
+SINK = 4  # attention sinks of the -sink arms (StreamingLLM's 4; 1 measured as good zero-shot: docs/conversion.md)
+
+
+def _kd(label, teacher, mode="all", **kw):
+    return Arm(label, dict(attention="orthros"), mode, teacher, mix=True, **kw)
+
+
+ARMS = {
+    "source": Arm("Source model (full attention)", dict(attention="full")),
+    "orthros-0shot": Arm("Orthros, zero-shot", dict(attention="orthros")),
+    "orthros-cpt": Arm("Orthros + CPT", dict(attention="orthros"), "all"),
+    "full-cpt": Arm("Source arch. + CPT", dict(attention="full"), "all"),
+    "swa-cpt": Arm("SWA + CPT", dict(attention="swa"), "all"),
+    "orthros-noso": Arm("Orthros w/o SO + CPT", dict(attention="orthros", scale_offset=False), "all"),
+    "orthros-so": Arm("Orthros + light CPT (SO + norms)", dict(attention="orthros"), "so+norms"),
+    "orthros-lora": Arm("Orthros + light CPT (LoRA + SO)", dict(attention="orthros"), "lora+so"),
+    "orthros-kd": _kd("Orthros distilled from the source", "source"),
+    "orthros-kd-d": _kd("Orthros distilled from (d)", "full-cpt"),
+    "orthros-kd-d-lora": _kd("Orthros distilled from (d), LoRA + SO", "full-cpt", "lora+so"),
+    "orthros-kd-lora": _kd("Orthros distilled from the source, LoRA + SO", "source", "lora+so"),
+    "orthros-kd-d-nomix": Arm("Orthros distilled from (d), no retrieval data", dict(attention="orthros"), "all",
+                              "full-cpt"),
+    "orthros-kd-d-w256": _kd("Orthros distilled from (d), W=256", "full-cpt", window=256),
+    "orthros-kd-d-w512": _kd("Orthros distilled from (d), W=512", "full-cpt", window=512),
+    "orthros-kd-d-s1": _kd("Orthros distilled from (d), seed 1", "full-cpt", seed=1),
+    # the cheap levers on the best window, should distillation from (d) stay short of its targets
+    "orthros-kd-d-w256-lr3": _kd("Orthros distilled from (d), W=256, peak LR 3e-4", "full-cpt", window=256,
+                                 recipe=dict(lr=3e-4)),
+    "orthros-kd-d-w256-align50": _kd("Orthros distilled from (d), W=256, K/V alignment for half the steps",
+                                     "full-cpt", window=256, recipe=dict(align_frac=0.5)),
+    "orthros-kd-d-w256-ce": _kd("Orthros distilled from (d), W=256, KL + 0.5 CE", "full-cpt", window=256,
+                                recipe=dict(ce=0.5)),
+    "orthros-cpt-s1": Arm("Orthros + CPT, seed 1", dict(attention="orthros"), "all", seed=1),
+    # the base window also sees each document's first SINK tokens (`OrthrosConfig.sink_tokens`)
+    "orthros-0shot-sink": Arm(f"Orthros + {SINK} sinks, zero-shot", dict(attention="orthros", sink_tokens=SINK)),
+    "orthros-cpt-sink": Arm(f"Orthros + {SINK} sinks + CPT", dict(attention="orthros", sink_tokens=SINK), "all"),
+    "orthros-cpt-sink-s1": Arm(f"Orthros + {SINK} sinks + CPT, seed 1", dict(attention="orthros", sink_tokens=SINK),
+                               "all", seed=1),
+    # CE on the corpus with retrieval rows spliced in (the loss on their answers): the lookup the
+    # output stream must learn, without a teacher
+    "orthros-cpt-sink-mix": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data", dict(attention="orthros",
+                                sink_tokens=SINK), "all", mix=True),
+    "orthros-lora-sink-mix": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data",
+                                 dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True),
+    "orthros-kd-sink": Arm(f"Orthros + {SINK} sinks distilled from the source", dict(attention="orthros",
+                           sink_tokens=SINK), "all", "source", mix=True),
+    "orthros-kd-d-sink": Arm(f"Orthros + {SINK} sinks distilled from (d)", dict(attention="orthros", sink_tokens=SINK),
+                             "all", "full-cpt", mix=True),
+    "orthros-kd-lora-sink": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO",
+                                dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True),
+    "orthros-kd-d-lora-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), LoRA + SO",
+                                  dict(attention="orthros", sink_tokens=SINK), "lora+so", "full-cpt", mix=True),
+    # the output stream's SO alone (`make_trainable(..., "so-out")`): the base stream and its K/V stay the
+    # zero-shot conversion's; only how the output rows query them is learnt (the CPU calibration:
+    # benchmarks/so_out_calibration.py)
+    "orthros-kd-so-out-sink": Arm(f"Orthros + {SINK} sinks, output-stream SO distilled from the source",
+                                  dict(attention="orthros", sink_tokens=SINK), "so-out", "source", mix=True,
+                                  # the CPU calibration's rate; no K/V alignment (the base stream is frozen)
+                                  recipe=dict(light_lr=1e-2, align_frac=0.0)),
+    # the same two light arms from sharper output-stream lookups in the second half of the layers
+    # (x 1.4: the probe's setting that extends a learnt lookup to 7,680 tokens at +3-4% perplexity)
+    "orthros-kd-so-out-sink-sharp": Arm(f"Orthros + {SINK} sinks, output-stream SO distilled from the source, "
+                                        "sharpened start", dict(attention="orthros", sink_tokens=SINK), "so-out",
+                                        "source", mix=True, recipe=dict(light_lr=1e-2, align_frac=0.0),
+                                        sharpen=(0.5, 1.4)),
+    "orthros-kd-lora-sink-sharp": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO, sharpened start",
+                                      dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True,
+                                      sharpen=(0.5, 1.4)),
+    "orthros-kd-d-w256-sink": Arm(f"Orthros + {SINK} sinks distilled from (d), W=256",
+                                  dict(attention="orthros", sink_tokens=SINK), "all", "full-cpt", window=256, mix=True),
+    "full-cpt-s1": Arm("Source arch. + CPT, seed 1", dict(attention="full"), "all", seed=1),
+    # the window sweep and second seeds of the two sinks recipes with retrieval data (CE; distilled)
+    **{f"orthros-cpt-sink-mix-w{w}": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, W={w}",
+                                         dict(attention="orthros", sink_tokens=SINK), "all", mix=True, window=w)
+       for w in (256, 512)},
+    **{f"orthros-kd-sink-w{w}": Arm(f"Orthros + {SINK} sinks distilled from the source, W={w}",
+                                    dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, window=w)
+       for w in (256, 512)},
+    # the queries and keys of every layer kept the source's (both streams read with them): the source's
+    # lookup heads keep matching what they matched, only what feeds them adapts
+    "orthros-cpt-sink-mix-fqk": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, W_Q / W_K frozen",
+                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True,
+                                    recipe=dict(freeze=("q_proj", "k_proj"))),
+    "orthros-kd-sink-fqk": Arm(f"Orthros + {SINK} sinks distilled from the source, W_Q / W_K frozen",
+                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True,
+                               recipe=dict(freeze=("q_proj", "k_proj"))),
+    "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
+                                   dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
+    "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",
+                              dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
+}
+
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac",
+                 "freeze")
+
+
+def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
+    """The preset an arm trains with: the run's, with the arm's `recipe` changes (training fields only:
+    every arm is evaluated alike)."""
+    bad = set(ARMS[arm].recipe) - set(RECIPE_FIELDS)
+    if bad:
+        raise ValueError(f"arm {arm}: recipe may change {', '.join(RECIPE_FIELDS)}, not {', '.join(sorted(bad))}")
+    return dataclasses.replace(preset, **ARMS[arm].recipe)
+
+
+# what `orthros experiment cpt` runs unless --arms says otherwise: (a)-(g) of the comparison
+DEFAULT_ARMS = ("source", "orthros-0shot", "orthros-cpt", "full-cpt", "orthros-kd", "orthros-kd-d",
+                "orthros-kd-d-lora")
+
+
+@dataclass
+class CPTPreset:
+    window: int = 128
+    seq_len: int = 8192
+    batch_size: int = 2
+    steps: int = 200
+    lr: float = 1e-4
+    """peak learning rate of full CPT"""
+    light_lr: float = 2e-3
+    """peak learning rate of SO / norm vectors in light CPT"""
+    lora_lr: float = 1e-3
+    lora_rank: int = 8
+    warmup: int = 20
+    weight_decay: float = 0.1
+    gradient_checkpointing: bool = True
+    compile: bool = False
+    """torch.compile each block of the student (and of a teacher), as `orthros train`'s train.compile"""
+    eval_rows: int = 16
+    """held-out rows per domain at seq_len (the 2K rows are cut from the same documents)"""
+    short_len: int = 2048
+    copy_gaps: list[int] = field(default_factory=lambda: [512, 2048, 6144])
+    copy_samples: int = 32
+    passkey_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 7680])
+    passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    passkey_samples: int = 10
+    """samples per length and depth (5 depths x 10 = 50 a length: a 95% interval of about +-14 points)"""
+    eval_batch: int = 2
+    lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze", "python_docs_recall"])
+    """local lm-evaluation-harness tasks (configs/lm_eval; run from the repository root): the next
+    word (local context), and a sentence's second half recalled from ~4K tokens back"""
+    lm_eval_limit: int | None = None
+    retrieval_share: float = 0.3
+    """share of the rows of a -mix arm that start with a retrieval sample (data.retrieval)"""
+    retrieval_lengths: tuple = (1024, 8192)
+    retrieval_questions: int = 1
+    """facts a lookup sample asks in turn (one chat turn each, every answer a target)"""
+    retrieval_kinds: tuple = ("passkey", "lookup", "copy")
+    """the retrieval samples' kinds, in turn (data.retrieval); "docqa" has the source answer
+    questions about the text (greedy, on the run's device, while the rows are made)"""
+    kl: float = 1.0
+    """distilled arms: weight of KL(teacher || student) on every output position"""
+    temperature: float = 1.0
+    ce: float = 0.0
+    """distilled arms: weight of the cross-entropy on the labels"""
+    align: float = 1.0
+    """distilled arms: weight of the per-layer K/V alignment, in the first align_frac of the steps"""
+    align_on: str = "kv"
+    align_frac: float = 0.25
+    freeze: tuple = ()
+    """parameters kept the source's: those whose name contains one of these (e.g. ("q_proj", "k_proj"):
+    the queries and keys the source's lookup heads match with, as QK-Restore keeps them)"""
+    checkpoint_every: int = 100
+    """steps between an arm's training checkpoints (run_arm: out/checkpoints/ARM; 0: none); a cut
+    run continues from the newest"""
+    save_weights: bool = True
+    """every trained arm saves its weights under out/models before its evaluation: an arm that
+    teaches another needs them, and a run cut during an evaluation resumes there"""
+
+    @property
+    def train_tokens(self) -> int:
+        return self.steps * self.batch_size * self.seq_len
+
+
+PRESETS = {
+    # One H200, all arms side by side (--jobs 8): 16K tokens a step.
+    "smollm2-h200": CPTPreset(passkey_samples=4, retrieval_share=0.0),  # the 2026-12-01 table's preset
+    # Distillation and the controls, 16K tokens a step, up to 6 arms side by side on one H200.
+    "smollm2-kd-h200": CPTPreset(steps=320),
+    # The same with denser retrieval supervision: half the rows open with a retrieval sample and a
+    # lookup asks up to 8 of its facts (the zero-shot probe: the output stream must learn the lookup)
+    "smollm2-kd-h200-rq": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8),
+    # the same with every retrieval sample 4K-8K tokens long: most needles 1K-7K tokens before the
+    # question, where every arm of the rq run lost them (0-20% beyond ~3K). Activations are kept
+    # (the same math as recomputing them, ~1.4x faster a step: benchmarks/cpt_steps.py; three arms
+    # side by side: an estimated 20-25 GB each), so that three arms train and are evaluated in one 10-minute call
+    # on an H200; on an H100 (80 GB) the two distilled arms of three did not finish (2026-12-05): --jobs 2 there
+    "smollm2-kd-h200-far": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8,
+                                     retrieval_lengths=(4096, 8192), gradient_checkpointing=False),
+    # the same as rq, a quarter of the retrieval samples questions about their text that the source answers
+    "smollm2-kd-h200-qa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=4,
+                                    retrieval_kinds=("passkey", "lookup", "copy", "docqa"),
+                                    gradient_checkpointing=False),
+    # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
+    # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
+    # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone
+    # (benchmarks/cpt_steps.py, before the LM heads were chunked): 0.697 s at 2 rows with
+    # recomputation (23.5K tokens/s), 0.48 s at 2 rows without (34K), 1.14 s at 8 rows without (57.5K).
+    "smollm2-kd-h200-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False),
+    # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
+    "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
+                                   short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
+                                   passkey_depths=[0.5], passkey_samples=1, gradient_checkpointing=False,
+                                   lm_eval_limit=4, lm_eval_tasks=["python_docs_cloze"], retrieval_lengths=(96, 200)),
+}
