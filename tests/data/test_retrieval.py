@@ -6,7 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from orthros.data.retrieval import ALL_KINDS, KEY_MOD, KINDS, _no_loop, eval_key, retrieval_rows, sample, train_key
+from orthros.data.retrieval import (ALL_KINDS, KEY_MOD, KINDS, _no_loop, answer_mask, eval_key, retrieval_rows, sample,
+                                    train_key)
 
 
 def test_the_answer_is_the_target_and_the_haystack_holds_it(chat_tok):
@@ -31,6 +32,26 @@ def test_rows_are_full_and_mask_the_text_after_the_sample(chat_tok):
     rows, mask = retrieval_rows(chat_tok, stream, 6, 512, np.random.default_rng(1), (100, 300))
     assert rows.shape == mask.shape == (6, 512) and mask[:, -1].all()
     assert (rows[:, -100:] != 0).any()
+
+
+def test_answer_mask_finds_each_sample_s_answers_and_no_filling_text(chat_tok):
+    """answer_mask recovers, from a row's target mask alone, exactly the targets `sample` made (its
+    answers), the text filling the row after the sample excluded; a row of text has none; a sample
+    cut at the row's end keeps its answers."""
+    stream = np.asarray(chat_tok("some text here. " * 3000)["input_ids"], np.int32)
+    rows, mask = retrieval_rows(chat_tok, stream, 6, 512, np.random.default_rng(1), (100, 300))
+    rng = np.random.default_rng(1)  # the draws retrieval_rows made, again
+    ans = answer_mask(mask)
+    for r in range(6):
+        L = int(rng.integers(100, 300 + 1))
+        ids, m = sample(chat_tok, stream, L, KINDS[r % len(KINDS)], rng)
+        want = np.zeros(512, bool)
+        want[: len(m)] = m
+        assert (ans[r] == want).all() and want.any()
+    assert not answer_mask(np.ones((2, 64), bool)).any()
+    cut = np.zeros(64, bool)
+    cut[40:50] = cut[60:63] = True  # a sample to the row's last position but one, then the EOS
+    assert (answer_mask(cut[None])[0] == cut).all()
 
 
 def test_training_and_evaluation_keys_are_disjoint():

@@ -132,3 +132,25 @@ def test_a_sharpened_start_scales_the_output_queries_of_the_later_layers_only(tm
         assert not torch.allclose(plain(ids).logits, sharp(ids).logits, atol=1e-4)
     with pytest.raises(ValueError, match="sharpen"):
         cpt.sharpen_output_queries(plain, 1.5, 2.0)
+
+
+def test_answer_weight_trains_on_the_answers_harder_and_needs_retrieval_rows():
+    """answer_weight: the same rows with the answers x8 give another loss curve from the first step
+    (the answers weigh more); an arm whose rows hold no retrieval sample is refused."""
+    torch.manual_seed(0)
+    model = make_model(perturb_so=False)
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=32, steps=2, warmup=1, lr=5e-3)
+    rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (2 * p.batch_size, 32)).astype(np.int32)
+    mask = np.ones(rows.shape, bool)
+    mask[0, :20] = False  # a retrieval row: a prompt, an answer at 12..15, the EOS at 20, then text
+    mask[0, 12:16] = True
+    curves = []
+    for w in (1.0, 8.0):
+        torch.manual_seed(0)
+        m = make_model(perturb_so=False)
+        _, st = train_arm(m, "all", dataclasses.replace(p, answer_weight=w), rows, str(DEVICE), "aw", mask=mask)
+        curves.append(st["loss_curve"])
+    assert curves[1][0] > curves[0][0] * 1.05
+    with pytest.raises(ValueError, match="no retrieval answers"):
+        train_arm(model, "all", dataclasses.replace(p, answer_weight=8.0), rows, str(DEVICE), "aw",
+                  mask=np.ones(rows.shape, bool))

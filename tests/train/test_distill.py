@@ -16,7 +16,7 @@ from orthros.models.adapter import apply_adapter
 from orthros.train import train
 from orthros.train.checkpoint import list_checkpoints
 from orthros.train.config import build_config
-from orthros.train.distill import LossWeights, distill_loss, head_losses, load_teacher
+from orthros.train.distill import LossWeights, distill_loss, head_losses, load_teacher, weighted_ce_loss
 from orthros.train.metrics import read_metrics
 
 from .train_helpers import DEVICE, PY, ROOT, cli_args, tiny_overrides
@@ -83,6 +83,41 @@ def test_head_losses_match_their_definition_with_temperature():
         g_got = torch.autograd.grad(got, (s_h, s_head.weight), retain_graph=True)
         g_ref = torch.autograd.grad(ref, (s_h, s_head.weight), retain_graph=True)
         assert all(torch.allclose(a.double(), b, rtol=1e-4, atol=1e-6) for a, b in zip(g_got, g_ref))
+
+
+def test_weighted_losses_are_the_plain_ones_at_weight_1_and_weigh_each_target(source):
+    """weighted_ce_loss at every weight 1 == the model's own loss (value and gradient); with weights it is
+    sum(w * CE) / n over the targets, the weight of predicting the token at p read at p (the labels'
+    indexing); distill_loss with weights scales each target's KL and CE alike."""
+    student = load_model(source / "student").to(DEVICE).float()
+    teacher = load_teacher(source / "llama", DEVICE, torch.float32, cache_dir=source / "teacher")
+    b = batch(student.config.vocab_size, seed=3)
+    b["labels"][0, :7] = -100
+    n = int((b["labels"][:, 1:] != -100).sum())
+    ref = student(**b, use_cache=False).loss
+    one = weighted_ce_loss(student, b, n, torch.ones(2, SEQ, device=DEVICE))
+    assert torch.allclose(one, ref, rtol=1e-5)
+    w = torch.ones(2, SEQ, device=DEVICE)
+    w[1, 10:14] = 9.0  # the targets at 10..13: the predictions made at 9..12
+    out = student(**b, use_cache=False)  # logits of the output rows, at output_positions
+    pos = out.output_positions
+    nxt = (pos + 1).clamp(0, SEQ - 1)
+    tgt = torch.where((pos >= 0) & (pos + 1 < SEQ), b["labels"].gather(1, nxt), -100)
+    ce = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100,
+                                           reduction="none").view(tgt.shape)
+    want = (ce * w.gather(1, nxt)).sum() / n
+    assert torch.allclose(ce.sum() / n, ref, rtol=1e-5)
+    got = weighted_ce_loss(student, b, n, w)
+    assert torch.allclose(got, want, rtol=1e-5) and got > ref * 1.1
+    g_got = torch.autograd.grad(got, student.lm_head.weight)[0]
+    g_want = torch.autograd.grad(want, student.lm_head.weight)[0]
+    assert torch.allclose(g_got, g_want, rtol=1e-4, atol=1e-7)
+    lw = LossWeights(ce=0.5, kl=1.0, align=0.0)
+    plain, p0 = distill_loss(student, teacher, b, n, lw)
+    unit, p1 = distill_loss(student, teacher, b, n, lw, weights=torch.ones(2, SEQ, device=DEVICE))
+    heavy, p2 = distill_loss(student, teacher, b, n, lw, weights=w)
+    assert torch.allclose(plain, unit, rtol=1e-5) and torch.allclose(p2["ce"], want, rtol=1e-5)
+    assert p2["kl"] > p0["kl"] and heavy > plain
 
 
 @pytest.mark.parametrize("trainable", ["all", "lora+so"])

@@ -256,3 +256,16 @@ def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.r
         mask[r, : len(m)] = m
         mask[r, len(m) + 1 :] = True  # the text after the sample keeps its next-token loss
     return rows, mask
+
+
+def answer_mask(mask: np.ndarray) -> np.ndarray:
+    """The answers among a mask's targets [rows, T] (bool): in a `retrieval_rows` row the sample's
+    targets are its answers, the EOS after it is never a target, and every position after that is
+    (the text that fills the row). So a row's answers are its targets before its last non-target;
+    a row that is all targets (corpus text) has none."""
+    mask = np.asarray(mask, bool)
+    T = mask.shape[-1]
+    last_off = T - 1 - np.argmax(~mask[..., ::-1], axis=-1)  # the last False; T - 1 - 0 if the last is False
+    has_off = (~mask).any(-1)
+    before = np.arange(T) < np.where(has_off, last_off, 0)[..., None]
+    return mask & before

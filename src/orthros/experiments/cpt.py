@@ -141,7 +141,7 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     from ..train import checkpoint as C
     from ..train.config import OptimArgs
     from ..train.dist import Dist
-    from ..train.distill import LossWeights, distill_loss
+    from ..train.distill import LossWeights, distill_loss, weighted_ce_loss
     from ..train.trainer import param_groups as optim_groups
 
     model = make_trainable(model, mode, rank=preset.lora_rank)
@@ -168,6 +168,14 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     cuda = torch.device(device).type == "cuda"
     opt = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
     weights = LossWeights(preset.ce, preset.kl, preset.temperature, preset.align, preset.align_on)
+    answers = None  # the retrieval samples' answers, weighed answer_weight times a text token
+    if preset.answer_weight != 1.0:
+        from ..data.retrieval import answer_mask
+
+        answers = answer_mask(mask) if mask is not None else None
+        if answers is None or not answers.any():
+            raise ValueError(f"answer_weight={preset.answer_weight}: the arm's rows hold no retrieval answers "
+                             "(an arm with retrieval data, retrieval_share > 0)")
     align_steps = round(preset.align_frac * preset.steps)
     hist, sched, start = _History(), _NoScheduler(), 0
     resume = C.resolve_resume("auto", Path(ckpt_dir)) if ckpt_dir is not None else None
@@ -191,13 +199,18 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
         x = torch.from_numpy(rows[step * B : (step + 1) * B].astype(np.int64)).to(device)
         labels = x if mask is None else torch.where(torch.from_numpy(mask[step * B : (step + 1) * B]).to(device), x, -100)
         n = int((labels[:, 1:] != -100).sum())
+        w = None
+        if answers is not None:
+            a = torch.from_numpy(answers[step * B : (step + 1) * B]).to(device)
+            w = 1 + (preset.answer_weight - 1) * a.float()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             if teacher is None:
-                loss = model(input_ids=x, labels=labels, use_cache=False).loss
+                loss = (model(input_ids=x, labels=labels, use_cache=False).loss if w is None
+                        else weighted_ce_loss(model, {"input_ids": x, "labels": labels}, n, w))
                 parts = {}
             else:
                 loss, parts = distill_loss(model, teacher, {"input_ids": x, "labels": labels}, n, weights,
-                                           align=step < align_steps)
+                                           align=step < align_steps, weights=w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in param_groups for p in g["params"]], 1.0)
         opt.step()

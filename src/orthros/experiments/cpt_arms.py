@@ -123,6 +123,13 @@ ARMS = {
     "orthros-kd-sink-fqk": Arm(f"Orthros + {SINK} sinks distilled from the source, W_Q / W_K frozen",
                                dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True,
                                recipe=dict(freeze=("q_proj", "k_proj"))),
+    # the answers of the retrieval samples weigh 32 text tokens each: ~5-10% of the loss instead of ~0.2%
+    "orthros-cpt-sink-mix-aw": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32",
+                                   dict(attention="orthros", sink_tokens=SINK), "all", mix=True,
+                                   recipe=dict(answer_weight=32.0)),
+    "orthros-kd-sink-aw": Arm(f"Orthros + {SINK} sinks distilled from the source, answers x32",
+                              dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True,
+                              recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
     "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",
@@ -130,7 +137,7 @@ ARMS = {
 }
 
 RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac",
-                 "freeze")
+                 "freeze", "answer_weight")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
@@ -198,6 +205,10 @@ class CPTPreset:
     freeze: tuple = ()
     """parameters kept the source's: those whose name contains one of these (e.g. ("q_proj", "k_proj"):
     the queries and keys the source's lookup heads match with, as QK-Restore keeps them)"""
+    answer_weight: float = 1.0
+    """weight of a retrieval sample's answer tokens against a text token (CE, and KL where distilled):
+    an 8K row of text holds ~8K targets and a sample's answers 5-130, so at 1 the lookup is a few
+    thousandths of the loss (LongCE weighs the tokens that need a long context)"""
     checkpoint_every: int = 100
     """steps between an arm's training checkpoints (run_arm: out/checkpoints/ARM; 0: none); a cut
     run continues from the newest"""

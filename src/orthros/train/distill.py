@@ -185,37 +185,73 @@ def align_sum(student: dict, teacher: dict, mask: torch.Tensor) -> torch.Tensor:
     return total / len(keys)
 
 
-def _head_chunk(s_h, t_h, target, s_head, t_head, temperature: float):
+def _head_chunk(s_h, t_h, target, weight, s_head, t_head, temperature: float):
     """(KL sum * T^2, CE sum) over a chunk of rows, the logits made here from the rows'
-    final hidden states (s_h, t_h [M, C]) and dropped after; target [M]."""
+    final hidden states (s_h, t_h [M, C]; t_h None: no teacher, KL 0) and dropped after;
+    target [M]; weight [M] or None (every row 1)."""
     s = s_head(s_h).float()
+    ce = F.cross_entropy(s, target, reduction="none")
+    if t_h is None:
+        return s.new_zeros(()), (ce if weight is None else ce * weight).sum()
     t = t_head(t_h).float()
-    ce = F.cross_entropy(s, target, reduction="sum")
     ls = F.log_softmax(s / temperature, -1)
     lt = F.log_softmax(t / temperature, -1)
-    return (lt.exp() * (lt - ls)).sum() * temperature ** 2, ce
+    kl = (lt.exp() * (lt - ls)).sum(-1)
+    if weight is not None:
+        kl, ce = kl * weight, ce * weight
+    return kl.sum() * temperature ** 2, ce.sum()
 
 
-def head_losses(s_h: torch.Tensor, t_h: torch.Tensor, target: torch.Tensor, s_head, t_head,
-                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def head_losses(s_h: torch.Tensor, t_h: torch.Tensor | None, target: torch.Tensor, s_head, t_head,
+                temperature: float = 1.0, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed KL(teacher_T || student_T) * T^2 and summed CE over rows [M, C], both models' LM
     heads applied KL_CHUNK rows at a time and recomputed in the backward pass: neither model's
-    [M, V] logits (nor their fp32 softmaxes) are ever held whole."""
+    [M, V] logits (nor their fp32 softmaxes) are ever held whole. `weight` [M]: each row's terms
+    times its weight (None: 1); `t_h` None: CE alone (KL 0)."""
     kl = s_h.new_zeros((), dtype=torch.float32)
     ce = s_h.new_zeros((), dtype=torch.float32)
     for i in range(0, s_h.shape[0], KL_CHUNK):
-        args = (s_h[i : i + KL_CHUNK], t_h[i : i + KL_CHUNK], target[i : i + KL_CHUNK], s_head, t_head, temperature)
+        sl = slice(i, i + KL_CHUNK)
+        args = (s_h[sl], None if t_h is None else t_h[sl], target[sl], None if weight is None else weight[sl],
+                s_head, t_head, temperature)
         k, c = (checkpoint(_head_chunk, *args, use_reentrant=False) if s_h.requires_grad
                 else _head_chunk(*args))
         kl, ce = kl + k, ce + c
     return kl, ce
 
 
-def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, align: bool = True):
+def _output_targets(out, labels: torch.Tensor):
+    """(keep [B, N], nxt [B, N]): the output rows whose next label counts, and where that label is."""
+    T = labels.shape[1]
+    pos = out.output_positions  # [B, N], -1 = no output row
+    nxt = (pos + 1).clamp(0, T - 1)
+    keep = (pos >= 0) & (pos + 1 < T) & (labels.gather(1, nxt) != IGNORE_INDEX)
+    return keep, nxt
+
+
+def weighted_ce_loss(model, batch: dict, num_items: int, weights: torch.Tensor) -> torch.Tensor:
+    """The next-token loss with a weight per target: sum(w * CE) / num_items, `weights` [B, T]
+    indexed like the labels (the weight of predicting the token at p sits at p). With every
+    weight 1 it is the model's own loss; heavier weights on, say, a retrieval sample's answers
+    make them count more against the text around them (LongCE weighs the tokens that need a
+    long context)."""
+    labels = batch["labels"]
+    out = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False, lm_head=False)
+    keep, nxt = _output_targets(out, labels)
+    _, ce = head_losses(out.output_rows[keep], None, labels.gather(1, nxt)[keep], model.get_output_embeddings(),
+                        None, weight=weights.float().gather(1, nxt)[keep])
+    if out.aux_loss is not None:
+        return ce / max(int(num_items), 1) + model.config.router_aux_loss_coef * out.aux_loss
+    return ce / max(int(num_items), 1)
+
+
+def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, align: bool = True,
+                 weights: torch.Tensor | None = None):
     """One micro-batch's loss (a tensor with a graph) and its parts {name: float tensor}.
 
     batch: input_ids [B, T], labels [B, T] (-100: no loss), optionally attention_mask /
-    position_ids, as the trainer's rows carry them. Both models stop before their LM heads;
+    position_ids, as the trainer's rows carry them; `weights` [B, T] (like the labels) or None:
+    each target's KL and CE times its weight (`weighted_ce_loss`). Both models stop before their LM heads;
     `head_losses` applies the heads a chunk of rows at a time."""
     on = w.align_on if (align and w.align > 0) else None
     with capture(student, on) as s_cap:
@@ -228,13 +264,12 @@ def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, 
         raise UserError(f"the teacher predicts over {t_head.out_features:,} ids, the student over "
                         f"{s_head.out_features:,}: distillation needs one vocabulary")
     labels = batch["labels"]
-    T = labels.shape[1]
-    pos = out.output_positions  # [B, N], -1 = no output row
-    nxt = (pos + 1).clamp(0, T - 1)
-    keep = (pos >= 0) & (pos + 1 < T) & (labels.gather(1, nxt) != IGNORE_INDEX)
+    keep, nxt = _output_targets(out, labels)
+    pos = out.output_positions
     t_h = t_rows.gather(1, pos.clamp_min(0)[..., None].expand(-1, -1, t_rows.shape[-1]))
+    wt = None if weights is None else weights.float().gather(1, nxt)[keep]
     kl, ce = head_losses(out.output_rows[keep], t_h[keep], labels.gather(1, nxt)[keep], s_head, t_head,
-                         w.temperature)
+                         w.temperature, wt)
     n = max(int(num_items), 1)
     kl, ce = kl / n, ce / n
     parts = {"ce": ce.detach()}
