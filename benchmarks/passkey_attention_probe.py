@@ -90,8 +90,8 @@ def regions(tok, prompt: list[int], key: str) -> dict[str, list[int]]:
 
 
 @torch.no_grad()
-def probe(model, tok, prompt: list[int], key: str) -> dict:
-    prefix = tok("The pass key is ", add_special_tokens=False)["input_ids"]
+def probe(model, tok, prompt: list[int], key: str, prefix: str = "The pass key is ") -> dict:
+    prefix = tok(prefix, add_special_tokens=False)["input_ids"] if prefix else []
     ans = tok(key, add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt + prefix + ans])
     m = len(ans) + 1  # the rows that predict the key's tokens (and the one after)
@@ -135,6 +135,9 @@ def main():
                     "the zero-shot conversion (trained with --sinks sinks at --window)")
     ap.add_argument("--models", nargs="+", default=["source", "zero-shot"], help="besides the adapters")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefix", default="The pass key is ",
+                    help="the answer's words before the key ('' : the key right after the chat template's "
+                         "assistant header, as a model trained on bare-key answers answers)")
     ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_attention_probe.json")
     args = ap.parse_args()
@@ -162,7 +165,7 @@ def main():
         rows = []
         for (L, d, k), p in zip(cases, prompts):
             t1 = time.time()
-            r = probe(model, tok, p, k)
+            r = probe(model, tok, p, k, args.prefix)
             rows.append({"length": L, "depth": d, "key": k, **r})
             # the row predicting the key's first token: each layer's largest head mass on the digits
             top = [max(v["digits"]) for _, v in sorted(r["layers"].items())]

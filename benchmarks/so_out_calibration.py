@@ -109,6 +109,8 @@ def main():
                          "not numbers")
     ap.add_argument("--chat-answer", type=int, default=8)
     ap.add_argument("--init", default=None, help="an so-out adapter to start from")
+    ap.add_argument("--phrase", action="store_true",
+                    help="answers in a sentence, as the source answers ('The pass key is 56993.'), not bare keys")
     ap.add_argument("--heldout-rows", type=int, default=2, help="held-out code and prose rows (2K) scored")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--sinks", type=int, default=4)
@@ -144,7 +146,8 @@ def main():
     model.train()
     for s in range(args.steps):
         ids, mask = sample(tok, stream, int(g.integers(args.lengths[0], args.lengths[1] + 1)),
-                           args.kinds[s % len(args.kinds)], g, questions=args.questions, answer=answer)
+                           args.kinds[s % len(args.kinds)], g, questions=args.questions, answer=answer,
+                           phrase=args.phrase)
         x = torch.tensor([ids])
         labels = torch.where(torch.tensor([mask]), x, torch.full_like(x, -100))
         loss = model(input_ids=x, labels=labels, use_cache=False).loss

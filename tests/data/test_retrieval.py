@@ -2,6 +2,7 @@
 teacher gives); training and evaluation keys never meet."""
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -52,6 +53,25 @@ def test_answer_mask_finds_each_sample_s_answers_and_no_filling_text(chat_tok):
     cut = np.zeros(64, bool)
     cut[40:50] = cut[60:63] = True  # a sample to the row's last position but one, then the EOS
     assert (answer_mask(cut[None])[0] == cut).all()
+
+
+@pytest.mark.parametrize("kind", ["passkey", "lookup"])
+def test_phrase_answers_are_sentences_the_needle_holds_with_the_same_draws(chat_tok, kind):
+    """phrase=True: each answer is "The <noun> is <key>." / "The value of <name> is <v>.", the same
+    sentence the text holds, with the same key; a pass key's prompt (the draws) is the bare-key
+    sample's (a lookup of several questions leaves room for the longer answers)."""
+    stream = np.asarray(chat_tok("some text here. " * 3000)["input_ids"], np.int32)
+    bare = sample(chat_tok, stream, 400, kind, np.random.default_rng(5), questions=3)
+    said = sample(chat_tok, stream, 400, kind, np.random.default_rng(5), questions=3, phrase=True)
+    a_bare, a_said = [chat_tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in (bare, said)]
+    first = said[1].index(True)
+    assert kind == "lookup" or said[0][:first] == bare[0][:first]
+    prompt = chat_tok.decode(said[0][:first])
+    sentences = re.findall(r"The [a-z ]+ is \d+\.", a_said)
+    assert len(sentences) == (1 if kind == "passkey" else 3) and "The" not in a_bare
+    for sent in sentences:
+        noun, key = re.fullmatch(r"The ([a-z ]+) is (\d+)\.", sent).groups()
+        assert key in a_bare and re.search(rf"(?i)the {noun} is {key}", prompt)
 
 
 def test_training_and_evaluation_keys_are_disjoint():

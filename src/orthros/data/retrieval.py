@@ -39,6 +39,7 @@ KEY_MOD = 7  # training keys are multiples of 7; evaluation keys never are
 NEEDLES = ("The pass key is {key}. Remember it. {key} is the pass key. ",
            "Remember this secret code: {key}. The secret code is {key}. ",
            "Important: the access number is {key}. Keep the access number {key} in mind. ")
+NOUNS = ("pass key", "secret code", "access number")  # what each needle and its question name
 QUESTIONS = ("What is the pass key? Answer with the number only.",
              "What is the secret code? Answer with the number only.",
              "What is the access number? Answer with the number only.")
@@ -163,11 +164,16 @@ def _no_loop(text: str) -> str | None:
 
 
 def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator, questions: int = 1,
-           answer: Callable[[list[int]], str | None] | None = None):
+           answer: Callable[[list[int]], str | None] | None = None, phrase: bool = False):
     """One sample of about `length` tokens: (ids, mask) as lists. `questions`: a lookup (a docqa
     sample) asks up to that many of its facts (things in its text), one chat turn each, every
     answer a target (denser supervision of the lookup for the same tokens). `answer`: the teacher
-    of docqa samples (`teacher_answerer`)."""
+    of docqa samples (`teacher_answerer`). `phrase`: a pass key or a lookup is answered in a
+    sentence, as the source model answers ("The pass key is 56993."), not with the bare number:
+    the answer starts with words the needle holds, so the key follows a match a copy can make
+    (induction), where a bare key must be found from the question alone; and the model keeps
+    answering in sentences. The draws are the same either way (a lookup of several questions
+    leaves room for the longer answers: its text is a little shorter)."""
     if kind == "copy":
         seg = int(rng.integers(32, 129)) if length >= 512 else max(4, length // 8)
         a = int(rng.integers(0, len(stream) - length))
@@ -180,7 +186,7 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         i = int(rng.integers(0, len(NEEDLES)))
         key = train_key(rng)
         text = _insert(_haystack(tok, stream, length - overhead, rng), [NEEDLES[i].format(key=key)], rng)
-        return _chat(tok, [(text + "\n" + QUESTIONS[i], key)])
+        return _chat(tok, [(text + "\n" + QUESTIONS[i], f"The {NOUNS[i]} is {key}." if phrase else key)])
     if kind == "lookup":
         names = rng.choice(len(NAMES), size=int(rng.integers(4, 9)), replace=False)
         facts = [(NAMES[j], train_key(rng, 100, 10_000)) for j in names]
@@ -188,14 +194,15 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         ask = "What is the value of {}? Answer with the number only."
         more = 0  # each question after the first is a turn of its own: the haystack leaves room for them
         if questions > 1:
-            turn = len(tok(ask.format(NAMES[0]) + " 1234", add_special_tokens=False)["input_ids"]) + 8
+            reply = f" The value of {NAMES[0]} is 1234." if phrase else " 1234"
+            turn = len(tok(ask.format(NAMES[0]) + reply, add_special_tokens=False)["input_ids"]) + 8
             more = (min(questions, len(facts)) - 1) * turn
         text = _insert(_haystack(tok, stream, length - overhead - 12 * len(facts) - more, rng), pieces, rng)
         if questions <= 1:  # (the draw of earlier runs' rows)
             asked = [facts[int(rng.integers(0, len(facts)))]]
         else:
             asked = [facts[j] for j in rng.permutation(len(facts))[: min(questions, len(facts))]]
-        turns = [(ask.format(n), v) for n, v in asked]
+        turns = [(ask.format(n), f"The value of {n} is {v}." if phrase else v) for n, v in asked]
         turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
         return _chat(tok, turns)
     if kind == "docqa":
@@ -225,11 +232,12 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
 def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.random.Generator,
                    lengths: tuple[int, int] = (1024, 8192), fill: np.ndarray | None = None, questions: int = 1,
                    kinds: tuple[str, ...] = KINDS, answer: Callable[[list[int]], str | None] | None = None,
-                   progress: bool = False):
+                   progress: bool = False, phrase: bool = False):
     """`n_rows` rows [n_rows, seq_len] int32 and their target masks (bool): one sample of a
     length drawn from `lengths` (capped below seq_len) each, then EOS and text from `fill`
     (default: `stream`) up to seq_len. The `kinds` take turns; a lookup (a docqa sample) asks
-    up to `questions` of its facts; `answer` answers docqa samples (`teacher_answerer`)."""
+    up to `questions` of its facts; `answer` answers docqa samples (`teacher_answerer`); `phrase`:
+    answers in a sentence (`sample`)."""
     if not kinds or set(kinds) - set(ALL_KINDS):  # (a docqa sample without `answer` stops in `sample`)
         raise ValueError(f"retrieval kinds must be among {', '.join(ALL_KINDS)}, got {', '.join(kinds) or 'none'}")
     fill = stream if fill is None else fill
@@ -245,7 +253,7 @@ def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.r
         rows_iter = tqdm(rows_iter, desc="retrieval rows", unit="row", leave=False)
     for r in rows_iter:
         L = int(rng.integers(lo, hi + 1))
-        ids, m = sample(tok, stream, L, kinds[r % len(kinds)], rng, questions, answer)
+        ids, m = sample(tok, stream, L, kinds[r % len(kinds)], rng, questions, answer, phrase)
         ids, m = ids[: seq_len - 1], m[: seq_len - 1]
         rest = seq_len - len(ids) - 1
         if at + rest > len(fill):

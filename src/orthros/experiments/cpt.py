@@ -429,6 +429,8 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     meta = {"rows": n_ret, "lengths": list(preset.retrieval_lengths), "questions": preset.retrieval_questions}
     if tuple(preset.retrieval_kinds) != KINDS:  # (rows made before kinds were a setting: found again)
         meta["kinds"] = list(preset.retrieval_kinds)
+    if preset.retrieval_phrase:  # (likewise)
+        meta["phrase"] = True
     made = json.loads((work / "retrieval.json").read_text()) if (work / "retrieval.json").exists() else None
     stale = n_ret and made != meta  # (a work dir from before retrieval.json: made again, the same rows)
     if have != (n, preset.seq_len) or stale:
@@ -442,7 +444,7 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
             rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
                                           tuple(preset.retrieval_lengths), questions=preset.retrieval_questions,
                                           kinds=kinds, answer=teacher() if teacher and "docqa" in kinds else None,
-                                          progress="docqa" in kinds)
+                                          progress="docqa" in kinds, phrase=preset.retrieval_phrase)
             np.save(work / "retrieval_rows.npy", rrows)
             np.save(work / "retrieval_mask.npy", rmask)
             (work / "retrieval.json").write_text(json.dumps(meta))

@@ -193,6 +193,9 @@ class CPTPreset:
     retrieval_kinds: tuple = ("passkey", "lookup", "copy")
     """the retrieval samples' kinds, in turn (data.retrieval); "docqa" has the source answer
     questions about the text (greedy, on the run's device, while the rows are made)"""
+    retrieval_phrase: bool = False
+    """pass keys and lookups answered in a sentence, as the source answers ("The pass key is 56993."),
+    not with the bare number (data.retrieval.sample's `phrase`)"""
     kl: float = 1.0
     """distilled arms: weight of KL(teacher || student) on every output position"""
     temperature: float = 1.0
@@ -231,6 +234,11 @@ PRESETS = {
     # The same with denser retrieval supervision: half the rows open with a retrieval sample and a
     # lookup asks up to 8 of its facts (the zero-shot probe: the output stream must learn the lookup)
     "smollm2-kd-h200-rq": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8),
+    # the same, pass keys and lookups answered in a sentence as the source answers them: greedy, an arm
+    # trained on bare keys must find the key's first digit from the question alone, which fails past
+    # ~4K tokens (the filler dilutes that lookup, benchmarks/passkey_attention_probe.py --prefix ''),
+    # where after "The pass key is" a copy finds it at 7,680 (docs/notes/2026-12-conversion.md)
+    "smollm2-kd-h200-rqp": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True),
     # the same with every retrieval sample 4K-8K tokens long: most needles 1K-7K tokens before the
     # question, where every arm of the rq run lost them (0-20% beyond ~3K). Activations are kept
     # (the same math as recomputing them, ~1.4x faster a step: benchmarks/cpt_steps.py; three arms
