@@ -3,6 +3,7 @@ retrieval settings change, found again (not remade) when they do not."""
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -29,6 +30,12 @@ def test_retrieval_rows_follow_the_preset(tmp_path, chat_tok):
     starts = lambda m: int((np.diff(m.astype(np.int8)) == 1).sum())  # noqa: E731
     assert starts(one[1]) == 2 and starts(several[1]) == 5
     assert several[:, -1].all()  # the conversation fits: the row ends in text
+
+    prepare_data(chat_tok, tmp_path, dataclasses.replace(p, retrieval_questions=4, retrieval_phrase=True))
+    assert json.loads((tmp_path / "retrieval.json").read_text())["phrase"] is True  # made again
+    rows, said = np.load(tmp_path / "retrieval_rows.npy"), np.load(tmp_path / "retrieval_mask.npy")
+    first = int(np.flatnonzero(said[0])[0])  # row 0 is a pass key: answered in the needle's sentence
+    assert re.match(r"The (pass key|secret code|access number) is \d{5}\.", chat_tok.decode(rows[0, first:].tolist()))
 
 
 def test_docqa_rows_call_the_teacher_only_when_made(tmp_path, chat_tok):
