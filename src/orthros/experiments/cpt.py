@@ -22,6 +22,7 @@ order) under the same schedule:
     ...-w256-lr3/-align50/-ce     W=256 with one training change each (an arm's `recipe`)
     ...-sink          the same arm with 4 attention sinks (`OrthrosConfig.sink_tokens`)
     ...-sink-mix      a CE arm with 4 sinks on the corpus mixed with retrieval samples
+    ...-aw            the retrieval samples' answers weigh 32 text tokens each (`answer_weight`)
     orthros-kd-so-out-sink  4 sinks, only the output stream's SO trained (distilled from the source)
 
 Distilled arms train on the corpus mixed with retrieval samples (`data.retrieval`,
