@@ -129,16 +129,13 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.5])
     ap.add_argument("--samples", type=int, default=2)
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--sinks", type=int, default=4)
+    sink_probe.model_args(ap)
     ap.add_argument("--adapters", nargs="*", default=[], help="light-CPT adapter directories, each applied to "
                     "the zero-shot conversion (trained with --sinks sinks at --window)")
     ap.add_argument("--models", nargs="+", default=["source", "zero-shot"], help="besides the adapters")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix", default="The pass key is ",
                     help="the answer's words before the key ('' : the key right after the chat template's "
                          "assistant header, as a model trained on bare-key answers answers)")
-    ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_attention_probe.json")
     args = ap.parse_args()
     t0 = time.time()

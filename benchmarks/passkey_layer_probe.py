@@ -120,8 +120,7 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0])
     ap.add_argument("--samples", type=int, default=2, help="keys per length and depth")
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--sinks", type=int, default=4)
+    sink_probe.model_args(ap)
     ap.add_argument("--sets", nargs="+", default=None, help="layer sets to run (default all of layer_sets)")
     ap.add_argument("--wide", type=int, nargs="+", default=[0],
                     help="the chosen layers' base window (0: full attention); one run per value and set")
@@ -132,8 +131,6 @@ def main():
                          "before the needle, around it (+-64 tokens) or after it")
     ap.add_argument("--adapter", default=None, help="a light-CPT adapter directory to apply first (trained "
                     "with --sinks sink tokens at --window), e.g. the CPT run's adapters/orthros-kd-d-lora-sink")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_layer_probe.json")
     args = ap.parse_args()
     t0 = time.time()

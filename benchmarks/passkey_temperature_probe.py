@@ -34,19 +34,7 @@ import sink_probe  # noqa: E402
 from passkey_layer_probe import key_scores  # noqa: E402
 
 from orthros.eval.longrange import chat_passkey, eval_key, passkey_prompt  # noqa: E402
-from orthros.layers.attention import OrthrosAttention  # noqa: E402
-
-
-def scale_out_queries(model, s: float, first: int) -> None:
-    """Output-stream queries of layers >= first multiplied by s (from the loaded values)."""
-    for mod in model.modules():
-        if isinstance(mod, OrthrosAttention) and mod.layer_idx >= first:
-            if not hasattr(mod, "_so_out0"):
-                mod._so_out0 = (mod.so_alpha_out.detach().clone(), mod.so_beta_out.detach().clone())
-            a, b = mod._so_out0
-            with torch.no_grad():
-                mod.so_alpha_out.copy_(a * s)
-                mod.so_beta_out.copy_(b * s)
+from orthros.experiments.cpt import sharpen_output_queries  # noqa: E402
 
 
 def main():
@@ -57,14 +45,11 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 7680])
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5])
     ap.add_argument("--samples", type=int, default=2, help="keys per length and depth")
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--sinks", type=int, default=4)
+    sink_probe.model_args(ap)
     ap.add_argument("--heldout-rows", type=int, default=0,
                     help="also the perplexity of this many held-out code and prose rows (2K) at each s")
     ap.add_argument("--greedy", type=int, default=0,
                     help="also greedy answers through the chat template, this many keys a length and depth")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="benchmarks/results/sink-probe/passkey_temperature_probe.json")
     args = ap.parse_args()
     t0 = time.time()
@@ -73,9 +58,14 @@ def main():
     cases = [(L, d, eval_key(rng)) for L in args.lengths for d in args.depths for _ in range(args.samples)]
     prompts = [passkey_prompt(tok, L, d, k) for L, d, k in cases]
     rows = sink_probe.heldout_rows(tok, Path(args.work), args.heldout_rows, 2048, 8192) if args.heldout_rows else {}
+    params = dict(model.named_parameters())
+    loaded = {n: p.detach().clone() for n, p in params.items() if n.endswith(("so_alpha_out", "so_beta_out"))}
     results = {}
-    for s in args.scales:
-        scale_out_queries(model, s, args.from_layer)
+    for s in args.scales:  # each s from the loaded values: the layers from --from-layer on, times s
+        with torch.no_grad():
+            for n, v in loaded.items():
+                params[n].copy_(v)
+        sharpen_output_queries(model, args.from_layer / model.config.num_hidden_layers, s)
         t1 = time.time()
         cells = {}
         for (L, d, k), p in zip(cases, prompts):

@@ -84,6 +84,15 @@ def zero_shot(work: Path, window: int, threads: int):
     return load_arm(conv, "orthros-0shot", window, "cpu").eval(), tok
 
 
+def model_args(ap, threads: int = 2) -> None:
+    """The options every probe of the converted model takes: its window, its sinks, the CPU threads,
+    and the work directory the conversion and the token caches live in."""
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=threads)
+    ap.add_argument("--work", default="/tmp/sink")
+
+
 def with_sinks(work: Path, window: int, sinks: int, threads: int, adapter: str | None = None):
     """`zero_shot` with `sinks` attention sinks, and a light-CPT adapter applied if given (one trained
     with those sinks at that window; another is refused)."""

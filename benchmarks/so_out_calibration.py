@@ -112,12 +112,9 @@ def main():
     ap.add_argument("--phrase", action="store_true",
                     help="answers in a sentence, as the source answers ('The pass key is 56993.'), not bare keys")
     ap.add_argument("--heldout-rows", type=int, default=2, help="held-out code and prose rows (2K) scored")
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--sinks", type=int, default=4)
+    sink_probe.model_args(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-lengths", type=int, nargs="*", default=[2048, 4096])
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--work", default="/tmp/sink")
     ap.add_argument("--out", default="runs/so-out-calibration")
     args = ap.parse_args()
     torch.manual_seed(args.seed)

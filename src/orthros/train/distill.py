@@ -240,9 +240,8 @@ def weighted_ce_loss(model, batch: dict, num_items: int, weights: torch.Tensor) 
     keep, nxt = _output_targets(out, labels)
     _, ce = head_losses(out.output_rows[keep], None, labels.gather(1, nxt)[keep], model.get_output_embeddings(),
                         None, weight=weights.float().gather(1, nxt)[keep])
-    if out.aux_loss is not None:
-        return ce / max(int(num_items), 1) + model.config.router_aux_loss_coef * out.aux_loss
-    return ce / max(int(num_items), 1)
+    loss = ce / max(int(num_items), 1)
+    return loss if out.aux_loss is None else loss + model.config.router_aux_loss_coef * out.aux_loss
 
 
 def distill_loss(student, teacher, batch: dict, num_items: int, w: LossWeights, align: bool = True,
