@@ -154,3 +154,34 @@ def test_answer_weight_trains_on_the_answers_harder_and_needs_retrieval_rows():
     with pytest.raises(ValueError, match="no retrieval answers"):
         train_arm(model, "all", dataclasses.replace(p, answer_weight=8.0), rows, str(DEVICE), "aw",
                   mask=np.ones(rows.shape, bool))
+
+
+def test_an_adapter_arm_evaluates_a_shipped_adapter_on_the_conversion(tmp_path, monkeypatch):
+    """`Arm.adapter`: the arm is the conversion with the named adapter applied (its SO values, the
+    rest the conversion's); an adapter trained at another window or sink count is refused."""
+    from orthros.experiments import cpt, cpt_arms
+    from orthros.models import adapter as adapters
+
+    torch.manual_seed(0)
+    model = make_model(perturb_so=False)
+    model.save_pretrained(tmp_path / "conv")
+    tuned = make_model(perturb_so=False)
+    tuned.load_state_dict(model.state_dict())
+    tuned = adapters.make_trainable(tuned, "so-out")
+    with torch.no_grad():
+        for layer in tuned.model.layers:
+            layer.self_attn.so_alpha_out.add_(0.25)
+    w = model.config.window_size
+    adapters.save_adapter(tuned, tmp_path / "shipped" / "a", {"window": w, "sink_tokens": 0})
+    adapters.save_adapter(tuned, tmp_path / "shipped" / "b", {"window": w + 1, "sink_tokens": 0})
+    monkeypatch.setattr(adapters, "SHIPPED", tmp_path / "shipped")
+    for name in "abc":
+        monkeypatch.setitem(cpt_arms.ARMS, f"ad-{name}", cpt_arms.Arm("x", dict(attention="orthros"), adapter=name))
+    got = cpt.load_arm(tmp_path / "conv", "ad-a", w, "cpu")
+    for a, b in zip(got.model.layers, tuned.model.layers):
+        assert torch.equal(a.self_attn.so_alpha_out, b.self_attn.so_alpha_out)
+        assert torch.equal(a.self_attn.q_proj.weight, b.self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="trained at W="):
+        cpt.load_arm(tmp_path / "conv", "ad-b", w, "cpu")
+    with pytest.raises(FileNotFoundError, match="no adapter"):
+        cpt.load_arm(tmp_path / "conv", "ad-c", w, "cpu")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
+from ..models.adapter import SHIPPED
 from .recall import time_prefill
 
-ADAPTERS = Path(__file__).resolve().parents[3] / "adapters"
-DEFAULT_ADAPTER = ADAPTERS / "smollm2-135m-w128-lora"  # shipped; not the default (see the docstring)
+DEFAULT_ADAPTER = SHIPPED / "smollm2-135m-w128-lora"  # shipped; not the default (see the docstring)
 DEFAULT_SINKS = 4
 DOC_TOPIC, DOC_CHARS = "compound", 24000
 QUESTION = 'Which PEP specified the "with" statement?'

@@ -35,6 +35,9 @@ class Arm:
     """(fraction f, scale s): before training, the output stream's queries of the layers from
     f * L on multiplied by s (their SO vectors): sharper lookups over a long prompt
     (benchmarks/passkey_temperature_probe.py); a start, which training then moves"""
+    adapter: str | None = None
+    """a shipped adapter (a directory of the project's adapters/) applied after the conversion: a
+    calibration evaluated with the table's protocol (mode None), or a start training moves on"""
 
 
 SINK = 4  # attention sinks of the -sink arms (StreamingLLM's 4; 1 measured as good zero-shot: docs/conversion.md)
@@ -130,6 +133,12 @@ ARMS = {
     "orthros-kd-sink-aw": Arm(f"Orthros + {SINK} sinks distilled from the source, answers x32",
                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True,
                               recipe=dict(answer_weight=32.0)),
+    # the shipped output-stream calibrations (benchmarks/so_out_calibration.py), evaluated as they are
+    "orthros-so-out-shipped": Arm(f"Orthros + {SINK} sinks, shipped output-stream SO adapter",
+                                  dict(attention="orthros", sink_tokens=SINK), adapter="smollm2-135m-w128-s4-so-out"),
+    "orthros-so-out-phrase": Arm(f"Orthros + {SINK} sinks, shipped output-stream SO adapter, sentence answers",
+                                 dict(attention="orthros", sink_tokens=SINK),
+                                 adapter="smollm2-135m-w128-s4-so-out-phrase"),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
     "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",

@@ -33,6 +33,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+SHIPPED = Path(__file__).resolve().parents[3] / "adapters"
+"""the adapters this project ships (a source checkout's adapters/)"""
+
 MODES = ("all", "so-out", "so", "so+norms", "lora+so")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SO_NAMES = ("so_alpha", "so_beta", "so_alpha_out", "so_beta_out")
