@@ -163,9 +163,9 @@ def test_an_adapter_arm_evaluates_a_shipped_adapter_on_the_conversion(tmp_path, 
     from orthros.models import adapter as adapters
 
     torch.manual_seed(0)
-    model = make_model(perturb_so=False)
+    model = make_model(perturb_so=False).cpu()
     model.save_pretrained(tmp_path / "conv")
-    tuned = make_model(perturb_so=False)
+    tuned = make_model(perturb_so=False).cpu()
     tuned.load_state_dict(model.state_dict())
     tuned = adapters.make_trainable(tuned, "so-out")
     with torch.no_grad():

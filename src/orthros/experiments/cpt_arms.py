@@ -139,6 +139,21 @@ ARMS = {
     "orthros-so-out-phrase": Arm(f"Orthros + {SINK} sinks, shipped output-stream SO adapter, sentence answers",
                                  dict(attention="orthros", sink_tokens=SINK),
                                  adapter="smollm2-135m-w128-s4-so-out-phrase"),
+    # the recipe that keeps the pass key (the rqp preset: sentence answers, x32), its light twin (an
+    # adapter, as the demo ships), a second seed, the window sweep, and the same-data control: the source
+    # architecture trained on the same mixed rows with the same weights
+    "orthros-lora-sink-mix-aw": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, answers x32",
+                                    dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True,
+                                    recipe=dict(answer_weight=32.0)),
+    "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
+                                      dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
+                                      recipe=dict(answer_weight=32.0)),
+    **{f"orthros-cpt-sink-mix-aw-w{w}": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, W={w}",
+                                            dict(attention="orthros", sink_tokens=SINK), "all", mix=True, window=w,
+                                            recipe=dict(answer_weight=32.0))
+       for w in (256, 512)},
+    "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
+                           mix=True, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
     "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",
@@ -265,6 +280,10 @@ PRESETS = {
     # (benchmarks/cpt_steps.py, before the LM heads were chunked): 0.697 s at 2 rows with
     # recomputation (23.5K tokens/s), 0.48 s at 2 rows without (34K), 1.14 s at 8 rows without (57.5K).
     "smollm2-kd-h200-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False),
+    # the same curve for the recipe that keeps the pass key (rqp's data; arms orthros-cpt-sink-mix-aw and
+    # full-cpt-mix-aw): 4 rows a step, half of them retrieval samples answered in sentences
+    "smollm2-kd-h200-rqp-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False,
+                                           retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
