@@ -9,7 +9,7 @@ from orthros.ops.splitkv.lowbit import gluon_applies, gluon_refusal
 from orthros.ops.splitkv.study import from_environment, lowbit_splitkv_attention
 
 from ...conftest import DEVICE, run_triton_interpreted
-from .lowbit_cases import CASES, filled_cache
+from .lowbit_cases import CASES, GLUON_SHAPES, filled_cache
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -29,11 +29,13 @@ def test_kernel_matches_reference_on_gpu(kv_dtype):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon has no interpreter: its kernel cases need a GPU")
+@pytest.mark.parametrize("shape", GLUON_SHAPES, ids=[f"D{d}-H{h}-KV{k}" for d, h, k in GLUON_SHAPES])
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
-def test_gluon_kernel_matches_reference_on_gpu(kv_dtype):
+def test_gluon_kernel_matches_reference_on_gpu(kv_dtype, shape):
+    """One item per cache dtype and head shape (each compiles its own kernels): spread over workers."""
     from .lowbit_cases import gluon_cases
 
-    gluon_cases("cuda", (kv_dtype,))
+    gluon_cases("cuda", (kv_dtype,), (shape,))
 
 
 def test_gluon_kernel_refuses_what_it_cannot_read():
