@@ -145,13 +145,6 @@ ARMS = {
     "orthros-lora-sink-mix-aw": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, answers x32",
                                     dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True,
                                     recipe=dict(answer_weight=32.0)),
-    # the light twin from the shipped sentence adapter's output stream (it answers the far key from the
-    # start; LoRA and the rest of SO then train on the corpus as well): the CPU preset's arm
-    "orthros-lora-sink-mix-aw-pstart": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, "
-                                           "answers x32, from the sentence adapter",
-                                           dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True,
-                                           recipe=dict(answer_weight=32.0),
-                                           adapter="smollm2-135m-w128-s4-so-out-phrase"),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
@@ -291,12 +284,6 @@ PRESETS = {
     # full-cpt-mix-aw): 4 rows a step, half of them retrieval samples answered in sentences
     "smollm2-kd-h200-rqp-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False,
                                            retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True),
-    # The rqp recipe's light twin on 2 CPU cores: one 8K row a step (300 steps = 2.5M tokens), checkpoints
-    # every 25 steps (a cut run resumes), an evaluation cut to what a CPU answers in ~15 minutes (2 rows a
-    # held-out set, 8 copies a gap, one key a depth and length)
-    "smollm2-cpu-rqp": CPTPreset(batch_size=1, steps=300, warmup=10, retrieval_share=0.5, retrieval_questions=8,
-                                 retrieval_phrase=True, checkpoint_every=25, save_weights=False, eval_rows=2,
-                                 copy_samples=8, passkey_samples=1, lm_eval_limit=50),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
