@@ -94,7 +94,9 @@ def locate() -> None:
     Measured (H100, 2026-12-05): with D = 16 and kg = 16, fp16 and bf16 are both wrong on packed
     slots (relative error 2.2; 0.72 where rows read twins too), right on twins alone (2e-4 / 2e-3);
     with D = 64 and kg = 64 both are right (< 7e-3). fp32 is exact everywhere (< 1e-6). The H200
-    gave 1.15 for bf16 queries through the whole suite's D = 16 case."""
+    gave 1.15 for bf16 queries through the whole suite's D = 16 case. The grid (the same evening,
+    cut by a 60 s limit after D = 32): D = 16 is wrong at kg = 32 and 64 too (2.2-2.5), D = 32 at
+    kg = 16 (0.83); the chained dots are exact (<= 1.5e-7): the head size breaks the tile."""
     regions = {"twins only": (0, 3, 7), "mostly packed": (150, 200, 300), "both": (0, 5, 40, 111, 200)}
     shapes = {"D16 G2 bs32": dict(), "D64 G4 bs64": dict(H=8, Hkv=2, D=64, bs=64, kg=64, recent=16)}
     dtypes = (torch.float32, torch.float16, torch.bfloat16)

@@ -87,13 +87,13 @@ def paged_lowbit_attention_kernel(q, kv: PagedLowBitKV, table, twins, pos, scale
 
     On CUDA the kernel computes in fp32 (IEEE dots) whatever q's dtype: its half-precision tiles gave
     wrong outputs on an H200 with bf16 queries (relative error 1.15 against the reference; fp32 exact).
-    Located so far (H100): packed slots of 16-channel heads in key groups of 16, fp16 and bf16 alike;
-    64-channel heads in groups of 64 are right. Which of the two sizes breaks the tile is what
-    `python -m tests.ops.splitkv.lowbit_paged_cases --locate` measures next (it launches the
-    half-precision tiles on purpose, through `launch`). The suspect: groups of 16 make the packed
-    tile 16 slots, so p @ v chains a dot of K = 16 onto the scores' dot (the twins' tiles, 64
-    slots, are right); chained dots at 16 x 16 have given wrong MMA results before (Triton issue
-    1162). The result is returned in q's dtype."""
+    Located (H100, 2026-12-05, `python -m tests.ops.splitkv.lowbit_paged_cases --locate`, which
+    launches the half-precision tiles on purpose through `launch`): it is the head size, not the key
+    group. Packed slots of 16-channel heads are wrong in key groups of 16, 32 and 64 alike (relative
+    error 2.2-2.5, fp16 and bf16), 32-channel heads in groups of 16 too (0.83); 64-channel heads are
+    right (< 7e-3), and so is every head on the bf16 twins alone. Two chained dots alone (the old
+    suspect, Triton issue 1162) are exact at K = 16-64 (<= 1.5e-7). Left to look at: how a narrow
+    head's packed tile is unpacked before its dot. The result is returned in q's dtype."""
     if q.is_cuda and q.dtype != torch.float32:
         return launch(q.float(), kv, table, twins, pos, scale, max_len, keys_per_split).to(q.dtype)
     return launch(q, kv, table, twins, pos, scale, max_len, keys_per_split)
