@@ -92,8 +92,11 @@ def paged_lowbit_attention_kernel(q, kv: PagedLowBitKV, table, twins, pos, scale
     group. Packed slots of 16-channel heads are wrong in key groups of 16, 32 and 64 alike (relative
     error 2.2-2.5, fp16 and bf16), 32-channel heads in groups of 16 too (0.83); 64-channel heads are
     right (< 7e-3), and so is every head on the bf16 twins alone. Two chained dots alone (the old
-    suspect, Triton issue 1162) are exact at K = 16-64 (<= 1.5e-7). Left to look at: how a narrow
-    head's packed tile is unpacked before its dot. The result is returned in q's dtype."""
+    suspect, Triton issue 1162) are exact at K = 16-64 (<= 1.5e-7). The packed tile is the only one
+    made by `tl.interleave` (`_unpack`) and then transposed into a dot; the fp32 launch runs the same
+    unpack into FMA dots (`input_precision="ieee"`) and is exact, the 16-bit one into MMA dots. The next
+    thing to try on a GPU: the packed keys loaded a channel at a time (byte d // P, shifted by its bit
+    plane) instead of interleaved. The result is returned in q's dtype."""
     if q.is_cuda and q.dtype != torch.float32:
         return launch(q.float(), kv, table, twins, pos, scale, max_len, keys_per_split).to(q.dtype)
     return launch(q, kv, table, twins, pos, scale, max_len, keys_per_split)
