@@ -43,3 +43,33 @@ def test_dequant_probe_gluon_kernels_build_for_sm90_without_a_barrier():
         assert not {"BAR", "SHFL", "STS", "LDS", "LDSM"} & set(ops), ops
     (n, ops), _ = probe.tile_counts(4)["gluon-tile"]  # the softmax's reductions stay in the warp (shuffles)
     assert ops["HMMA"] == 32 and not {"BAR", "STS", "LDS", "LDSM"} & set(ops), ops
+
+
+def test_cpt_position_gap_splits_a_gap_by_position(tmp_path):
+    """benchmarks/cpt_position_gap.py: an arm whose loss matches the reference's in its first 512
+    positions and is log(1.1) above it after shows 0% there and +10% in every later range; a file
+    that is not an arm file is refused."""
+    import json
+    import math
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    try:
+        import cpt_position_gap as gap
+    finally:
+        sys.path.pop(0)
+    start = list(range(0, 8192, 256))
+    ref_loss = [2.0 - 0.03 * i for i in range(len(start))]
+    arm_loss = [x + (math.log(1.1) if s >= 512 else 0.0) for s, x in zip(start, ref_loss)]
+
+    def arm(name, loss):
+        bp = {"start": start, "end": [s + 256 for s in start], "loss": loss}
+        return {"arm": name, "label": name, "eval": {"code": {"long": {"by_position": bp}}}}
+
+    g = gap.gaps(arm("ref", ref_loss), arm("x", arm_loss))
+    assert list(g) == ["code"]
+    assert [round(x, 6) for x in g["code"]] == [0.0, 0.0, 0.1, 0.1, 0.1]
+    bad = tmp_path / "results.json"
+    bad.write_text(json.dumps({"results": {}}))
+    with pytest.raises(SystemExit, match="not an arm file"):
+        gap.load(str(bad))

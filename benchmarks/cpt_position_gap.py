@@ -1,0 +1,107 @@
+"""Where a converted arm's perplexity gap lies: the held-out loss by position, against a reference arm.
+
+Reads the arm files `orthros experiment cpt` writes (arm-*.json: each held-out domain's loss in
+256-token buckets of its 8K rows) and prints, for every domain, each arm's perplexity ratio to the
+reference arm in position ranges: inside the window, just past it, and out to the row's end. A gap
+that grows with the position is context the arm uses less well than the reference; a flat one is the
+training budget. No model runs.
+
+    python benchmarks/cpt_position_gap.py --ref benchmarks/results/cpt-smollm2-kd/arm-full-cpt.json \
+        --arms benchmarks/results/cpt-smollm2-kd/arm-source.json \
+               benchmarks/results/cpt-smollm2-rq/arm-orthros-cpt-sink-mix.json \
+               benchmarks/results/cpt-smollm2-rqp/arm-orthros-cpt-sink-mix-aw.json \
+        --out benchmarks/results/cpt-position-gap
+
+Writes gap.json and gap.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+RANGES = ((0, 256), (256, 512), (512, 2048), (2048, 4096), (4096, 8192))
+DOMAINS = ("code", "prose", "docs")
+
+
+def load(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(f"{p}: no such arm file (arm-*.json of `orthros experiment cpt`)")
+    d = json.loads(p.read_text())
+    if "eval" not in d or "arm" not in d:
+        raise SystemExit(f"{p}: not an arm file of `orthros experiment cpt` (no 'arm' / 'eval')")
+    return d
+
+
+def range_loss(bp: dict, lo: int, hi: int) -> float:
+    """Token-weighted mean loss of the buckets inside [lo, hi)."""
+    parts = [(b - a, l) for a, b, l in zip(bp["start"], bp["end"], bp["loss"]) if a >= lo and b <= hi]
+    if not parts:
+        raise SystemExit(f"no 256-token bucket lies inside [{lo}, {hi})")
+    return sum(w * l for w, l in parts) / sum(w for w, _ in parts)
+
+
+def gaps(ref: dict, arm: dict, ranges=RANGES) -> dict:
+    """{domain: [perplexity ratio - 1 for each range]} over the domains both arms have."""
+    out = {}
+    for dom in DOMAINS:
+        if dom in ref["eval"] and dom in arm["eval"]:
+            r, a = ref["eval"][dom]["long"]["by_position"], arm["eval"][dom]["long"]["by_position"]
+            out[dom] = [math.exp(range_loss(a, lo, hi) - range_loss(r, lo, hi)) - 1 for lo, hi in ranges]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ref", required=True, help="the reference arm's file (the paper's control: arm-full-cpt.json)")
+    ap.add_argument("--arms", nargs="+", required=True, help="the arms' files")
+    ap.add_argument("--out", default="benchmarks/results/cpt-position-gap")
+    args = ap.parse_args()
+    ref = load(args.ref)
+    arms = [load(f) for f in args.arms]
+    names = [f"{lo}-{hi}" for lo, hi in RANGES]
+    table = {}
+    for arm, f in zip(arms, args.arms):
+        table[arm["label"]] = {"file": f, "gap": gaps(ref, arm)}
+    for dom in DOMAINS:
+        rows = [(label, t["gap"][dom]) for label, t in table.items() if dom in t["gap"]]
+        if not rows:
+            continue
+        print(f"\n{dom}: perplexity against {ref['label']}, by position")
+        print("| arm | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for label, g in rows:
+            print(f"| {label} | " + " | ".join(f"{100 * x:+.1f}%" for x in g) + " |")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gap.json").write_text(json.dumps({"reference": {"label": ref["label"], "file": args.ref},
+                                              "ranges": RANGES, "arms": table}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doms = [d for d in DOMAINS if any(d in t["gap"] for t in table.values())]
+    fig, axes = plt.subplots(1, len(doms), figsize=(5.2 * len(doms), 4.2), squeeze=False)
+    for ax, dom in zip(axes[0], doms):
+        for label, t in table.items():
+            if dom in t["gap"]:
+                ax.plot(range(len(names)), [100 * x for x in t["gap"][dom]], marker="o", label=label)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axhline(3, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set_xlabel("position in the 8K row")
+        ax.set_ylabel(f"perplexity vs {ref['arm']} (%)")
+        ax.set_title(f"held-out {dom}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "gap.png", dpi=110)
+    print(f"\nsaved {out}/gap.json, gap.png")
+
+
+if __name__ == "__main__":
+    main()
