@@ -20,6 +20,7 @@ COMMANDS = {
     "generate": "orthros.generate_cli",
     "download": "orthros.convert.download",
     "convert": "orthros.convert.cli",
+    "extract-adapter": "orthros.convert.extract",
     "eval-harness": "orthros.eval.lm_eval_cli",
     "train": "orthros.train.cli",
     "distill": "orthros.train.distill_cli",

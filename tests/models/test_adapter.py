@@ -2,6 +2,7 @@
 model reproduces the trained model (LoRA merged: the peft model's own output is the reference)."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -98,3 +99,46 @@ def test_convert_with_an_adapter_writes_the_merged_model(tmp_path):
     assert (tmp_path / "merged" / "tokenizer.json").exists() and (tmp_path / "merged" / "orthros_adapter.json").exists()
     assert cli.main(["convert", str(src), str(tmp_path / "w16"), "--window-size", "16",
                      "--adapter", str(tmp_path / "ad")]) == 2  # trained for another window
+
+
+def test_a_full_fine_tune_extracted_at_its_rank_reproduces_it(tmp_path):
+    """`orthros extract-adapter`: a fine-tune whose weights moved by rank-2 changes (and whose SO and
+    norms moved) comes back from its base exactly at rank 2 (fp32 factors: the logits to 1e-5), with
+    a relative error of 0 recorded; at rank 1 the error is recorded and the logits differ. A base of
+    another shape, or an unchanged model, is a clear error."""
+    src = tmp_path / "src"
+    make_tiny_checkpoint(src, "llama", tokenizer=tiny_tokenizer())
+    assert cli.main(["convert", str(src), str(tmp_path / "base"), "--window-size", "8", "--dtype", "fp32"]) == 0
+    model = load_model(tmp_path / "base")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.ndim == 2 and "embed" not in n:
+                p.add_(0.05 * torch.randn(p.shape[0], 2, generator=g) @ torch.randn(2, p.shape[1], generator=g))
+            elif p.ndim == 1:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(tmp_path / "trained")
+    x = torch.randint(0, model.config.vocab_size, (1, 30))
+    with torch.no_grad():
+        want = model(x).logits
+    for rank in (2, 1):
+        out = tmp_path / f"ad{rank}"
+        assert cli.main(["extract-adapter", str(tmp_path / "trained"), str(tmp_path / "base"), str(out),
+                         "--rank", str(rank), "--lora-dtype", "fp32"]) == 0
+        info = json.loads((out / "adapter.json").read_text())
+        assert not any("embed" in m for m in info["lora"]["modules"])  # unchanged: left out
+        errs = list(info["relative_error"].values())
+        got = apply_adapter(load_model(tmp_path / "base"), out)
+        with torch.no_grad():
+            e = rel_err(got(x).logits, want)
+        if rank == 2:
+            assert max(errs) < 1e-5 and e < 1e-5, (max(errs), e)
+        else:
+            assert min(errs) > 0.05 and e > 1e-3, (min(errs), e)
+    other = tmp_path / "other"
+    make_tiny_checkpoint(other, "llama", tokenizer=tiny_tokenizer(), num_hidden_layers=3)
+    assert cli.main(["convert", str(other), str(tmp_path / "obase"), "--window-size", "8", "--dtype", "fp32"]) == 0
+    assert cli.main(["extract-adapter", str(tmp_path / "trained"), str(tmp_path / "obase"),
+                     str(tmp_path / "bad")]) == 2
+    assert cli.main(["extract-adapter", str(tmp_path / "base"), str(tmp_path / "base"), str(tmp_path / "same")]) == 2
+    assert cli.main(["extract-adapter", str(tmp_path / "nope"), str(tmp_path / "base"), str(tmp_path / "x")]) == 2

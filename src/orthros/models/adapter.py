@@ -211,6 +211,55 @@ def recast_adapter(src: str | Path, dst: str | Path, lora_dtype=torch.bfloat16) 
 
 
 @torch.no_grad()
+def extract_adapter(trained, base, out: str | Path, rank: int = 16, lora_dtype=torch.bfloat16,
+                    meta: dict | None = None) -> dict:
+    """A full-weight fine-tune of `base` written as an adapter of it: every changed 2-D weight as its
+    best rank-`rank` approximation (truncated SVD, split as LoRA factors B [out, r] = U sqrt(S) and
+    A [r, in] = sqrt(S) V^T, alpha = rank: `apply_adapter` adds B A), every other changed tensor
+    (SO, norms) as its trained value; unchanged tensors are left out, a tied LM head too. How much
+    of the change a rank keeps is recorded per weight (relative Frobenius error of the delta, in
+    adapter.json); what it keeps of the model's quality is the caller's to measure. Returns the
+    adapter's info."""
+    tsd, bsd = trained.state_dict(), base.state_dict()
+    if set(tsd) != set(bsd) or any(tsd[k].shape != bsd[k].shape for k in tsd):
+        diff = sorted(set(tsd) ^ set(bsd)) or [k for k in tsd if tsd[k].shape != bsd[k].shape]
+        raise ValueError(f"the trained model and its base differ in their tensors ({diff[:3]}): an adapter "
+                         "holds a change of one model, not of its shape")
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    skip = {"lm_head.weight"} if getattr(trained.config, "tie_word_embeddings", False) else set()
+    tensors, errors = {}, {}
+    for name in sorted(tsd):
+        t = tsd[name]
+        if name in skip or not t.is_floating_point():
+            continue
+        d = t.detach().float().cpu() - bsd[name].detach().float().cpu()
+        if not d.any():
+            continue
+        if d.ndim == 2 and name.endswith(".weight"):
+            U, S, Vh = torch.linalg.svd(d, full_matrices=False)
+            r = min(rank, S.numel())
+            root = S[:r].sqrt()
+            mod = name[: -len(".weight")]
+            tensors[f"{mod}.lora_A"] = (root[:, None] * Vh[:r]).to(lora_dtype).contiguous()
+            tensors[f"{mod}.lora_B"] = (U[:, :r] * root).to(lora_dtype).contiguous()
+            errors[mod] = float(S[r:].square().sum().sqrt() / S.square().sum().sqrt())
+        else:
+            tensors[name] = t.detach().float().cpu().contiguous()
+    if not tensors:
+        raise ValueError("the trained model equals its base: nothing to extract")
+    info = {"format": "orthros-adapter", "version": 1, "tensors": len(tensors),
+            "parameters": sum(x.numel() for x in tensors.values()), "mode": "extracted",
+            "window": trained.config.window_size, "sink_tokens": trained.config.sink_tokens, **(meta or {}),
+            "lora": {"rank": rank, "alpha": rank, "modules": sorted(errors)},
+            "relative_error": {k: round(v, 5) for k, v in errors.items()}}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out, tensors, info)
+    return info
+
+
+@torch.no_grad()
 def apply_adapter(model, path: str | Path):
     """Add a saved adapter to a base model in place (LoRA merged: W += B A * alpha / r)."""
     path = Path(path)
