@@ -103,6 +103,16 @@ CASES = [
     # ------------------------------------------------------------ download
     ("download-occupied-dst", ["download", f"{W}/occupied"], ["{w}/occupied", "already exists"]),
     ("download-dst-is-file", ["download", f"{W}/afile"], ["{w}/afile", "already exists"]),
+    # ----------------------------------------------------- extract-adapter
+    ("extract-missing-trained", ["extract-adapter", f"{W}/nope", f"{W}/byte", f"{W}/cwd/ad"],
+     ["{w}/nope", "not a model directory"]),
+    ("extract-truncated-base", ["extract-adapter", f"{W}/byte", f"{W}/trunc", f"{W}/cwd/ad"],
+     ["{w}/trunc/model.safetensors", "truncated"]),
+    ("extract-other-shape", ["extract-adapter", f"{W}/byte", f"{W}/vocab320", f"{W}/cwd/ad"],
+     ["differ in their tensors"]),
+    ("extract-unchanged", ["extract-adapter", f"{W}/byte", f"{W}/byte", f"{W}/cwd/ad"], ["equals its base"]),
+    ("extract-rank-0", ["extract-adapter", f"{W}/byte", f"{W}/sharded", f"{W}/cwd/ad", "--rank", "0"],
+     ["rank must be >= 1"]),
     # ------------------------------------------------------------- convert
     ("convert-missing-src", conv("nope"), ["{w}/nope", "does not exist"]),
     ("convert-src-no-config", conv("nodata"), ["{w}/nodata", "no config.json"]),
