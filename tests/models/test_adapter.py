@@ -113,7 +113,7 @@ def test_a_full_fine_tune_extracted_at_its_rank_reproduces_it(tmp_path):
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in n:
+            if p.ndim == 2 and "layers.1." not in n:  # layer 1's weights stay: left out of the adapter
                 p.add_(0.05 * torch.randn(p.shape[0], 2, generator=g) @ torch.randn(2, p.shape[1], generator=g))
             elif p.ndim == 1:
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
@@ -126,9 +126,15 @@ def test_a_full_fine_tune_extracted_at_its_rank_reproduces_it(tmp_path):
         assert cli.main(["extract-adapter", str(tmp_path / "trained"), str(tmp_path / "base"), str(out),
                          "--rank", str(rank), "--lora-dtype", "fp32"]) == 0
         info = json.loads((out / "adapter.json").read_text())
-        assert not any("embed" in m for m in info["lora"]["modules"])  # unchanged: left out
+        mods = info["lora"]["modules"]
+        assert not any("layers.1." in m for m in mods) and "model.embed_tokens" in mods
         errs = list(info["relative_error"].values())
         got = apply_adapter(load_model(tmp_path / "base"), out)
+        if rank == 2:  # and through `orthros convert --adapter`, from the source checkpoint
+            assert cli.main(["convert", str(src), str(tmp_path / "merged"), "--window-size", "8", "--dtype", "fp32",
+                             "--adapter", str(out)]) == 0
+            with torch.no_grad():
+                assert rel_err(load_model(tmp_path / "merged")(x).logits, want) < 1e-5
         with torch.no_grad():
             e = rel_err(got(x).logits, want)
         if rank == 2:
