@@ -63,9 +63,10 @@ def _to(kv, dev):
 
 
 def check(kv_dtype, H=4, Hkv=2, D=16, bs=32, kg=16, sinks=4, recent=8, rotated=True, dtype=torch.float32,
-          per=None, pos=(0, 5, 23, 24, 40, 111, 200), seed=0, raw=False):
+          per=None, pos=(0, 5, 23, 24, 40, 111, 200), seed=0, raw=False, channels=False):
     """The relative error of the kernel against the reference (asserted small); `raw`: launch the
-    kernel in q's dtype as is (16-bit tiles on CUDA too), measured, not asserted."""
+    kernel in q's dtype as is (16-bit tiles on CUDA too), measured, not asserted; `channels`: its
+    study variant that reads packed slots a channel at a time (`launch`)."""
     g = torch.Generator().manual_seed(seed)
     R, mb = len(pos), -(-(max(pos) + 1) // bs)
     table = torch.stack([torch.randperm(mb + 4, generator=g)[:mb] for _ in range(R)]).int()
@@ -73,8 +74,12 @@ def check(kv_dtype, H=4, Hkv=2, D=16, bs=32, kg=16, sinks=4, recent=8, rotated=T
     kv = pool(kv_dtype, Hkv, D, bs, kg, sinks, recent, rotated, table, pos_t, seed)
     q = torch.randn(R, H, D, generator=g).to(DEVICE)
     ref = paged_lowbit_attention_ref(q, kv, kv.out.table, kv.out_twins, kv.out.pos)
-    fn = launch if raw else paged_lowbit_attention_kernel
-    out = fn(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos, keys_per_split=per, max_len=kv.out.max_len)
+    if raw or channels:
+        out = launch(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos, keys_per_split=per,
+                     max_len=kv.out.max_len, channels=channels)
+    else:
+        out = paged_lowbit_attention_kernel(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos,
+                                            keys_per_split=per, max_len=kv.out.max_len)
     assert out.dtype == dtype and out.shape == q.shape
     err = ((out.float() - ref).norm() / ref.norm()).item()
     if not raw:
@@ -109,6 +114,13 @@ def locate() -> None:
     print("chained dots, 16 rows: relative error of p @ v (fp16, bf16)")
     for n, d in ((16, 16), (16, 64), (32, 16), (64, 16), (64, 64)):
         print(f"  n={n:<3} d={d:<3} " + "  ".join(f"{chained_dots(n, d, dt):9.2e}" for dt in dtypes[1:]), flush=True)
+    print("packed slots read a channel at a time (launch(channels=True)) against interleaved, 16-bit tiles")
+    for D, kg in ((16, 16), (16, 64), (32, 16), (64, 64)):
+        shape = dict(D=D, kg=kg, bs=max(32, kg), recent=16)
+        errs = [check("int4", **shape, pos=regions["mostly packed"], dtype=dt, raw=True, channels=c)
+                for c in (True, False) for dt in dtypes[1:]]
+        print(f"  D{D} kg{kg} int4  channels fp16 / bf16 " + "  ".join(f"{e:9.2e}" for e in errs[:2])
+              + "   interleaved " + "  ".join(f"{e:9.2e}" for e in errs[2:]), flush=True)
     for D, kg in ((16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32), (128, 16), (128, 64)):
         for kv in ("int4", "int2"):
             shape = dict(D=D, kg=kg, bs=max(32, kg), recent=16)
@@ -148,6 +160,8 @@ def main(which="all"):
         check(kv, D=24, rotated=True)  # block-diagonal rotation (blocks of 8)
         check(kv, dtype=half, per=64)
         check(kv, H=8, Hkv=2, D=64, bs=64, kg=64, recent=16, dtype=half, pos=(3, 79, 80, 150, 300))
+        check(kv, per=64, channels=True)  # the study variant (--locate), as exact
+        check(kv, D=24, rotated=False, dtype=torch.float32 if DEVICE.type == "cuda" else half, channels=True)
     print("ok")
 
 

@@ -95,16 +95,19 @@ def paged_lowbit_attention_kernel(q, kv: PagedLowBitKV, table, twins, pos, scale
     suspect, Triton issue 1162) are exact at K = 16-64 (<= 1.5e-7). The packed tile is the only one
     made by `tl.interleave` (`_unpack`) and then transposed into a dot; the fp32 launch runs the same
     unpack into FMA dots (`input_precision="ieee"`) and is exact, the 16-bit one into MMA dots. The next
-    thing to try on a GPU: the packed keys loaded a channel at a time (byte d // P, shifted by its bit
-    plane) instead of interleaved. The result is returned in q's dtype."""
+    thing to measure on a GPU: `launch(..., channels=True)` reads the packed slots a channel at a time
+    (byte d // P, shifted to its bit plane) instead of interleaved (exact under the interpreter; `--locate`
+    prints both). The result is returned in q's dtype."""
     if q.is_cuda and q.dtype != torch.float32:
         return launch(q.float(), kv, table, twins, pos, scale, max_len, keys_per_split).to(q.dtype)
     return launch(q, kv, table, twins, pos, scale, max_len, keys_per_split)
 
 
 def launch(q, kv: PagedLowBitKV, table, twins, pos, scale=None, max_len: int | None = None,
-           keys_per_split: int | None = None):
-    """The kernel in q's dtype, as is (16-bit queries: 16-bit tiles and dots)."""
+           keys_per_split: int | None = None, channels: bool = False):
+    """The kernel in q's dtype, as is (16-bit queries: 16-bit tiles and dots). `channels` (a study of
+    the 16-bit tiles, `--locate`): the packed slots read a channel at a time, each channel's byte
+    loaded and shifted to its bit plane, instead of the bytes unpacked by `tl.interleave`."""
     import triton
 
     from .lowbit_paged_kernel import paged_lowbit_fwd
@@ -139,6 +142,6 @@ def launch(q, kv: PagedLowBitKV, table, twins, pos, scale=None, max_len: int | N
         Hkv, kv.sinks, kv.recent, kg, scale * LOG2E, per,
         BS=bs, G=G, D=D, KBITS=kv.key_bits, VBITS=kv.value_bits, VG=D // NG,
         BLOCK_R=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_Q=block_q,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32, CHANNELS=channels,
     )
     return merge_parts(o, lse, kv.rotation, q.dtype)[:, 0]

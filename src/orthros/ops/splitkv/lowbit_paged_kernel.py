@@ -30,7 +30,7 @@ def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O
                      Hkv, NS, recent, KG, qscale, keys_per_split,
                      BS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
                      VG: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, IEEE: tl.constexpr, CHANNELS: tl.constexpr):
     DT: tl.constexpr = tl.float32 if IEEE else Q.dtype.element_ty
     PK: tl.constexpr = 8 // KBITS
     PV: tl.constexpr = 8 // VBITS
@@ -72,20 +72,31 @@ def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O
         jv = (j >= lo) & (j < hi)
         s0 = tl.load(TB + j0 // BS).to(tl.int64) * BS + j0 % BS  # the tile's first pool slot
         slot = s0 + nq
-        kb = tl.load(KQ + slot[:, None] * skqs + kvh * skqh + ck[None, :], mask=jv[:, None] & (ck < D // PK)[None, :],
-                     other=0)
         grp = s0 // KG
         ks = tl.load(KS + grp * skss + kvh * sksh + d, mask=dmask, other=0.0).to(tl.float32)
         kz = tl.load(KZ + grp * skss + kvh * sksh + d, mask=dmask, other=0.0).to(tl.float32)
-        k = _unpack(kb, KBITS, tl.float32) * ks[None, :] + kz[None, :]
+        if CHANNELS:  # each channel's byte loaded for it and shifted to its bit plane (a study: `launch`)
+            kb = tl.load(KQ + slot[:, None] * skqs + kvh * skqh + (d // PK)[None, :], mask=jv[:, None] & dmask[None, :],
+                         other=0)
+            k = ((kb >> ((d % PK) * KBITS).to(tl.uint8)[None, :]) & ((1 << KBITS) - 1)).to(tl.float32)
+        else:
+            kb = tl.load(KQ + slot[:, None] * skqs + kvh * skqh + ck[None, :],
+                         mask=jv[:, None] & (ck < D // PK)[None, :], other=0)
+            k = _unpack(kb, KBITS, tl.float32)
+        k = k * ks[None, :] + kz[None, :]
         p, alpha, m_i, l_i = _softmax_step(_dot(qp, tl.trans(k.to(DT)), IEEE), jv[None, :], m_i, l_i)
-        vb = tl.load(VQ + slot[:, None] * svqs + kvh * svqh + cv[None, :], mask=jv[:, None] & (cv < D // PV)[None, :],
-                     other=0)
         vsz = slot[:, None] * svss + kvh * svsh + (d // VG)[None, :]
         vm = jv[:, None] & dmask[None, :]
         vs = tl.load(VS + vsz, mask=vm, other=0.0).to(tl.float32)
         vz = tl.load(VZ + vsz, mask=vm, other=0.0).to(tl.float32)
-        v = _unpack(vb, VBITS, tl.float32) * vs + vz
+        if CHANNELS:
+            vb = tl.load(VQ + slot[:, None] * svqs + kvh * svqh + (d // PV)[None, :], mask=vm, other=0)
+            v = ((vb >> ((d % PV) * VBITS).to(tl.uint8)[None, :]) & ((1 << VBITS) - 1)).to(tl.float32)
+        else:
+            vb = tl.load(VQ + slot[:, None] * svqs + kvh * svqh + cv[None, :],
+                         mask=jv[:, None] & (cv < D // PV)[None, :], other=0)
+            v = _unpack(vb, VBITS, tl.float32)
+        v = v * vs + vz
         acc = acc * alpha[:, None]
         acc_p = acc_p * alpha[:, None] + _dot(p.to(DT), v.to(DT), IEEE)
 
