@@ -5,8 +5,8 @@ twin blocks: int4 / int2 / k4v2, rotated or not (a head size that is not a power
 query heads a KV head), sinks or none, positions before the first bound, at key-group edges and far past
 them, one split and several, fp32 and 16-bit queries (fp16 under the interpreter: its bf16 dots are
 wrong). Twins of blocks no row reads in bf16 are absent (-1): the kernel must not read them.
-`python -m tests.ops.splitkv.lowbit_paged_cases --locate` on a GPU prints where the kernel's 16-bit
-tiles go wrong (`locate`)."""
+`python -m tests.ops.splitkv.lowbit_paged_cases --locate [channels]` on a GPU prints where the kernel's
+16-bit tiles go wrong (`locate`; `channels`: only the channel-at-a-time variant against the interleaved one)."""
 
 import os
 import sys
@@ -88,7 +88,7 @@ def check(kv_dtype, H=4, Hkv=2, D=16, bs=32, kg=16, sinks=4, recent=8, rotated=T
     return err
 
 
-def locate() -> None:
+def locate(part: str = "all") -> None:
     """Where do 16-bit tiles go wrong on this GPU? The kernel launched in fp32, fp16 and bf16 over
     rows that read only bf16 twins (positions inside the window), only packed slots beyond it,
     or both; the relative error of each against the reference, printed. Then the packed rows over a
@@ -105,6 +105,15 @@ def locate() -> None:
     regions = {"twins only": (0, 3, 7), "mostly packed": (150, 200, 300), "both": (0, 5, 40, 111, 200)}
     shapes = {"D16 G2 bs32": dict(), "D64 G4 bs64": dict(H=8, Hkv=2, D=64, bs=64, kg=64, recent=16)}
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    print("packed slots read a channel at a time (launch(channels=True)) against interleaved, 16-bit tiles")
+    for D, kg in ((16, 16), (16, 64), (32, 16), (64, 64)):
+        shape = dict(D=D, kg=kg, bs=max(32, kg), recent=16)
+        errs = [check("int4", **shape, pos=regions["mostly packed"], dtype=dt, raw=True, channels=c)
+                for c in (True, False) for dt in dtypes[1:]]
+        print(f"  D{D} kg{kg} int4  channels fp16 / bf16 " + "  ".join(f"{e:9.2e}" for e in errs[:2])
+              + "   interleaved " + "  ".join(f"{e:9.2e}" for e in errs[2:]), flush=True)
+    if part == "channels":
+        return
     print(f"{'shape':<16} {'rows':<14} {'split':>5}  " + "  ".join(f"{d:>9}" for d in ("fp32", "fp16", "bf16")))
     for sname, shape in shapes.items():
         for rname, pos in regions.items():
@@ -114,13 +123,6 @@ def locate() -> None:
     print("chained dots, 16 rows: relative error of p @ v (fp16, bf16)")
     for n, d in ((16, 16), (16, 64), (32, 16), (64, 16), (64, 64)):
         print(f"  n={n:<3} d={d:<3} " + "  ".join(f"{chained_dots(n, d, dt):9.2e}" for dt in dtypes[1:]), flush=True)
-    print("packed slots read a channel at a time (launch(channels=True)) against interleaved, 16-bit tiles")
-    for D, kg in ((16, 16), (16, 64), (32, 16), (64, 64)):
-        shape = dict(D=D, kg=kg, bs=max(32, kg), recent=16)
-        errs = [check("int4", **shape, pos=regions["mostly packed"], dtype=dt, raw=True, channels=c)
-                for c in (True, False) for dt in dtypes[1:]]
-        print(f"  D{D} kg{kg} int4  channels fp16 / bf16 " + "  ".join(f"{e:9.2e}" for e in errs[:2])
-              + "   interleaved " + "  ".join(f"{e:9.2e}" for e in errs[2:]), flush=True)
     for D, kg in ((16, 32), (16, 64), (32, 16), (32, 32), (64, 16), (64, 32), (128, 16), (128, 64)):
         for kv in ("int4", "int2"):
             shape = dict(D=D, kg=kg, bs=max(32, kg), recent=16)
@@ -166,4 +168,4 @@ def main(which="all"):
 
 
 if __name__ == "__main__":
-    locate() if sys.argv[1:2] == ["--locate"] else main(*sys.argv[1:2])
+    locate(*sys.argv[2:3]) if sys.argv[1:2] == ["--locate"] else main(*sys.argv[1:2])
