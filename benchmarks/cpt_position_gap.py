@@ -10,9 +10,9 @@ training budget. No model runs.
         --arms benchmarks/results/cpt-smollm2-kd/arm-source.json \
                benchmarks/results/cpt-smollm2-rq/arm-orthros-cpt-sink-mix.json \
                benchmarks/results/cpt-smollm2-rqp/arm-orthros-cpt-sink-mix-aw.json \
-        --out benchmarks/results/cpt-position-gap
+        --out benchmarks/results/cpt-position-gap --plot docs/cpt-position-gap.png
 
-Writes gap.json and gap.png under --out.
+Writes gap.json and gap.png under --out (and the plot to --plot).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def main() -> None:
     ap.add_argument("--ref", required=True, help="the reference arm's file (the paper's control: arm-full-cpt.json)")
     ap.add_argument("--arms", nargs="+", required=True, help="the arms' files")
     ap.add_argument("--out", default="benchmarks/results/cpt-position-gap")
+    ap.add_argument("--plot", default=None, help="also save the plot here (a docs page that shows it)")
     args = ap.parse_args()
     ref = load(args.ref)
     arms = [load(f) for f in args.arms]
@@ -100,7 +101,9 @@ def main() -> None:
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "gap.png", dpi=110)
-    print(f"\nsaved {out}/gap.json, gap.png")
+    if args.plot:
+        fig.savefig(args.plot, dpi=110)
+    print(f"\nsaved {out}/gap.json, gap.png" + (f", {args.plot}" if args.plot else ""))
 
 
 if __name__ == "__main__":
