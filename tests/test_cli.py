@@ -82,3 +82,32 @@ def test_the_real_model_answers_the_question_set(tmp_path, monkeypatch):
     assert "| 1 | Which PEP" in (out / "questions.md").read_text()
     for bad in (["--question", "x"], ["--recall"]):
         assert main(["demo", "--questions", *bad, "--out", str(tmp_path / "x")]) == 2
+
+
+def test_cpt_arms_are_listed_and_a_misspelt_one_gets_the_near_names(tmp_path, capsys):
+    """`orthros experiment cpt --list-arms` prints every arm with its label, the defaults marked; a
+    misspelt --arms name is one line naming the close ones; output cut by its reader is no error."""
+    from orthros import cli
+    from orthros.experiments.cpt_arms import ARMS, DEFAULT_ARMS
+
+    assert cli.main(["experiment", "cpt", "--list-arms"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, arm in ARMS.items():
+        row = next(ln for ln in lines if ln[2:].split()[:1] == [name])
+        assert row.startswith("*" if name in DEFAULT_ARMS else " ") and row.endswith(arm.label)
+    assert cli.main(["experiment", "cpt", "--arms", "orthros-cpt-sink-mix-awx", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "did you mean" in err and "orthros-cpt-sink-mix-aw," in err
+    gone = """
+import io, os, sys
+from orthros import cli
+class Gone(io.TextIOBase):  # a pipe whose reader left
+    def write(self, s):
+        raise BrokenPipeError(32, "Broken pipe")
+    def fileno(self):
+        return os.open(os.devnull, os.O_WRONLY)
+sys.stdout = Gone()
+sys.exit(cli.main(["experiment", "cpt", "--list-arms"]))
+"""
+    r = subprocess.run([sys.executable, "-c", gone], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Broken pipe" not in r.stderr, r.stderr

