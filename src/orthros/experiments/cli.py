@@ -80,7 +80,7 @@ def run_cpt_command(args) -> int:
 
     from ..errors import check_output_dir
 
-    if args.list_arms:
+    if getattr(args, "list_arms", False):  # (callers that build their own namespace have none)
         from .cpt_arms import ARMS
 
         w = max(map(len, ARMS))
