@@ -65,15 +65,13 @@ def convert_with_adapter(args) -> Path:
 
     from ..errors import UserError, read_json
     from ..loading import load_model
-    from ..models.adapter import apply_adapter
+    from ..models.adapter import adapter_mismatch, apply_adapter
     from .hf import WEIGHT_SUFFIXES
 
     info = read_json(Path(args.adapter) / "adapter.json", "adapter description")
-    if info.get("window") not in (None, args.window_size):
-        raise UserError(f"{args.adapter}: trained for window {info['window']}, not --window-size {args.window_size}")
-    if info.get("sink_tokens", 0) != args.sink_tokens:
-        raise UserError(f"{args.adapter}: trained with {info.get('sink_tokens', 0)} sink tokens, not --sink-tokens "
-                        f"{args.sink_tokens}")
+    why = adapter_mismatch(info, args.window_size, args.sink_tokens)  # before the conversion, not after it
+    if why:
+        raise UserError(f"{args.adapter}: {why} (--window-size, --sink-tokens)")
     dst = Path(args.dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise UserError(f"destination {dst} already exists and is not an empty directory; choose another")

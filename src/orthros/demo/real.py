@@ -66,8 +66,6 @@ def prepare_models(args):
     model = load_model(conv).eval()
     what = f"Orthros, W={args.window}{f', {sinks} sink tokens' if sinks else ''}, zero-shot (no adapter)"
     if info is not None:
-        if info.get("window") not in (None, args.window):
-            raise ValueError(f"{args.adapter}: trained for window {info['window']}, not --window {args.window}")
         apply_adapter(model, args.adapter)
         what = f"Orthros, W={args.window} + light-CPT adapter ({info['parameters'] / 1e6:.2f}M parameters)"
     print(f"[1/4] source: {hf} (transformers LlamaForCausalLM); Orthros: {conv}" +

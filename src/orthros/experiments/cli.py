@@ -75,14 +75,12 @@ def run(args) -> int:
 def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
     from .cpt import merge_runs, run_cpt
-    from .cpt_arms import DEFAULT_ARMS
+    from .cpt_arms import ARMS, DEFAULT_ARMS
     from .jobs import JobsFailed
 
     from ..errors import check_output_dir
 
     if getattr(args, "list_arms", False):  # (callers that build their own namespace have none)
-        from .cpt_arms import ARMS
-
         w = max(map(len, ARMS))
         for name, a in ARMS.items():
             mark = "*" if name in DEFAULT_ARMS else " "

@@ -259,9 +259,19 @@ def extract_adapter(trained, base, out: str | Path, rank: int = 16, lora_dtype=t
     return info
 
 
+def adapter_mismatch(info: dict, window: int, sinks: int) -> str | None:
+    """Why an adapter (its adapter.json `info`) does not fit a model of this window and sink count,
+    or None: it was trained at one window (None: not recorded) and with one number of sinks."""
+    if info.get("window") not in (None, window) or info.get("sink_tokens", 0) != sinks:
+        return (f"trained at W={info.get('window')} with {info.get('sink_tokens', 0)} sink tokens, "
+                f"not W={window} with {sinks}")
+    return None
+
+
 @torch.no_grad()
 def apply_adapter(model, path: str | Path):
-    """Add a saved adapter to a base model in place (LoRA merged: W += B A * alpha / r)."""
+    """Add a saved adapter to a base model in place (LoRA merged: W += B A * alpha / r). An adapter
+    trained at another window or sink count than the model's is refused (`adapter_mismatch`)."""
     path = Path(path)
     f = path / "adapter.safetensors" if path.is_dir() else path
     meta_path = f.with_name("adapter.json")
@@ -272,6 +282,10 @@ def apply_adapter(model, path: str | Path):
         tensors = load_file(str(f))
     except Exception as e:
         raise ValueError(f"{f}: damaged adapter ({type(e).__name__}: {e})") from None
+    cfg = model.config
+    why = adapter_mismatch(info, getattr(cfg, "window_size", None), getattr(cfg, "sink_tokens", 0))
+    if why:
+        raise ValueError(f"{path}: {why}")
     tensors = _known(tensors, model)
     params = dict(model.named_parameters())
     lora = info.get("lora")

@@ -8,6 +8,7 @@ wrong). Twins of blocks no row reads in bf16 are absent (-1): the kernel must no
 `python -m tests.ops.splitkv.lowbit_paged_cases --locate [channels]` on a GPU prints where the kernel's
 16-bit tiles go wrong (`locate`; `channels`: only the channel-at-a-time variant against the interleaved one)."""
 
+import functools
 import os
 import sys
 
@@ -74,12 +75,8 @@ def check(kv_dtype, H=4, Hkv=2, D=16, bs=32, kg=16, sinks=4, recent=8, rotated=T
     kv = pool(kv_dtype, Hkv, D, bs, kg, sinks, recent, rotated, table, pos_t, seed)
     q = torch.randn(R, H, D, generator=g).to(DEVICE)
     ref = paged_lowbit_attention_ref(q, kv, kv.out.table, kv.out_twins, kv.out.pos)
-    if raw or channels:
-        out = launch(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos, keys_per_split=per,
-                     max_len=kv.out.max_len, channels=channels)
-    else:
-        out = paged_lowbit_attention_kernel(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos,
-                                            keys_per_split=per, max_len=kv.out.max_len)
+    fn = functools.partial(launch, channels=channels) if raw or channels else paged_lowbit_attention_kernel
+    out = fn(q.to(dtype), kv, kv.out.table, kv.out_twins, kv.out.pos, keys_per_split=per, max_len=kv.out.max_len)
     assert out.dtype == dtype and out.shape == q.shape
     err = ((out.float() - ref).norm() / ref.norm()).item()
     if not raw:
