@@ -138,6 +138,9 @@ def fast_decode_step(model, token: torch.Tensor, cache: StaticOrthrosCache) -> t
 @functools.cache
 def compiled_decode_step(backend: str = "inductor", mode: str | None = "reduce-overhead"):
     """`fast_decode_step` under torch.compile (one per backend/mode, shared by all models)."""
+    from .ops.splitkv.common import triton_available
+
+    triton_available()  # settled before tracing: a global first set inside the graph would recompile it
     return torch.compile(fast_decode_step, backend=backend, mode=mode, fullgraph=True)
 
 

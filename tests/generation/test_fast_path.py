@@ -145,3 +145,17 @@ def test_user_errors():
     with pytest.raises(ValueError, match="holds 3 slots"):
         prefill(model, ids, cache=cache)
     assert isinstance(cache, StaticOrthrosCache) and cache.get_max_length() == 3
+
+
+def test_the_compiled_step_is_made_with_triton_settled(monkeypatch):
+    """Whether Triton imports is settled before the decode step is traced: a global first set inside
+    the graph (the low-bit write asks it on CUDA) is a guard that fails on the next call (one more build)."""
+    from orthros.ops.splitkv import common
+
+    monkeypatch.setattr(common, "_TRITON", None)
+    compiled_decode_step.cache_clear()
+    try:
+        compiled_decode_step("aot_eager", None)
+        assert common._TRITON is not None
+    finally:
+        compiled_decode_step.cache_clear()
