@@ -164,3 +164,52 @@ def test_an_arm_s_recipe_changes_its_training_only():
             cpt.arm_preset("bad-recipe", base)
     finally:
         del cpt.ARMS["bad-recipe"]
+
+
+def _oom_beside(name, d):
+    """'big' runs out of memory the first time, while 'small' runs; 'small' takes a moment."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    d = Path(d)
+    if name == "big":
+        n = len(list(d.glob("big-*"))) + 1
+        (d / f"big-{n}").write_text(repr(time.time()))
+        if n == 1:
+            while not (d / "small-started").exists():
+                time.sleep(0.01)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+        return "big done"
+    if name == "always":
+        n = len(list(d.glob("always-*"))) + 1
+        (d / f"always-{n}").write_text("")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+    (d / "small-started").write_text("")
+    time.sleep(0.5)
+    (d / "small-ended").write_text(repr(time.time()))
+    return name
+
+
+def test_a_job_out_of_memory_beside_others_runs_again_alone(tmp_path):
+    """A job that ran out of device memory while another ran beside it runs again, once, after the
+    others end; one that runs out again (or ran alone) is a failure like any other."""
+    from orthros.experiments.jobs import JobsFailed, run_after
+
+    res = run_after(_oom_beside, {"big": ("big", tmp_path), "small": ("small", tmp_path)}, {}, workers=2)
+    assert res == {"big": "big done", "small": "small"}
+    assert float((tmp_path / "big-2").read_text()) >= float((tmp_path / "small-ended").read_text())
+
+    d = tmp_path / "again"
+    d.mkdir()
+    with pytest.raises(JobsFailed) as e:
+        run_after(_oom_beside, {"always": ("always", d), "small": ("small", d)}, {}, workers=2)
+    assert set(e.value.errors) == {"always"} and e.value.done == {"small": "small"}
+    assert len(list(d.glob("always-*"))) == 2  # once beside 'small', once alone
+
+    d = tmp_path / "alone"
+    d.mkdir()
+    with pytest.raises(JobsFailed):
+        run_after(_oom_beside, {"always": ("always", d)}, {}, workers=2)
+    assert len(list(d.glob("always-*"))) == 1

@@ -52,13 +52,20 @@ def _failed(name: str, err: BaseException) -> None:
     traceback.print_exception(err, file=sys.stderr)
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Whether a job failed for want of device memory (torch.OutOfMemoryError, or its message)."""
+    return type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower()
+
+
 def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
     """{name: fn(*jobs[name])}, each job started once the jobs it `needs` ({name: [names]})
     are done, up to `workers` at a time: a job that others wait for starts first, and the
     rest fill the workers beside it (no stage waits for its slowest job).
 
     A job that raises is reported at once (stderr); the jobs that need it are not run, the others
-    go on, and `JobsFailed` (with what finished) is raised once they are done."""
+    go on, and `JobsFailed` (with what finished) is raised once they are done. A job that ran out of
+    device memory while others ran beside it is run again once, alone, after every other job (`fn`
+    should pick up what it saved: an experiment's arm keeps its trained weights)."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     unknown = {d for ds in needs.values() for d in ds} - set(jobs)
@@ -94,18 +101,35 @@ def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
                 raise ValueError("jobs wait for each other in a cycle")
             settle(todo[0], lambda: fn(*jobs[todo[0]]))
     else:
+        held: list = []  # out of memory beside other jobs: run again alone, at the end
+        shared, retried = set(), set()
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
             while left():
-                for n in ready()[: workers - len(running)]:
+                todo = [n for n in ready() if n not in held]
+                if held and not todo and not running:
+                    n = held.pop(0)
+                    retried.add(n)
                     running[n] = pool.submit(fn, *jobs[n])
+                elif not (running.keys() & retried):  # nothing starts beside a job run again alone
+                    for n in todo[: workers - len(running)]:
+                        running[n] = pool.submit(fn, *jobs[n])
+                if len(running) > 1:
+                    shared.update(running)
                 if not running:
                     raise ValueError("jobs wait for each other in a cycle")
                 finished, _ = wait(running.values(), return_when=FIRST_COMPLETED)
                 for n, f in list(running.items()):
-                    if f in finished:
-                        settle(n, f.result)
-                        del running[n]
+                    if f not in finished:
+                        continue
+                    del running[n]
+                    err = f.exception()
+                    if err is not None and out_of_memory(err) and n in shared and n not in retried:
+                        held.append(n)
+                        print(f"job {n} ran out of device memory beside other jobs: it runs again alone once "
+                              "they end", file=sys.stderr, flush=True)
+                        continue
+                    settle(n, f.result)
     if errors:
         raise JobsFailed(errors, done, [n for n in order if n not in done and n not in errors])
     return done
