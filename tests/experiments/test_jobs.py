@@ -61,7 +61,7 @@ def test_recall_several_seeds_mean_and_range(tmp_path):
 
 def _log(name, path):
     import time
-    from pathlib import Path
+
     with open(path, "a") as f:
         f.write(f"start {name}\n")
     time.sleep(0.2 if name == "teacher" else 0.05)
