@@ -274,6 +274,10 @@ PRESETS = {
     "smollm2-kd-h200-qa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=4,
                                     retrieval_kinds=("passkey", "lookup", "copy", "docqa"),
                                     gradient_checkpointing=False),
+    # rqp's sentence answers with qa's document questions: the pass-key recipe's arms read one key well
+    # but answer the demo's question with the later of two PEPs in the text (benchmarks/demo_answer_margin.py)
+    "smollm2-kd-h200-rqpqa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True,
+                                       retrieval_kinds=("passkey", "lookup", "copy", "docqa")),
     # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
     # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
     # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone

@@ -1,0 +1,92 @@
+"""How sure each model is of the right answer to the demo's question, against a wrong one that the
+document also states: the log-probability of each candidate after the answer's first words.
+
+    python benchmarks/demo_answer_margin.py \
+        --adapters none adapters/smollm2-135m-w128-s4-lora-mix --out benchmarks/results/demo-margin
+
+The prompt is `orthros demo`'s (its document and question through the chat template), followed by
+--prefix ("The PEP "); each --candidates continuation is scored teacher-forced, summed over its
+tokens. The source model is transformers' Llama; each converted model is the demo's conversion
+(window 128, 4 sinks) with an adapter or none. A model that prefers the wrong candidate by a wide
+margin reads the document confidently and wrongly; one that finds neither likely does not read it.
+Writes margin.json and margin.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default="runs/smollm2", help="the source model (orthros download)")
+    p.add_argument("--adapters", nargs="+", default=["none"], help="adapter directories, or none")
+    p.add_argument("--sink-tokens", type=int, default=4)
+    p.add_argument("--prefix", default="The PEP ")
+    p.add_argument("--candidates", nargs="+", default=["343", "634"], help="the right one first")
+    p.add_argument("--out", default="benchmarks/results/demo-margin")
+    a = p.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from orthros.convert.download import download_smollm2
+    from orthros.convert.hf import convert_checkpoint
+    from orthros.demo import real
+    from orthros.loading import load_model
+    from orthros.models.adapter import apply_adapter
+
+    torch.set_grad_enabled(False)
+    hf = Path(a.model_dir)
+    if not (hf / "config.json").exists():
+        download_smollm2(hf, progress=False)
+    conv = hf.parent / f"{hf.name}-orthros-w128-s{a.sink_tokens}"
+    if not (conv / "config.json").exists():
+        convert_checkpoint(hf, conv, window_size=128, dtype="fp32", progress=False, sink_tokens=a.sink_tokens)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    doc = real.document()
+    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {real.QUESTION}"}],
+                                       add_generation_prompt=True, tokenize=True, return_dict=False))
+    pre = tok.encode(a.prefix, add_special_tokens=False)
+    where = {c: len(tok.encode(doc[doc.find(c):], add_special_tokens=False)) if c in doc else None
+             for c in a.candidates}  # tokens from the candidate's first mention to the document's end
+
+    def score(model) -> dict:
+        out = {}
+        for c in a.candidates:
+            v = tok.encode(c, add_special_tokens=False)
+            lp = model(torch.tensor([ids + pre + v])).logits[0].float().log_softmax(-1)
+            n = len(ids) + len(pre)
+            out[c] = sum(lp[n - 1 + k, t].item() for k, t in enumerate(v))
+        return out
+
+    rows = {"source": score(AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}
+    print("source", rows["source"], flush=True)
+    for ad in a.adapters:
+        m = load_model(conv).eval()
+        if ad != "none":
+            apply_adapter(m, ad)
+        name = "conversion, no adapter" if ad == "none" else ad
+        rows[name] = score(m)
+        print(name, rows[name], flush=True)
+    right, wrong = a.candidates[0], a.candidates[1]
+    lines = [f"Prompt: `orthros demo`'s document ({len(ids):,} tokens) and question, then \"{a.prefix}\"; "
+             f"log-probability of each continuation (nats). First mention, tokens before the document's end: "
+             + ", ".join(f"{c}: {where[c]}" for c in a.candidates) + ".", "",
+             "| model | " + " | ".join(f"log p({c})" for c in a.candidates) + f" | {right} − {wrong} |",
+             "|---|" + "---:|" * (len(a.candidates) + 1)]
+    for name, r in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{r[c]:.2f}" for c in a.candidates) + f" | {r[right] - r[wrong]:+.2f} |")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "margin.json").write_text(json.dumps({"prefix": a.prefix, "candidates": a.candidates, "mentions": where,
+                                                 "prompt_tokens": len(ids), "rows": rows}, indent=1))
+    (out / "margin.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
