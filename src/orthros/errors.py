@@ -79,3 +79,9 @@ def check_output_dir(path: str | Path, flag: str) -> Path:
     if p.exists() and not p.is_dir():
         raise UserError(f"{p}: {flag} must be a directory, but a file of that name exists")
     return p
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether an exception says a device ran out of memory (torch.OutOfMemoryError, also after it
+    crossed a process boundary, or its message)."""
+    return type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower()

@@ -43,6 +43,21 @@ def test_bench_decode(tmp_path):
     assert (tmp_path / "decode.png").stat().st_size > 0
     assert all(r["fill_s"] >= 0 and r["warmup_s"] > 0 for r in res["rows"])  # where a row's time went
     assert not (tmp_path / "decode.partial.json").exists()  # removed once the whole run is saved
+    # no --bandwidth: the roofline is this device's measured copy bandwidth, and each row's share of it
+    bw = res["bandwidth_tb_s"]
+    assert 0 < bw < 100 and all(r["roofline_tok_s"] == pytest.approx(r["batch"] * bw * 1e12 / r["bytes"])
+                                for r in res["rows"])
+
+
+def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
+    """copy_bandwidth: 2 x nbytes over the best copy's time."""
+    import torch
+
+    from orthros.bench import common
+
+    clock = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.0])
+    monkeypatch.setattr(common, "now", lambda device: next(clock))
+    assert common.copy_bandwidth(torch.device("cpu"), nbytes=1000, repeats=3) == pytest.approx(2 * 1000 / 0.25 / 1e12)
 
 
 def test_bench_decode_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch, capsys):

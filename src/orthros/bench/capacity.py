@@ -25,8 +25,8 @@ from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_f
 from ..generate import prefill as run_prefill
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES
-from .common import (DTYPES, add_docs_argument, build_model, environment, free_memory, is_oom, log_panel, now, progress,
-                     render, result_from, save_figure, save_partial, subplots, variant_config)
+from .common import (DTYPES, add_docs_argument, build_model, copy_bandwidth, environment, free_memory, is_oom,
+                     log_panel, now, progress, render, result_from, save_figure, save_partial, subplots, variant_config)
 from .decode import cache_bytes, step_bytes
 from .prefill import _fmt_len, parse_len
 
@@ -42,7 +42,9 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=3, help="decode steps that compile / capture (untimed)")
     p.add_argument("--window", type=int, default=128, help="Orthros window size")
     p.add_argument("--chunk-size", type=parse_len, default=None, help="prefill chunk (default: auto_chunk_size)")
-    p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (measured on the H200)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read and "
+                        "written a second)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -109,6 +111,9 @@ def try_length(model, T: int, kv: str, args, step_fn, device, chunk: int) -> dic
 def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
+    if args.bandwidth is None:
+        args.bandwidth = round(copy_bandwidth(device), 2)
+        progress(f"copy bandwidth of {device.type}: {args.bandwidth} TB/s (the roofline; --bandwidth sets it)")
 
     def result(rows):
         return dict(env=environment(device), command="orthros bench capacity " + " ".join(map(shlex.quote, sys.argv[3:])),

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ..errors import is_oom  # noqa: F401 - imported from here by the benches
 from ..models import OrthrosConfig
 from ..random_model import build_model, made_on  # noqa: F401 - build_model: imported from here by the benchmarks
 
@@ -116,6 +117,23 @@ def now(device) -> float:
     return time.perf_counter()
 
 
+def copy_bandwidth(device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """The device's copy bandwidth in TB/s: bytes read and written a second by the best of `repeats`
+    copies of `nbytes` (default 1 GiB on a GPU, 64 MiB on a CPU). The decode benches' roofline when no
+    --bandwidth is given, so a figure is a share of what this machine moves, whatever the card."""
+    nbytes = nbytes or (1 << 30 if device.type == "cuda" else 1 << 26)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = now(device)
+        b.copy_(a)
+        best = min(best, now(device) - t0)
+    del a, b
+    return 2 * nbytes / best / 1e12
+
+
 def timed(fn, device):
     """(seconds, peak GiB allocated during the call (weights included), result) of one call."""
     free_memory()
@@ -194,10 +212,6 @@ def save_figure(fig, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def progress(msg: str) -> None:

@@ -33,9 +33,9 @@ from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
 from ..models.static_cache import FP8, KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, add_docs_argument, build_model, environment, free_memory, is_oom, kernel_profile,
-                     log_panel, now, progress, render, result_from, save_figure, save_partial, subplots, sync,
-                     variant_config)
+from .common import (DTYPES, add_docs_argument, build_model, copy_bandwidth, environment, free_memory, is_oom,
+                     kernel_profile, log_panel, now, progress, render, result_from, save_figure, save_partial, subplots,
+                     sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full", "orthros-bound", "orthros-base")
@@ -53,7 +53,9 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, graph capture)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
-    p.add_argument("--bandwidth", type=float, default=4.3, help="copy bandwidth ceiling in TB/s (measured on the H200)")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read and "
+                        "written a second)")
     p.add_argument("--profile", action="store_true", help="also break one row per variant down by kernel")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -273,6 +275,9 @@ class GraphedStep:
 def measure(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
+    if args.bandwidth is None:
+        args.bandwidth = round(copy_bandwidth(device), 2)
+        progress(f"copy bandwidth of {device.type}: {args.bandwidth} TB/s (the roofline; --bandwidth sets it)")
     compiled = None if args.no_compile else compiled_decode_step()
 
     def steps_for(cfg):

@@ -13,6 +13,8 @@ import sys
 import traceback
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 
+from ..errors import is_oom
+
 
 def run_jobs(fn, jobs: list[tuple], workers: int = 1) -> list:
     """[fn(*job) for job in jobs], in `workers` spawned processes when > 1 (results in order).
@@ -50,11 +52,6 @@ def _failed(name: str, err: BaseException) -> None:
     """A job's failure, said when it happens (not after the jobs beside it end)."""
     print(f"job {name} failed: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
     traceback.print_exception(err, file=sys.stderr)
-
-
-def out_of_memory(err: BaseException) -> bool:
-    """Whether a job failed for want of device memory (torch.OutOfMemoryError, or its message)."""
-    return type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower()
 
 
 def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
@@ -124,7 +121,7 @@ def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
                         continue
                     del running[n]
                     err = f.exception()
-                    if err is not None and out_of_memory(err) and n in shared and n not in retried:
+                    if err is not None and is_oom(err) and n in shared and n not in retried:
                         held.append(n)
                         print(f"job {n} ran out of device memory beside other jobs: it runs again alone once "
                               "they end", file=sys.stderr, flush=True)
