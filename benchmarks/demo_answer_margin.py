@@ -9,7 +9,7 @@ The prompt is `orthros demo`'s (its document and question through the chat templ
 tokens. The source model is transformers' Llama; each converted model is the demo's conversion
 (window 128, 4 sinks) with an adapter or none. A model that prefers the wrong candidate by a wide
 margin reads the document confidently and wrongly; one that finds neither likely does not read it.
-Writes margin.json and margin.md under --out.
+Writes <tag>.json and <tag>.md under --out (tag: margin).
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ def main(argv=None) -> None:
     p.add_argument("--model-dir", default="runs/smollm2", help="the source model (orthros download)")
     p.add_argument("--adapters", nargs="+", default=["none"], help="adapter directories, or none")
     p.add_argument("--sink-tokens", type=int, default=4)
+    p.add_argument("--question", default=None, help="default: the demo's")
     p.add_argument("--prefix", default="The PEP ")
     p.add_argument("--candidates", nargs="+", default=["343", "634"], help="the right one first")
     p.add_argument("--out", default="benchmarks/results/demo-margin")
+    p.add_argument("--tag", default="margin", help="output files <tag>.json / <tag>.md")
     a = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,7 +50,8 @@ def main(argv=None) -> None:
         convert_checkpoint(hf, conv, window_size=128, dtype="fp32", progress=False, sink_tokens=a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
     doc = real.document()
-    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {real.QUESTION}"}],
+    question = a.question or real.QUESTION
+    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}],
                                        add_generation_prompt=True, tokenize=True, return_dict=False))
     pre = tok.encode(a.prefix, add_special_tokens=False)
     where = {c: len(tok.encode(doc[doc.find(c):], add_special_tokens=False)) if c in doc else None
@@ -73,18 +76,21 @@ def main(argv=None) -> None:
         rows[name] = score(m)
         print(name, rows[name], flush=True)
     right, wrong = a.candidates[0], a.candidates[1]
-    lines = [f"Prompt: `orthros demo`'s document ({len(ids):,} tokens) and question, then \"{a.prefix}\"; "
+    lines = [f"Prompt: `orthros demo`'s document ({len(ids):,} tokens) and the question \"{question}\", then "
+             f"\"{a.prefix}\"; "
              f"log-probability of each continuation (nats). First mention, tokens before the document's end: "
              + ", ".join(f"{c}: {where[c]}" for c in a.candidates) + ".", "",
              "| model | " + " | ".join(f"log p({c})" for c in a.candidates) + f" | {right} − {wrong} |",
              "|---|" + "---:|" * (len(a.candidates) + 1)]
     for name, r in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r[c]:.2f}" for c in a.candidates) + f" | {r[right] - r[wrong]:+.2f} |")
+        cells = " | ".join(f"{r[c]:.2f}" for c in a.candidates)
+        lines.append(f"| {name} | {cells} | {r[right] - r[wrong]:+.2f} |")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "margin.json").write_text(json.dumps({"prefix": a.prefix, "candidates": a.candidates, "mentions": where,
-                                                 "prompt_tokens": len(ids), "rows": rows}, indent=1))
-    (out / "margin.md").write_text("\n".join(lines) + "\n")
+    res = {"question": question, "prefix": a.prefix, "candidates": a.candidates, "mentions": where,
+           "prompt_tokens": len(ids), "rows": rows}
+    (out / f"{a.tag}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
