@@ -38,12 +38,17 @@ def test_the_real_model_demo_answers_and_times_both_models(tmp_path):
 
     hf = smollm2_dir("hf")
     r = orthros("demo", "--model-dir", str(hf), "--document-chars", "1200", "--prefill-lengths", "64",
-                "--max-new-tokens", "6", "--out", str(tmp_path / "d"))
+                "--max-new-tokens", "6", "--fact-depths", "0.5", "--out", str(tmp_path / "d"))
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "d" / "demo.json").read_text())
     assert set(res["answers"]) == {"source", "orthros"}
     assert all(a["text"] and a["ttft_s"] > 0 for a in res["answers"].values())
-    assert "4 sink tokens" in res["orthros_model"] and res["prefill"]["64"]["orthros"] > 0  # the default conversion
+    # the default: 4 sinks and the shipped adapter
+    assert "4 sink tokens + light-CPT adapter" in res["orthros_model"] and res["prefill"]["64"]["orthros"] > 0
+    (fact,) = res["facts"]  # a code written into the document, asked of both; right = the code in the answer
+    assert fact["depth"] == 0.5 and len(fact["code"]) == 5 and fact["tokens"] > 250
+    for k in ("source", "orthros"):
+        assert fact[k]["text"] and fact[k]["right"] == (fact["code"] in fact[k]["text"])
     assert (tmp_path / "d" / "demo.png").stat().st_size > 0
     assert "time to first token" in r.stdout
 

@@ -237,6 +237,7 @@ CASES = [
     # ---------------------------------------------------------------- demo
     ("demo-window-0", ["demo", "--window", "0"], ["--window", ">= 1"]),
     ("demo-max-new-tokens-negative", ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens", ">= 0"]),
+    ("demo-fact-depth-past-the-end", ["demo", "--fact-depths", "0.5", "1.5"], ["--fact-depths", "[0, 1]"]),
     ("demo-out-is-file", ["demo", "--out", f"{W}/afile"], ["{w}/afile", "--out must be a directory"]),
     ("demo-not-an-adapter", ["demo", "--adapter", f"{W}/nodata"], ["{w}/nodata", "not an adapter directory"]),
     ("demo-sink-tokens-negative", ["demo", "--sink-tokens", "-1"], ["--sink-tokens", ">= 0"]),

@@ -1,8 +1,9 @@
 """See Orthros work: a real model reads a long document on this CPU (or, with --recall, tiny models trained live).
 
-    orthros demo                 # SmolLM2-135M-Instruct converted to Orthros (4 attention sinks, zero-shot):
-                                 # a question about a long document, both models' answers and times
-    orthros demo --adapter adapters/smollm2-135m-w128-lora   # the conversion without sinks + its LoRA + SO adapter
+    orthros demo                 # SmolLM2-135M-Instruct converted to Orthros (4 attention sinks + the shipped
+                                 # light-CPT adapter): a long document, a question about it and a fact written
+                                 # into it at three depths, both models' answers and times
+    orthros demo --adapter none  # the zero-shot conversion (4 sinks, no training)
     orthros demo --questions     # both models answer 10 questions about documents in their context (~6 min)
     orthros demo --recall        # Orthros / Transformer / SWA trained on this CPU: recall + prefill (~4 min)
     orthros demo --recall --quick
@@ -23,8 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default="runs/smollm2",
                    help="the source model's directory (downloaded there if missing; default runs/smollm2)")
     p.add_argument("--adapter", default=None,
-                   help="a light-CPT adapter directory to apply (default none: the zero-shot conversion with "
-                        f"--sink-tokens {real.DEFAULT_SINKS}; e.g. adapters/{real.DEFAULT_ADAPTER.name})")
+                   help=f"a light-CPT adapter directory to apply (default adapters/{real.DEFAULT_ADAPTER.name}, "
+                        f"for W=128; none: the zero-shot conversion with --sink-tokens {real.DEFAULT_SINKS})")
     p.add_argument("--questions", action="store_true",
                    help=f"both models answer {len(questions.QUESTIONS)} questions about chapters of Python's "
                         "reference manual placed among others (--document-chars of context each)")
@@ -36,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"attention sinks of the conversion (default: an adapter's own; {real.DEFAULT_SINKS} "
                         "without one)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
+    p.add_argument("--fact-depths", type=float, nargs="*", default=None,
+                   help="where a 5-digit code is written into the document and asked of both models, as shares "
+                        "of its length (default 0.1 0.5 0.9; none given: skipped)")
     p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
                    help="prompt lengths of the prefill timing (default 1024 2048 4096; --recall: 2048 ... 16384)")
     p.add_argument("--prompt", default=None, help="--recall: text for the trained Orthros model to continue")
@@ -66,8 +70,12 @@ def run(args) -> int:
     if args.document_chars < 1:
         raise UserError(f"--document-chars must be >= 1, got {args.document_chars}")
     check_output_dir(args.out, "--out")
+    if any(not 0 <= d <= 1 for d in args.fact_depths):
+        raise UserError(f"--fact-depths must be shares of the document in [0, 1], got {args.fact_depths}")
     if args.adapter is None:
-        args.adapter = "none"
+        args.adapter, why = real.default_adapter(args.window, args.sink_tokens)
+        if why:
+            print(f"(no adapter: {why})", flush=True)
     if args.adapter == "none" and args.sink_tokens is None:
         args.sink_tokens = real.DEFAULT_SINKS
     if args.adapter != "none" and not (real.Path(args.adapter) / "adapter.json").is_file():

