@@ -4,7 +4,7 @@ converted models with light adapters, on this CPU.
     python benchmarks/demo_questions.py --adapters adapters/smollm2-135m-w128-lora /path/to/other \
         --passkey-samples 2 --out benchmarks/results/demo
     python benchmarks/demo_questions.py --adapters none --sink-tokens 4 --passkey-samples 0 \
-        --out benchmarks/results/demo-sinks      # the demo's default conversion
+        --out benchmarks/results/demo-sinks      # the zero-shot conversion (the demo with --adapter none)
 
 Every model answers the same prompts (the document of `orthros demo`, the same pass keys and
 haystacks): greedy, through the chat template. An answer is right when it contains the expected
