@@ -116,3 +116,20 @@ sys.exit(cli.main(["experiment", "cpt", "--list-arms"]))
 """
     r = subprocess.run([sys.executable, "-c", gone], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Broken pipe" not in r.stderr, r.stderr
+
+
+def test_the_demo_applies_its_shipped_adapter_only_where_it_was_trained_for(tmp_path, monkeypatch):
+    """The default adapter: the shipped light twin at its window and sink count; any other window or sink
+    count, or no adapters directory (an installed package), is the zero-shot conversion, with the reason."""
+    from orthros.demo import real
+
+    info = json.loads((real.DEFAULT_ADAPTER / "adapter.json").read_text())
+    assert real.default_adapter(info["window"], None) == (str(real.DEFAULT_ADAPTER), None)
+    assert real.default_adapter(info["window"], info["sink_tokens"])[0] == str(real.DEFAULT_ADAPTER)
+    name, why = real.default_adapter(64, None)
+    assert name == "none" and f"W={info['window']}" in why
+    assert real.default_adapter(info["window"], 0)[0] == "none"
+    monkeypatch.setattr(real, "DEFAULT_ADAPTER", tmp_path / "nowhere")
+    name, why = real.default_adapter(info["window"], None)
+    assert name == "none" and "source checkout" in why
+    assert real.with_fact("a\nbb\nccc\n", "F", 0.5) == "a\nF\nbb\nccc\n"  # at a line start, before the middle
