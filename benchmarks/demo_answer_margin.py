@@ -51,8 +51,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(str(hf))
     doc = real.document()
     question = a.question or real.QUESTION
-    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = real.prompt_ids(tok, doc, question)
     pre = tok.encode(a.prefix, add_special_tokens=False)
     where = {c: len(tok.encode(doc[doc.find(c):], add_special_tokens=False)) if c in doc else None
              for c in a.candidates}  # tokens from the candidate's first mention to the document's end

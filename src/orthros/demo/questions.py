@@ -82,8 +82,7 @@ def run(args) -> int:
     for i, q in enumerate(QUESTIONS):
         depth = DEPTHS[i % len(DEPTHS)]
         text = context(q, args.document_chars, depth)
-        ids = list(tok.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {q.question}"}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = real.prompt_ids(tok, text, q.question)
         row = {**asdict(q), "depth": depth, "prompt_tokens": len(ids)}
         for key, m, hf in (("source", src, True), ("orthros", model, False)):
             toks, ttft = real.answer(m, ids, args.max_new_tokens, eos, hf)

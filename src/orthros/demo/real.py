@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.adapter import SHIPPED
+from ..models.adapter import SHIPPED, adapter_mismatch
 from .recall import time_prefill
 
 DEFAULT_ADAPTER = SHIPPED / "smollm2-135m-w128-s4-lora-mix"  # the pass-key recipe's light twin (docs/results.md)
@@ -44,10 +44,14 @@ def default_adapter(window: int, sink_tokens: int | None) -> tuple[str, str | No
     if not meta.is_file():
         return "none", f"no {DEFAULT_ADAPTER} (the adapters are in a source checkout)"
     info = json.loads(meta.read_text())
-    if window != info["window"] or sink_tokens not in (None, info.get("sink_tokens", 0)):
-        return "none", (f"{DEFAULT_ADAPTER.name} is for W={info['window']} with {info.get('sink_tokens', 0)} sink "
-                        "tokens")
-    return str(DEFAULT_ADAPTER), None
+    why = adapter_mismatch(info, window, info.get("sink_tokens", 0) if sink_tokens is None else sink_tokens)
+    return ("none", f"{DEFAULT_ADAPTER.name} is {why}") if why else (str(DEFAULT_ADAPTER), None)
+
+
+def prompt_ids(tok, doc: str, question: str) -> list[int]:
+    """A document and a question about it, one user turn through the chat template: token ids."""
+    return list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def with_fact(doc: str, fact: str, depth: float) -> str:
@@ -79,10 +83,11 @@ def prepare_models(args):
     info = None if args.adapter == "none" else json.loads((Path(args.adapter) / "adapter.json").read_text())
     sinks = 0 if info is None else info.get("sink_tokens", 0)  # an adapter is trained with or without sinks
     if getattr(args, "sink_tokens", None) is not None:
-        if info is not None and args.sink_tokens != sinks:
+        why = info and adapter_mismatch(info, args.window, args.sink_tokens)
+        if why:  # said before converting, not after
             from ..errors import UserError
 
-            raise UserError(f"{args.adapter}: trained with {sinks} sink tokens, not --sink-tokens {args.sink_tokens}")
+            raise UserError(f"{args.adapter}: {why} (--window, --sink-tokens)")
         sinks = args.sink_tokens
     conv = hf.parent / f"{hf.name}-orthros-w{args.window}{f'-s{sinks}' if sinks else ''}"
     if not (conv / "config.json").exists():
@@ -132,8 +137,7 @@ def facts(args, tok, doc: str, models: dict, eos: int) -> list[dict]:
     for depth in args.fact_depths:
         code = str(rng.randrange(10000, 100000))
         text = with_fact(doc, FACT.format(code=code), depth)
-        ids = list(tok.apply_chat_template([{"role": "user", "content": f"{text}\n\nQuestion: {FACT_QUESTION}"}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = prompt_ids(tok, text, FACT_QUESTION)
         row = {"depth": depth, "code": code, "tokens": len(ids)}
         for key, (m, hf) in models.items():
             toks, _ = answer(m, ids, 16, eos, hf)
@@ -174,8 +178,7 @@ def run(args) -> int:
     tok, src, model, what = prepare_models(args)
     doc = document(args.document_chars)
     question = args.question or QUESTION
-    ids = list(tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion: {question}"}],
-                                       add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = prompt_ids(tok, doc, question)
     print(f"[2/4] the document: Python's reference manual, \"{DOC_TOPIC}\" chapter, {len(ids):,} tokens with the "
           f"question: {question}", flush=True)
     res = {"document_tokens": len(ids), "question": question, "orthros_model": what, "answers": {}, "prefill": {},

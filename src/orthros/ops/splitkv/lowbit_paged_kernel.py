@@ -20,6 +20,15 @@ def _bf16_tile(qd, TK, TV, ts, stks, stkh, stvs, stvh, kvh, d, jv, dmask, m_i, l
     return m_i, l_i, acc, acc_p * alpha[:, None]
 
 
+@triton.jit
+def _channels(ROW, d, mask, BITS: tl.constexpr):
+    """Levels [N, D] of packed rows at ROW [N, 1] read a channel at a time: channel d's byte (d // P),
+    shifted to its bit plane (the `CHANNELS` study; `_unpack` is the interleaving read)."""
+    P: tl.constexpr = 8 // BITS
+    b = tl.load(ROW + (d // P)[None, :], mask=mask, other=0)
+    return ((b >> ((d % P) * BITS).to(tl.uint8)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["s_table", "s_twins", "sor", "slr"])
 def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O, LSE,
                      sqr, sqh, sqrr, sqrh, stks, stkh, stvs, stvh,
@@ -76,9 +85,7 @@ def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O
         ks = tl.load(KS + grp * skss + kvh * sksh + d, mask=dmask, other=0.0).to(tl.float32)
         kz = tl.load(KZ + grp * skss + kvh * sksh + d, mask=dmask, other=0.0).to(tl.float32)
         if CHANNELS:  # each channel's byte loaded for it and shifted to its bit plane (a study: `launch`)
-            kb = tl.load(KQ + slot[:, None] * skqs + kvh * skqh + (d // PK)[None, :], mask=jv[:, None] & dmask[None, :],
-                         other=0)
-            k = ((kb >> ((d % PK) * KBITS).to(tl.uint8)[None, :]) & ((1 << KBITS) - 1)).to(tl.float32)
+            k = _channels(KQ + slot[:, None] * skqs + kvh * skqh, d, jv[:, None] & dmask[None, :], KBITS)
         else:
             kb = tl.load(KQ + slot[:, None] * skqs + kvh * skqh + ck[None, :],
                          mask=jv[:, None] & (ck < D // PK)[None, :], other=0)
@@ -90,8 +97,7 @@ def paged_lowbit_fwd(Q, QR, TK, TV, KQ, VQ, KS, KZ, VS, VZ, TABLE, TWINS, POS, O
         vs = tl.load(VS + vsz, mask=vm, other=0.0).to(tl.float32)
         vz = tl.load(VZ + vsz, mask=vm, other=0.0).to(tl.float32)
         if CHANNELS:
-            vb = tl.load(VQ + slot[:, None] * svqs + kvh * svqh + (d // PV)[None, :], mask=vm, other=0)
-            v = ((vb >> ((d % PV) * VBITS).to(tl.uint8)[None, :]) & ((1 << VBITS) - 1)).to(tl.float32)
+            v = _channels(VQ + slot[:, None] * svqs + kvh * svqh, d, vm, VBITS)
         else:
             vb = tl.load(VQ + slot[:, None] * svqs + kvh * svqh + cv[None, :],
                          mask=jv[:, None] & (cv < D // PV)[None, :], other=0)
