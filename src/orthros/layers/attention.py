@@ -21,6 +21,7 @@ from torch import nn
 
 from ..ops import attend, naive_attention
 from ..ops.kv import DenseKV
+from ..ops.tracing import exporting
 from .mlp import RMSNorm
 from .fused import fused_heads
 
@@ -33,7 +34,7 @@ def rows(fn, xs: list, apart: bool = False) -> list:
     unless `apart` (`Layout.shard`). Under torch.export always apart: a program traced with a
     dynamic length then holds for every length, not only for those on the sample's side of
     `CONCAT_MAX_ROWS`."""
-    if (apart or len(xs) < 2 or torch.compiler.is_exporting()
+    if (apart or len(xs) < 2 or exporting()
             or sum(x.shape[1] for x in xs) > CONCAT_MAX_ROWS):
         return [fn(x) for x in xs]
     out = fn(torch.cat(xs, dim=1))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import triton_available
+from ..ops.tracing import exporting
 from .rope import apply_rope
 
 FUSE_MIN = 1 << 16
@@ -109,7 +110,7 @@ def fused(fn, kernel=None, params=lambda *a, **k: (), train_kernel=None, no_grad
     @functools.wraps(fn)
     def call(x, *args, **kwargs):
         mode = _mode()
-        if mode == "0" or torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        if mode == "0" or torch.compiler.is_compiling() or exporting():
             return fn(x, *args, **kwargs)  # (export: no size test, no kernel launch in the traced program)
         if mode == "1":
             return _compiled(fn)(x, *args, **kwargs)

@@ -25,13 +25,14 @@ from torch import nn
 
 from ..ops.moe import MAX_ROWS, expert_tables, fused_moe
 from ..ops.splitkv.common import triton_available
+from ..ops.tracing import exporting
 from .mlp import SwiGLU
 
 
 def _traced() -> bool:
     """Inside torch.compile / torch.export or a CUDA graph capture: no host reads of the routing."""
     c = torch.compiler
-    if c.is_compiling() or getattr(c, "is_exporting", lambda: False)():
+    if c.is_compiling() or exporting():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.masks import NO_QUERY_DOC, PAD_DOC
+from ..ops.tracing import exporting
 
 
 @dataclass
@@ -111,7 +112,7 @@ def dense_hints(key_doc, out_idx, out_valid, past: int) -> tuple[int | None, int
     """(base_dense, out_dense) for `Layout`, with one host sync (none under torch.export,
     which cannot trace one: the hints are then left unset, which changes no result)."""
     B, N = out_idx.shape
-    if key_doc.numel() == 0 or torch.compiler.is_exporting():
+    if key_doc.numel() == 0 or exporting():
         return None, None
     one_doc = (key_doc == key_doc[:, :1]).all() & (key_doc[:, 0] >= 0).all()
     if N == 0:

@@ -35,6 +35,7 @@ from .masks import NO_QUERY_DOC, PAD_DOC, visible
 from .naive import naive_attention
 from .splitkv.common import interpreting as _interpreting  # noqa: F401  (older import path)
 from .splitkv.common import splitkv_takes, triton_available
+from .tracing import exporting as _exporting
 
 __all__ = ["attention", "naive_attention", "chunked_attention", "visible", "PAD_DOC", "NO_QUERY_DOC", "BACKENDS"]
 
@@ -66,7 +67,7 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
     # torch.export traces neither the Triton kernels' launch arithmetic (split counts guard on the
     # symbolic length), the chunked op's host sync (its chunks' key ranges) nor FlexAttention's
     # block mask: an exported program attends with the reference op, on every device
-    exporting = torch.compiler.is_exporting()
+    exporting = _exporting()
     sinks = sinks if window is not None else 0
     if sinks and backend == "sdpa":  # SDPA knows no sinks: the next op that does
         backend = "auto"

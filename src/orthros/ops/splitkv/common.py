@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tracing import exporting
+
 MAX_ROWS = 64  # G * M queries per program tile
 
 
@@ -63,7 +65,7 @@ def splitkv_takes(q: torch.Tensor, kv_heads: int, backend: str = "auto", *kv: to
     q [B, M, H, D] over K/V of `kv_heads` heads (`kv`: the K/V tensors, for the autograd
     check): few query rows a KV head (G * M <= MAX_ROWS), no autograd, Triton on CUDA, or
     under Triton's CPU interpreter when the "triton" backend is asked for."""
-    if backend not in ("auto", "triton") or torch.compiler.is_exporting():  # an exported program runs naive
+    if backend not in ("auto", "triton") or exporting():  # an exported program runs naive
         return False
     rows = (q.shape[2] // kv_heads) * q.shape[1]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, *kv))
