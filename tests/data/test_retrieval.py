@@ -108,6 +108,35 @@ def test_a_lookup_asks_several_facts_in_turn(chat_tok):
     assert sum(m1) < sum(mask) and len(one) < len(ids)  # one question: one answer, a shorter conversation
 
 
+@pytest.mark.parametrize("phrase", [False, True])
+def test_a_compound_fact_is_named_by_two_words_each_shared_with_another_fact(chat_tok, phrase):
+    """A compound sample's facts fill a grid of adjectives by places: the asked thing's adjective and its
+    place each name another fact too, so one word does not find the answer; every answer is the value
+    the text gives the whole name, a training key, in a sentence with `phrase`."""
+    from orthros.data.retrieval import ADJECTIVES, PLACES
+
+    stream = np.asarray(chat_tok("def f(x):\n    return x + 1\n" * 400)["input_ids"], np.int32)
+    ids, mask = sample(chat_tok, stream, 500, "compound", np.random.default_rng(5), questions=3, phrase=phrase)
+    text = chat_tok.decode(ids, skip_special_tokens=True)
+    facts = dict((f"{a} {p}", v) for a, p, v in re.findall(
+        rf"(?:the|The) ({'|'.join(ADJECTIVES)}) ({'|'.join(PLACES)}),? (?:is described in report|see report) (\d+)", text))
+    facts.update((f"{a} {p}", v) for v, a, p in re.findall(
+        rf"Report (\d+) is about the ({'|'.join(ADJECTIVES)}) ({'|'.join(PLACES)})", text))
+    adjs, places = {t.split()[0] for t in facts}, {t.split()[1] for t in facts}
+    assert len(facts) == len(adjs) * len(places) >= 4 and len(adjs) >= 2 and len(places) >= 2
+    spans = _spans(mask)
+    assert len(spans) == 3
+    for a, b in spans:
+        answer = chat_tok.decode(ids[a:b], skip_special_tokens=True).strip()
+        thing = chat_tok.decode(ids[:a], skip_special_tokens=True).rsplit("Which report is about the ", 1)[1]
+        thing = thing.split("?")[0]
+        value = answer.rsplit(" ", 1)[-1].rstrip(".") if phrase else answer
+        assert value == facts[thing] and int(value) % KEY_MOD == 0
+        assert answer.startswith(f"The {thing} is described in report") if phrase else answer.isdigit()
+        a_, p_ = thing.split()
+        assert sum(t.startswith(a_ + " ") for t in facts) >= 2 and sum(t.endswith(" " + p_) for t in facts) >= 2
+
+
 CODE = "".join(f"def helper_{i}(x):\n    return x + {i}\n\n" for i in range(60))
 
 
@@ -137,16 +166,17 @@ def test_docqa_needs_a_teacher_and_kinds_are_checked(chat_tok):
     with pytest.raises(ValueError, match="teacher"):
         sample(chat_tok, stream, 300, "docqa", np.random.default_rng(0))
     with pytest.raises(ValueError, match="teacher"):
-        retrieval_rows(chat_tok, stream, 4, 512, np.random.default_rng(0), (100, 300), kinds=ALL_KINDS)
+        retrieval_rows(chat_tok, stream, len(ALL_KINDS), 512, np.random.default_rng(0), (100, 300), kinds=ALL_KINDS)
     with pytest.raises(ValueError, match="kinds must be among"):
         retrieval_rows(chat_tok, stream, 4, 512, np.random.default_rng(0), (100, 300), kinds=("passkey", "quiz"))
     ids, mask = sample(chat_tok, stream, 300, "docqa", np.random.default_rng(0), answer=lambda p: None)
     assert not any(mask)  # nothing answered: the text stays, without a target
-    rows, rmask = retrieval_rows(chat_tok, stream, 4, 512, np.random.default_rng(0), (100, 300), kinds=ALL_KINDS,
+    d = ALL_KINDS.index("docqa")
+    rows, rmask = retrieval_rows(chat_tok, stream, d + 1, 512, np.random.default_rng(0), (100, 300), kinds=ALL_KINDS,
                                  answer=lambda p: "A helper that adds a number.")
-    end = int(np.flatnonzero(rows[3] == chat_tok.eos_token_id)[-1])  # the EOS after the sample
-    first = int(np.flatnonzero(rmask[3])[0])
-    assert chat_tok.decode(rows[3, first:end].tolist()) == "A helper that adds a number." + chat_tok.eos_token  # docqa
+    end = int(np.flatnonzero(rows[d] == chat_tok.eos_token_id)[-1])  # the EOS after the sample
+    first = int(np.flatnonzero(rmask[d])[0])
+    assert chat_tok.decode(rows[d, first:end].tolist()) == "A helper that adds a number." + chat_tok.eos_token  # docqa
 
 
 def test_a_looping_answer_ends_before_its_first_repeat():

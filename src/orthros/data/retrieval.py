@@ -2,7 +2,7 @@
 
     rows, mask = retrieval_rows(tok, stream, n_rows=64, seq_len=8192, rng=np.random.default_rng(0))
 
-Four kinds, each a haystack of real text (spans of a token `stream`, e.g. the
+Five kinds, each a haystack of real text (spans of a token `stream`, e.g. the
 training corpus) of 1K–8K tokens:
 
     passkey   a key sentence hidden at a random depth, asked for through the chat
@@ -12,6 +12,10 @@ training corpus) of 1K–8K tokens:
               the chat template
     copy      raw text whose last segment (32–128 tokens) repeats a segment seen
               earlier; the loss on the repeat
+    compound  several "the ADJ NOUN is described in report NUMBER" facts on a grid of 2-3
+              adjectives by 2-3 nouns: each word names more than one fact, so a fact is found by
+              what the question says of it as a whole, not by one word (as the demo's "which PEP
+              specified the with statement" among other PEPs); asked as a lookup is
     docqa     a question about something in the first three quarters of the text (what a
               function or class does, what a quoted line is about), answered by a teacher
               (`answer`: e.g. the source model, greedy, `teacher_answerer`), one chat turn
@@ -48,7 +52,11 @@ NAMES = ("alpha", "bravo", "cedar", "delta", "ember", "falcon", "garnet", "harbo
          "willow", "xenon", "yarrow", "zephyr")
 KINDS = ("passkey", "lookup", "copy")
 """the kinds a run takes in turn by default (those that need no teacher)"""
-ALL_KINDS = KINDS + ("docqa",)
+ALL_KINDS = KINDS + ("compound", "docqa")
+ADJECTIVES = ("northern", "silent", "early", "hidden", "upper", "copper", "narrow", "golden", "quiet", "outer")
+PLACES = ("bridge", "tower", "garden", "market", "station", "harbor", "archive", "chapel", "mill", "gate")
+COMPOUND_FACTS = ("The {thing} is described in report {value}. ", "Report {value} is about the {thing}. ",
+                  "For the {thing}, see report {value}. ")
 DOC_QUESTIONS = ("What does `{name}` in the text above do? Answer in one or two sentences.",
                  "In the text above, what is `{name}` for? Answer briefly.")
 BOILERPLATE = re.compile(r"licen[cs]e|copyright|https?:|www\\.", re.I)
@@ -203,6 +211,21 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         else:
             asked = [facts[j] for j in rng.permutation(len(facts))[: min(questions, len(facts))]]
         turns = [(ask.format(n), f"The value of {n} is {v}." if phrase else v) for n, v in asked]
+        turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
+        return _chat(tok, turns)
+    if kind == "compound":
+        adj = rng.choice(len(ADJECTIVES), size=int(rng.integers(2, 4)), replace=False)
+        noun = rng.choice(len(PLACES), size=int(rng.integers(2, 4)), replace=False)
+        grid = [f"{ADJECTIVES[a]} {PLACES[n]}" for a in adj for n in noun]
+        values = rng.choice(np.arange(100 // KEY_MOD + 1, 10_000 // KEY_MOD), size=len(grid), replace=False) * KEY_MOD
+        facts = [(grid[j], str(int(values[j]))) for j in rng.permutation(len(grid))]
+        pieces = [COMPOUND_FACTS[int(rng.integers(0, len(COMPOUND_FACTS)))].format(thing=t, value=v) for t, v in facts]
+        ask = "Which report is about the {}?" + ("" if phrase else " Answer with the number only.")
+        n_q = min(max(1, questions), len(facts))
+        more = (n_q - 1) * 24
+        text = _insert(_haystack(tok, stream, length - overhead - 14 * len(facts) - more, rng), pieces, rng)
+        asked = [facts[j] for j in rng.permutation(len(facts))[:n_q]]
+        turns = [(ask.format(t), f"The {t} is described in report {v}." if phrase else v) for t, v in asked]
         turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
         return _chat(tok, turns)
     if kind == "docqa":

@@ -278,6 +278,12 @@ PRESETS = {
     # but answer the demo's question with the later of two PEPs in the text (benchmarks/demo_answer_margin.py)
     "smollm2-kd-h200-rqpqa": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True,
                                        retrieval_kinds=("passkey", "lookup", "copy", "docqa")),
+    # rqp with compound lookups in turn with the others: facts named by two words, each word shared with
+    # other facts ("the golden tower" beside "the golden mill" and "the upper tower"), asked by the whole
+    # name; what the demo's question needs (its PEP named by its title among other PEPs) and rqp's
+    # one-word lookups never asked
+    "smollm2-kd-h200-rqpc": CPTPreset(steps=320, retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True,
+                                      retrieval_kinds=("passkey", "lookup", "copy", "compound")),
     # The token curve: 32K tokens a step (4 rows), activations kept (a 135M model needs no
     # recomputation on an H200), one or two arms at a time; --steps sets the budget: 160 / 480 /
     # 1600 steps = 5.2M / 15.7M / 52.4M tokens. Step time of the distilled arm on one H200, alone
