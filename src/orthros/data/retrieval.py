@@ -15,7 +15,8 @@ training corpus) of 1K–8K tokens:
     compound  several "the ADJ NOUN is described in report NUMBER" facts on a grid of 2-3
               adjectives by 2-3 nouns: each word names more than one fact, so a fact is found by
               what the question says of it as a whole, not by one word (as the demo's "which PEP
-              specified the with statement" among other PEPs); asked as a lookup is
+              specified the with statement" among other PEPs); asked as a lookup is, one
+              chat turn a question
     docqa     a question about something in the first three quarters of the text (what a
               function or class does, what a quoted line is about), answered by a teacher
               (`answer`: e.g. the source model, greedy, `teacher_answerer`), one chat turn
