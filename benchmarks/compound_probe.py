@@ -27,22 +27,12 @@ import torch
 
 def make_sample(doc: str, seed: int):
     """(text with the facts, the asked name, [(name, number)] in text order)."""
-    from orthros.data.retrieval import ADJECTIVES, COMPOUND_FACTS, PLACES, _insert, eval_key
+    from orthros.data.retrieval import _insert, compound_facts, eval_key
 
     rng = np.random.default_rng(seed)
     keys = random.Random(seed)
-    adj = rng.choice(len(ADJECTIVES), size=int(rng.integers(2, 4)), replace=False)
-    place = rng.choice(len(PLACES), size=int(rng.integers(2, 4)), replace=False)
-    names = [f"{ADJECTIVES[a]} {PLACES[p]}" for a in adj for p in place]
-    values = []
-    while len(values) < len(names):
-        k = eval_key(keys)
-        if k not in values:
-            values.append(k)
-    facts = [(names[j], values[j]) for j in rng.permutation(len(names))]
-    pieces = [COMPOUND_FACTS[int(rng.integers(0, len(COMPOUND_FACTS)))].format(thing=t, value=v) + "\n"
-              for t, v in facts]
-    text = _insert(doc, pieces, rng)  # in order: facts[-1] is written last
+    facts, pieces = compound_facts(rng, lambda: eval_key(keys))
+    text = _insert(doc, [p + "\n" for p in pieces], rng)  # in order: facts[-1] is written last
     asked = facts[int(rng.integers(0, len(facts)))][0]
     return text, asked, facts
 
@@ -89,20 +79,13 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orthros.convert.download import download_smollm2
-    from orthros.convert.hf import convert_checkpoint
     from orthros.demo import real
     from orthros.loading import load_model
     from orthros.models.adapter import apply_adapter
 
     torch.set_grad_enabled(False)
     torch.set_num_threads(a.threads)
-    hf = Path(a.model_dir)
-    if not (hf / "config.json").exists():
-        download_smollm2(hf, progress=False)
-    conv = hf.parent / f"{hf.name}-orthros-w128-s{a.sink_tokens}"
-    if not (conv / "config.json").exists():
-        convert_checkpoint(hf, conv, window_size=128, dtype="fp32", progress=False, sink_tokens=a.sink_tokens)
+    hf, conv = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
     doc = real.document(a.chars)
     samples = [make_sample(doc, 1000 + s) for s in range(a.samples)]

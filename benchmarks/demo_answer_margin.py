@@ -35,19 +35,12 @@ def main(argv=None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orthros.convert.download import download_smollm2
-    from orthros.convert.hf import convert_checkpoint
     from orthros.demo import real
     from orthros.loading import load_model
     from orthros.models.adapter import apply_adapter
 
     torch.set_grad_enabled(False)
-    hf = Path(a.model_dir)
-    if not (hf / "config.json").exists():
-        download_smollm2(hf, progress=False)
-    conv = hf.parent / f"{hf.name}-orthros-w128-s{a.sink_tokens}"
-    if not (conv / "config.json").exists():
-        convert_checkpoint(hf, conv, window_size=128, dtype="fp32", progress=False, sink_tokens=a.sink_tokens)
+    hf, conv = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
     doc = real.document()
     question = a.question or real.QUESTION

@@ -172,6 +172,22 @@ def _no_loop(text: str) -> str | None:
     return text if len(text) >= 20 else None
 
 
+def compound_facts(rng: np.random.Generator, key: Callable[[], str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """A compound sample's facts, ([(name, number)], [their sentences]) in the order they are written:
+    2-3 adjectives by 2-3 places, each name with its own number from `key()` (a training or an
+    evaluation key)."""
+    adj = rng.choice(len(ADJECTIVES), size=int(rng.integers(2, 4)), replace=False)
+    place = rng.choice(len(PLACES), size=int(rng.integers(2, 4)), replace=False)
+    names = [f"{ADJECTIVES[a]} {PLACES[p]}" for a in adj for p in place]
+    values: list[str] = []
+    while len(values) < len(names):
+        v = key()
+        if v not in values:
+            values.append(v)
+    facts = [(names[j], values[j]) for j in rng.permutation(len(names))]
+    return facts, [COMPOUND_FACTS[int(rng.integers(0, len(COMPOUND_FACTS)))].format(thing=t, value=v) for t, v in facts]
+
+
 def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator, questions: int = 1,
            answer: Callable[[list[int]], str | None] | None = None, phrase: bool = False):
     """One sample of about `length` tokens: (ids, mask) as lists. `questions`: a lookup (a docqa
@@ -215,12 +231,7 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         turns[0] = (f"{text}\n{turns[0][0]}", turns[0][1])
         return _chat(tok, turns)
     if kind == "compound":
-        adj = rng.choice(len(ADJECTIVES), size=int(rng.integers(2, 4)), replace=False)
-        noun = rng.choice(len(PLACES), size=int(rng.integers(2, 4)), replace=False)
-        grid = [f"{ADJECTIVES[a]} {PLACES[n]}" for a in adj for n in noun]
-        values = rng.choice(np.arange(100 // KEY_MOD + 1, 10_000 // KEY_MOD), size=len(grid), replace=False) * KEY_MOD
-        facts = [(grid[j], str(int(values[j]))) for j in rng.permutation(len(grid))]
-        pieces = [COMPOUND_FACTS[int(rng.integers(0, len(COMPOUND_FACTS)))].format(thing=t, value=v) for t, v in facts]
+        facts, pieces = compound_facts(rng, lambda: train_key(rng, 100, 10_000))
         ask = "Which report is about the {}?" + ("" if phrase else " Answer with the number only.")
         n_q = min(max(1, questions), len(facts))
         more = (n_q - 1) * 24

