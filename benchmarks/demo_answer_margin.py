@@ -7,7 +7,8 @@ document also states: the log-probability of each candidate after the answer's f
 The prompt is `orthros demo`'s (its document and question through the chat template), followed by
 --prefix ("The PEP "); each --candidates continuation is scored teacher-forced, summed over its
 tokens. The source model is transformers' Llama; each converted model is the demo's conversion
-(window 128, 4 sinks) with an adapter or none. A model that prefers the wrong candidate by a wide
+(window 128, 4 sinks) with an adapter or none; --windows scores the conversion with no adapter at other
+windows too (an adapter is scored at the window it was trained at). A model that prefers the wrong candidate by a wide
 margin reads the document confidently and wrongly; one that finds neither likely does not read it.
 Writes <tag>.json and <tag>.md under --out (tag: margin).
 """
@@ -26,6 +27,8 @@ def main(argv=None) -> None:
     p.add_argument("--model-dir", default="runs/smollm2", help="the source model (orthros download)")
     p.add_argument("--adapters", nargs="+", default=["none"], help="adapter directories, or none")
     p.add_argument("--sink-tokens", type=int, default=4)
+    p.add_argument("--windows", nargs="+", type=int, default=[128],
+                   help="windows of the conversion scored with no adapter (an adapter keeps its own)")
     p.add_argument("--question", default=None, help="default: the demo's")
     p.add_argument("--prefix", default="The PEP ")
     p.add_argument("--candidates", nargs="+", default=["343", "634"], help="the right one first")
@@ -60,11 +63,18 @@ def main(argv=None) -> None:
 
     rows = {"source": score(AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}
     print("source", rows["source"], flush=True)
+    models = []  # (row name, conversion directory, adapter or None)
     for ad in a.adapters:
-        m = load_model(conv).eval()
-        if ad != "none":
+        if ad == "none":
+            models += [("conversion, no adapter" if w == 128 else f"conversion W={w}, no adapter",
+                        real.source_and_conversion(a.model_dir, w, a.sink_tokens)[1], None) for w in a.windows]
+        else:
+            w = json.loads((Path(ad) / "adapter.json").read_text()).get("window", 128)
+            models.append((ad, conv if w == 128 else real.source_and_conversion(a.model_dir, w, a.sink_tokens)[1], ad))
+    for name, cdir, ad in models:
+        m = load_model(cdir).eval()
+        if ad is not None:
             apply_adapter(m, ad)
-        name = "conversion, no adapter" if ad == "none" else ad
         rows[name] = score(m)
         print(name, rows[name], flush=True)
     right, wrong = a.candidates[0], a.candidates[1]
