@@ -145,6 +145,15 @@ ARMS = {
     "orthros-lora-sink-mix-aw": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, answers x32",
                                     dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True,
                                     recipe=dict(answer_weight=32.0)),
+    # the light twin distilled from the source (its answers' whole distribution, not only the label), and
+    # the light twin at a wider window: a window's quality beside its prefill speed
+    "orthros-kd-lora-sink-mix-aw": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO, answers x32",
+                                       dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True,
+                                       recipe=dict(answer_weight=32.0)),
+    **{f"orthros-lora-sink-mix-aw-w{w}": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, "
+                                             f"answers x32, W={w}", dict(attention="orthros", sink_tokens=SINK),
+                                             "lora+so", mix=True, window=w, recipe=dict(answer_weight=32.0))
+       for w in (256, 512)},
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
