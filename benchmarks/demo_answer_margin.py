@@ -29,6 +29,9 @@ def main(argv=None) -> None:
     p.add_argument("--sink-tokens", type=int, default=4)
     p.add_argument("--windows", nargs="+", type=int, default=[128],
                    help="windows of the conversion scored with no adapter (an adapter keeps its own)")
+    p.add_argument("--rewindow", nargs="*", type=int, default=[],
+                   help="also score each adapted model with its base window set to each of these (off the window it "
+                        "was trained at: how much of its answer the window decides)")
     p.add_argument("--question", default=None, help="default: the demo's")
     p.add_argument("--prefix", default="The PEP ")
     p.add_argument("--candidates", nargs="+", default=["343", "634"], help="the right one first")
@@ -77,6 +80,11 @@ def main(argv=None) -> None:
             apply_adapter(m, ad)
         rows[name] = score(m)
         print(name, rows[name], flush=True)
+        for w in a.rewindow if ad is not None else ():
+            for layer in m.model.layers:
+                layer.self_attn.base_window = w
+            rows[f"{name}, run at W={w}"] = score(m)
+            print(name, w, rows[f"{name}, run at W={w}"], flush=True)
     right, wrong = a.candidates[0], a.candidates[1]
     lines = [f"Prompt: `orthros demo`'s document ({len(ids):,} tokens) and the question \"{question}\", then "
              f"\"{a.prefix}\"; "
