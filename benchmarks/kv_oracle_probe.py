@@ -29,7 +29,7 @@ def source_attention_inputs(hf_model, ids: list[int]) -> list[torch.Tensor]:
         lambda mod, args, kwargs, i=i: got.__setitem__(i, (args[0] if args else kwargs["hidden_states"]).detach()),
         with_kwargs=True) for i, layer in enumerate(hf_model.model.layers)]
     try:
-        hf_model(torch.tensor([ids]))
+        hf_model(torch.tensor([ids], device=hf_model.device))
     finally:
         for h in hooks:
             h.remove()

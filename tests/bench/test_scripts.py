@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 
 import pytest
+import torch
 
 SCRIPTS = sorted((pathlib.Path(__file__).parents[2] / "benchmarks").glob("*.py"))
 
@@ -73,3 +74,30 @@ def test_cpt_position_gap_splits_a_gap_by_position(tmp_path):
     bad.write_text(json.dumps({"results": {}}))
     with pytest.raises(SystemExit, match="not an arm file"):
         gap.load(str(bad))
+
+
+def test_kv_oracle_probe_gives_the_source_back_with_every_layers_kv():
+    """kv_oracle_probe.py's premise (SPEC: the output stream is exact full attention): an Orthros model
+    whose every layer makes its K/V from the source's attention inputs gives the source's logits, though
+    its window is shorter than the input; with no layer given them it does not."""
+    import importlib.util
+
+    from ..conftest import DEVICE, llama_twin, make_model, rel_err
+
+    spec = importlib.util.spec_from_file_location("kv_oracle_probe", SCRIPTS[0].parent / "kv_oracle_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    model = make_model(window=8, perturb_so=False)
+    llama = llama_twin(model)
+    ids = torch.randint(0, model.config.vocab_size, (48,)).tolist()
+    x = torch.tensor([ids], device=DEVICE)
+    with torch.no_grad():
+        want = llama(x).logits
+        inputs = probe.source_attention_inputs(llama, ids)
+        L = model.config.num_hidden_layers
+        with probe.oracle(model, inputs, set(range(L))):
+            got = model(x).logits
+        assert rel_err(got, want) < 1e-4
+        with probe.oracle(model, inputs, set()):
+            assert rel_err(model(x).logits, want) > 1e-2
+        assert rel_err(model(x).logits, want) > 1e-2  # the patch is gone afterwards
