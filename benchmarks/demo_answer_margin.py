@@ -8,8 +8,10 @@ The prompt is `orthros demo`'s (its document and question through the chat templ
 --prefix ("The PEP "); each --candidates continuation is scored teacher-forced, summed over its
 tokens. The source model is transformers' Llama; each converted model is the demo's conversion
 (window 128, 4 sinks) with an adapter or none; --windows scores the conversion with no adapter at other
-windows too (an adapter is scored at the window it was trained at). A model that prefers the wrong candidate by a wide
-margin reads the document confidently and wrongly; one that finds neither likely does not read it.
+windows too (an adapter is scored at the window it was trained at), and --rewindow each adapted model
+run at other base windows (for one forward over the prompt this equals converting at that window: the
+same margins, measured). A model that prefers the wrong candidate by a wide margin reads the document
+confidently and wrongly; one that finds neither likely does not read it.
 Writes <tag>.json and <tag>.md under --out (tag: margin).
 """
 
