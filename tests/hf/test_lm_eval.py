@@ -144,6 +144,36 @@ def test_loglikelihood_batches_are_padded_to_a_few_lengths(runs):
         torch.testing.assert_close(got, lm.model(ids).logits)
 
 
+def test_loglikelihood_runs_only_the_continuations_as_output_positions(runs):
+    """A long prompt is read by the base stream alone: the model is asked for each row's continuation
+    positions only, and the log-likelihoods and greedy flags equal those of a call that makes every
+    position an output position (lm-eval's one-token-continuation cache, right padding whose zeros
+    look like tokens, and a request cut to max_length included)."""
+    from orthros.eval.lm_eval_adapter import OrthrosLM
+
+    lm = OrthrosLM(pretrained=str(runs["dirs"]["narrow"]), batch_size=3, device=DEV, dtype="float32", max_length=40)
+    g = torch.Generator().manual_seed(0)
+    tok = lambda n: torch.randint(1, lm.model.config.vocab_size, (n,), generator=g).tolist()
+    ctx = tok(20)
+    reqs = [(("", ""), c, x) for c, x in ((ctx, [5]), (ctx, [9]), (tok(7), tok(3)), (tok(12) + [0, 0], [0, 4]),
+                                          (tok(50), tok(2)), (tok(3), tok(6)))]
+    seen = []
+    hook = lm.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("logits_to_keep")), with_kwargs=True)
+    try:
+        got = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+        assert seen and all(k is not None and k.dtype == torch.bool for k in seen)
+        assert {int(n) for k in seen for n in k.sum(1)} == {len(c) for _, _, c in reqs}  # a row: its continuation
+        seen.clear()
+        lm._continuation_mask = lambda inps: None  # every position an output position: lm-eval's stock call
+        want = lm._loglikelihood_tokens(reqs, disable_tqdm=True)
+    finally:
+        hook.remove()
+    assert all(k is None for k in seen)
+    assert [g_ for _, g_ in got] == [w for _, w in want]
+    torch.testing.assert_close(torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_generate_until_matches_the_source_and_orthros_generate(runs):
     ref, wide = samples(runs["hf"], "orthros_test_gen"), samples(runs["wide"], "orthros_test_gen")
     assert [s["resps"] for s in wide] == [s["resps"] for s in ref]

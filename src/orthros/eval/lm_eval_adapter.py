@@ -8,9 +8,14 @@ classes. This module registers that as lm-eval model `orthros` too:
     lm_eval.simple_evaluate(model="orthros", model_args="pretrained=runs/demo", tasks=["arc_easy"])
 
 What lm-eval asks of the model, and what it gets:
-  * loglikelihood / multiple choice: `model(input_ids).logits`, right-padded,
-    no mask, no `logits_to_keep` -> every position is an output position
-    (logits [B, T, V]); lm-eval reads the continuation's slice. The batch is
+  * loglikelihood / multiple choice: `model(input_ids, logits_to_keep=mask)`,
+    right-padded, no attention mask; the mask makes each row's continuation
+    positions its only output positions, so the rest of a long prompt is read
+    by the base stream alone (linear in its length) and a position's logits are
+    those of a call where every position is an output position (the output
+    stream never feeds the base stream). The logits come back as [B, T, V]
+    (zeros elsewhere) and lm-eval reads the continuation's slice. A call whose
+    rows are not the requests lm-eval is running gets every position. The batch is
     padded further on the right to a multiple of `PAD_TO` tokens (causal: no
     earlier position changes) and the logits cut back, so a task's requests
     come in a few lengths and compiled kernels (FlexAttention on CUDA, one per
@@ -22,11 +27,15 @@ What lm-eval asks of the model, and what it gets:
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 import orthros  # noqa: F401  (registers OrthrosConfig / OrthrosForCausalLM with the Auto classes)
+from orthros.models.layout import pad_rows
 
 
 PAD_TO = 128
@@ -41,14 +50,62 @@ class OrthrosLM(HFLM):
         kwargs.setdefault("backend", "causal")  # "orthros" is not in transformers' own causal-LM table
         super().__init__(pretrained=pretrained, **kwargs)
 
+    _continuations = None
+    """While lm-eval runs loglikelihood requests: {key of a model input: its continuation's length}."""
+
+    def _loglikelihood_tokens(self, requests, *args, **kwargs):
+        """lm-eval's, told which positions of each input are its continuation's (the input is
+        lm-eval's own: context + continuation, cut to max_length + 1 tokens, without the last)."""
+        if self.backend != "causal":
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+        conts = {}
+        for _, ctx, cont in requests:
+            k = _key(np.asarray((ctx + cont)[-(self.max_length + 1):][:-1], dtype=np.int64))
+            conts[k] = max(conts.get(k, 0), len(cont))
+        self._continuations = conts
+        try:
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+        finally:
+            self._continuations = None
+
+    def _continuation_mask(self, inps: torch.Tensor) -> torch.Tensor | None:
+        """[B, T] bool: each row's continuation positions, or None where a row is not a request's
+        input (lm-eval pads rows on the right with zeros; a row's own last tokens may be zeros too)."""
+        if not self._continuations:
+            return None
+        rows = inps.cpu().numpy().astype(np.int64)
+        keep = torch.zeros(inps.shape, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            nz = np.flatnonzero(r)
+            for L in range(int(nz[-1]) + 1 if len(nz) else 1, r.shape[0] + 1):
+                n = self._continuations.get(_key(r[:L]))
+                if n:
+                    keep[b, max(0, L - n):L] = True
+                    break
+            else:
+                return None
+        return keep.to(inps.device)
+
     def _model_call(self, inps, attn_mask=None, labels=None):
-        T = inps.shape[1]
-        pad = -T % PAD_TO
-        if attn_mask is not None or labels is not None or not pad:
+        if attn_mask is not None or labels is not None:
             return super()._model_call(inps, attn_mask, labels)
+        B, T = inps.shape
+        pad = -T % PAD_TO
         filler = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        padded = torch.nn.functional.pad(inps, (0, pad), value=filler)
-        return super()._model_call(padded)[:, :T]
+        padded = torch.nn.functional.pad(inps, (0, pad), value=filler) if pad else inps
+        keep = self._continuation_mask(inps)
+        if keep is None:
+            return super()._model_call(padded)[:, :T]
+        with torch.no_grad():
+            logits = self.model(padded, logits_to_keep=torch.nn.functional.pad(keep, (0, pad))).logits
+        idx, valid = pad_rows(keep)
+        full = logits.new_zeros(B, T, logits.shape[-1])
+        full[torch.arange(B, device=idx.device)[:, None].expand_as(idx)[valid], idx[valid]] = logits[valid]
+        return full
+
+
+def _key(tokens: np.ndarray) -> bytes:
+    return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
 
 
 def _task_manager(tasks: list[str], include_path: str | None):
