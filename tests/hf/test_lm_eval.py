@@ -149,7 +149,9 @@ def test_loglikelihood_runs_only_the_continuations_as_output_positions(runs):
     positions only, and the log-likelihoods and greedy flags equal those of a call that makes every
     position an output position (lm-eval's one-token-continuation cache, right padding whose zeros
     look like tokens, and a request cut to max_length included)."""
-    from orthros.eval.lm_eval_adapter import OrthrosLM
+    import numpy as np
+
+    from orthros.eval.lm_eval_adapter import OrthrosLM, _key
 
     lm = OrthrosLM(pretrained=str(runs["dirs"]["narrow"]), batch_size=3, device=DEV, dtype="float32", max_length=40)
     g = torch.Generator().manual_seed(0)
@@ -172,6 +174,15 @@ def test_loglikelihood_runs_only_the_continuations_as_output_positions(runs):
     assert [g_ for _, g_ in got] == [w for _, w in want]
     torch.testing.assert_close(torch.tensor([x for x, _ in got]), torch.tensor([x for x, _ in want]), rtol=1e-5,
                                atol=1e-5)
+    # a row two inputs could explain (one is the other with a zero token more) is not guessed at
+    lm = OrthrosLM(pretrained=str(runs["dirs"]["narrow"]), batch_size=3, device=DEV, dtype="float32", max_length=40)
+    lm._continuations = {}
+    for ctx_, cont in ((ctx, [7, 0]), (ctx + [7, 0], [3])):
+        k = _key(np.asarray((ctx_ + cont)[:-1], dtype=np.int64))
+        lm._continuations[k] = len(cont)
+    assert lm._continuation_mask(torch.tensor([ctx + [7, 0, 0, 0]], device=DEV)) is None
+    assert lm._continuation_mask(torch.tensor([ctx + [7, 5, 0, 0]], device=DEV)) is None  # no input at all
+    assert lm._continuation_mask(torch.tensor([ctx + [7]], device=DEV))[0].nonzero().flatten().tolist() == [19, 20]
 
 
 def test_generate_until_matches_the_source_and_orthros_generate(runs):

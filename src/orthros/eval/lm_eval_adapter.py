@@ -51,7 +51,8 @@ class OrthrosLM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
 
     _continuations = None
-    """While lm-eval runs loglikelihood requests: {key of a model input: its continuation's length}."""
+    """While lm-eval runs loglikelihood requests: {(length, digest) of a model input: its continuation's
+    length}."""
 
     def _loglikelihood_tokens(self, requests, *args, **kwargs):
         """lm-eval's, told which positions of each input are its continuation's (the input is
@@ -69,21 +70,23 @@ class OrthrosLM(HFLM):
             self._continuations = None
 
     def _continuation_mask(self, inps: torch.Tensor) -> torch.Tensor | None:
-        """[B, T] bool: each row's continuation positions, or None where a row is not a request's
-        input (lm-eval pads rows on the right with zeros; a row's own last tokens may be zeros too)."""
+        """[B, T] bool: each row's continuation positions; None (every position) where a row is not
+        exactly one request's input. lm-eval pads rows on the right with zeros and a row's own last
+        tokens may be zeros too, so a row that two inputs could explain is not guessed at."""
         if not self._continuations:
             return None
+        lengths = sorted({L for L, _ in self._continuations})
         rows = inps.cpu().numpy().astype(np.int64)
         keep = torch.zeros(inps.shape, dtype=torch.bool)
         for b, r in enumerate(rows):
             nz = np.flatnonzero(r)
-            for L in range(int(nz[-1]) + 1 if len(nz) else 1, r.shape[0] + 1):
-                n = self._continuations.get(_key(r[:L]))
-                if n:
-                    keep[b, max(0, L - n):L] = True
-                    break
-            else:
+            first = int(nz[-1]) + 1 if len(nz) else 1
+            found = [(L, n) for L in lengths if first <= L <= r.shape[0]
+                     for n in [self._continuations.get(_key(r[:L]))] if n]
+            if len(found) != 1:
                 return None
+            L, n = found[0]
+            keep[b, max(0, L - n):L] = True
         return keep.to(inps.device)
 
     def _model_call(self, inps, attn_mask=None, labels=None):
@@ -104,8 +107,8 @@ class OrthrosLM(HFLM):
         return full
 
 
-def _key(tokens: np.ndarray) -> bytes:
-    return hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
+def _key(tokens: np.ndarray) -> tuple[int, bytes]:
+    return len(tokens), hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
 
 
 def _task_manager(tasks: list[str], include_path: str | None):
