@@ -47,8 +47,9 @@ def score(model, tok, text: str, asked: str, facts) -> dict:
     L = max(len(c) for c in conts)
     n = len(ids) + len(pre)
     batch = torch.tensor([ids + pre + c + [tok.eos_token_id] * (L - len(c)) for c in conts])
-    lp = model(batch).logits.float().log_softmax(-1)
-    return {v: sum(lp[i, n - 1 + k, t].item() for k, t in enumerate(c))
+    keep = torch.arange(n - 1, n - 1 + L)  # the numbers' positions only: the prompt is read, not scored
+    lp = model(batch, logits_to_keep=keep).logits.float().log_softmax(-1)
+    return {v: sum(lp[i, k, t].item() for k, t in enumerate(c))
             for i, ((_, v), c) in enumerate(zip(facts, conts))}
 
 

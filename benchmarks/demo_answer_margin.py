@@ -61,9 +61,10 @@ def main(argv=None) -> None:
         out = {}
         for c in a.candidates:
             v = tok.encode(c, add_special_tokens=False)
-            lp = model(torch.tensor([ids + pre + v])).logits[0].float().log_softmax(-1)
             n = len(ids) + len(pre)
-            out[c] = sum(lp[n - 1 + k, t].item() for k, t in enumerate(v))
+            keep = torch.arange(n - 1, n - 1 + len(v))  # the candidate's positions only
+            lp = model(torch.tensor([ids + pre + v]), logits_to_keep=keep).logits[0].float().log_softmax(-1)
+            out[c] = sum(lp[k, t].item() for k, t in enumerate(v))
         return out
 
     rows = {"source": score(AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}

@@ -87,8 +87,9 @@ def main(argv=None) -> None:
 
     def logp(model, c):
         seq = seqs[c]
-        lp = model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
-        return sum(lp[k - 1, seq[k]].item() for k in range(len(ids), len(seq)))
+        keep = torch.arange(len(ids) - 1, len(seq) - 1)  # the candidate's positions only
+        lp = model(torch.tensor([seq]), logits_to_keep=keep).logits[0].float().log_softmax(-1)
+        return sum(lp[k - len(ids), seq[k]].item() for k in range(len(ids), len(seq)))
 
     right, wrong = a.candidates
     rows = {"source": logp(src, right) - logp(src, wrong)}
