@@ -58,14 +58,8 @@ def main(argv=None) -> None:
              for c in a.candidates}  # tokens from the candidate's first mention to the document's end
 
     def score(model) -> dict:
-        out = {}
-        for c in a.candidates:
-            v = tok.encode(c, add_special_tokens=False)
-            n = len(ids) + len(pre)
-            keep = torch.arange(n - 1, n - 1 + len(v))  # the candidate's positions only
-            lp = model(torch.tensor([ids + pre + v]), logits_to_keep=keep).logits[0].float().log_softmax(-1)
-            out[c] = sum(lp[k, t].item() for k, t in enumerate(v))
-        return out
+        return {c: real.answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False))
+                for c in a.candidates}
 
     rows = {"source": score(AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}
     print("source", rows["source"], flush=True)

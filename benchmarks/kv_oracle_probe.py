@@ -81,20 +81,17 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(str(hf))
     question = a.question or real.QUESTION
     ids = real.prompt_ids(tok, real.document(), question) + tok.encode(a.prefix, add_special_tokens=False)
-    seqs = {c: ids + tok.encode(c, add_special_tokens=False) for c in a.candidates}
+    conts = {c: tok.encode(c, add_special_tokens=False) for c in a.candidates}
     src = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
     L = len(src.model.layers)
 
     def logp(model, c):
-        seq = seqs[c]
-        keep = torch.arange(len(ids) - 1, len(seq) - 1)  # the candidate's positions only
-        lp = model(torch.tensor([seq]), logits_to_keep=keep).logits[0].float().log_softmax(-1)
-        return sum(lp[k - len(ids), seq[k]].item() for k in range(len(ids), len(seq)))
+        return real.answer_logprob(model, ids, conts[c])
 
     right, wrong = a.candidates
     rows = {"source": logp(src, right) - logp(src, wrong)}
     print("source", rows["source"], flush=True)
-    inputs = {c: source_attention_inputs(src, seqs[c]) for c in a.candidates}
+    inputs = {c: source_attention_inputs(src, ids + conts[c]) for c in a.candidates}
     del src
     model = load_model(conv).eval()
     if a.adapter != "none":

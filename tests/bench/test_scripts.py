@@ -101,3 +101,18 @@ def test_kv_oracle_probe_gives_the_source_back_with_every_layers_kv():
         with probe.oracle(model, inputs, set()):
             assert rel_err(model(x).logits, want) > 1e-2
         assert rel_err(model(x).logits, want) > 1e-2  # the patch is gone afterwards
+
+
+def test_answer_logprob_is_the_full_forwards_sum_over_the_answer():
+    """`demo.real.answer_logprob` (the margin and oracle probes' score) keeps only the answer's positions:
+    the same number as a forward with every position an output position."""
+    from orthros.demo.real import answer_logprob
+
+    from ..conftest import make_model
+
+    model = make_model(window=4)
+    ids, ans = torch.randint(0, model.config.vocab_size, (30,)).tolist(), [3, 7, 11]
+    with torch.no_grad():
+        lp = model(torch.tensor([ids + ans], device=model.device)).logits[0].float().log_softmax(-1)
+        got = answer_logprob(model, ids, ans)
+    assert abs(got - sum(lp[len(ids) - 1 + k, t].item() for k, t in enumerate(ans))) < 1e-4

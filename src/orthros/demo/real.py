@@ -54,6 +54,14 @@ def prompt_ids(tok, doc: str, question: str) -> list[int]:
                                         add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
+def answer_logprob(model, ids: list[int], answer: list[int]) -> float:
+    """log p(answer | ids) teacher-forced, summed over the answer's tokens; only their positions are
+    output positions (any causal LM that takes a `logits_to_keep` index tensor)."""
+    keep = torch.arange(len(ids) - 1, len(ids) + len(answer) - 1, device=model.device)
+    lp = model(torch.tensor([ids + answer], device=model.device), logits_to_keep=keep).logits[0].float().log_softmax(-1)
+    return sum(lp[k, t].item() for k, t in enumerate(answer))
+
+
 def with_fact(doc: str, fact: str, depth: float) -> str:
     """`doc` with the line `fact` inserted at the line start nearest before `depth` of its length."""
     cut = doc.rfind("\n", 0, int(len(doc) * depth)) + 1
