@@ -21,6 +21,12 @@ if _WORKERS > 1:
     torch.set_num_threads(_threads)
 
 
+def pytest_collection_modifyitems(items):
+    """The suite's longest items (marked `long`: the GPU kernel sweeps) go first. `pytest -n N` hands its first
+    items out one a worker, so they run side by side; collected late, they queue on the last worker free."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture
 def device():
     return DEVICE

@@ -138,6 +138,7 @@ def test_splitkv_kernel_takes_sinks_triton_interpreter():
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.long
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (test_splitkv_kernel_takes_sinks_triton_interpreter runs the cases)")
 def test_splitkv_kernel_takes_sinks_on_gpu():
     from .splitkv.sink_cases import main

@@ -48,6 +48,7 @@ def test_paged_kernel_interpreted():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 
+@pytest.mark.long
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the kernel compiled for the GPU (the interpreter case above on CPU)")
 def test_paged_kernel_on_the_gpu():
     from .paged_kernel_cases import main

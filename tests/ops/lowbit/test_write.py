@@ -14,6 +14,7 @@ def test_decode_write_kernel_triton_interpreter(case):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.long
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the write cases (CI runs them interpreted)")
 def test_decode_write_kernel_on_gpu():
     from .write_cases import main

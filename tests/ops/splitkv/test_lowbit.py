@@ -20,6 +20,7 @@ def test_kernel_against_reference_triton_interpreter(case):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.long
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the kernel cases (CI runs them interpreted)")
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])
 def test_kernel_matches_reference_on_gpu(kv_dtype):
@@ -28,6 +29,7 @@ def test_kernel_matches_reference_on_gpu(kv_dtype):
     main("all", "cuda", kvs=(kv_dtype,))
 
 
+@pytest.mark.long
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="Gluon has no interpreter: its kernel cases need a GPU")
 @pytest.mark.parametrize("shape", GLUON_SHAPES, ids=[f"D{d}-H{h}-KV{k}" for d, h, k in GLUON_SHAPES])
 @pytest.mark.parametrize("kv_dtype", ["int4", "int2", "k4v2"])

@@ -12,6 +12,7 @@ def test_paged_lowbit_kernel_triton_interpreter(kv_dtype):
     assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.long
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU run of the kernel cases (CI runs them interpreted)")
 def test_paged_lowbit_kernel_on_gpu():
     from .lowbit_paged_cases import main
