@@ -37,8 +37,11 @@ def format_table(results: dict, preset) -> str:
         cells += ["-" if not isinstance(lm.get(t), float) else f"{100 * lm[t]:.1f}%" for t in preset.lm_eval_tasks]
         lines.append("| " + " | ".join(cells) + " |")
     first = next(iter(results.values()))["eval"]["copy"]
+    wins = sorted({r.get("window") or preset.window for r in results.values()})
+    window = (f"window {wins[0]}" if len(wins) == 1 else
+              f"window {preset.window} (W={' / W='.join(str(w) for w in wins if w != preset.window)} where a row says so)")
     note = (f"\nCPT: {preset.steps} steps x {preset.batch_size} x {preset.seq_len} tokens = "
-            f"{preset.train_tokens:,} tokens per trained arm, window {preset.window}. Copy loss: mean loss (nats) on "
+            f"{preset.train_tokens:,} tokens per trained arm, {window}. Copy loss: mean loss (nats) on "
             f"the second copy of a {first['seg_len']}-token segment repeated after the gap "
             f"({first['samples']} samples). Passkey: greedy answers through the chat template, "
             f"{len(preset.passkey_depths)} depths x {preset.passkey_samples} samples per length.")
