@@ -154,6 +154,9 @@ ARMS = {
                                              f"answers x32, W={w}", dict(attention="orthros", sink_tokens=SINK),
                                              "lora+so", mix=True, window=w, recipe=dict(answer_weight=32.0))
        for w in (256, 512)},
+    "orthros-lora-sink-mix-aw-w512-s1": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, "
+                                            "answers x32, W=512, seed 1", dict(attention="orthros", sink_tokens=SINK),
+                                            "lora+so", mix=True, window=512, seed=1, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
