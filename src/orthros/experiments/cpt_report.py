@@ -38,8 +38,8 @@ def format_table(results: dict, preset) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     first = next(iter(results.values()))["eval"]["copy"]
     wins = sorted({r.get("window") or preset.window for r in results.values()})
-    window = (f"window {wins[0]}" if len(wins) == 1 else
-              f"window {preset.window} (W={' / W='.join(str(w) for w in wins if w != preset.window)} where a row says so)")
+    others = " / ".join(f"W={w}" for w in wins if w != preset.window)
+    window = f"window {wins[0]}" if len(wins) == 1 else f"window {preset.window} ({others} where a row says so)"
     note = (f"\nCPT: {preset.steps} steps x {preset.batch_size} x {preset.seq_len} tokens = "
             f"{preset.train_tokens:,} tokens per trained arm, {window}. Copy loss: mean loss (nats) on "
             f"the second copy of a {first['seg_len']}-token segment repeated after the gap "
