@@ -99,8 +99,9 @@ def main(argv=None) -> None:
                 "samples": js}
 
     rows = {"source": run("source", AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}
-    for ad in a.adapters:
-        m = load_model(conv).eval()
+    for ad in a.adapters:  # an adapter is scored at the window it was trained at; none at the demo's first (128)
+        w = 128 if ad == "none" else json.loads((Path(ad) / "adapter.json").read_text()).get("window", 128)
+        m = load_model(conv if w == 128 else real.source_and_conversion(a.model_dir, w, a.sink_tokens)[1]).eval()
         if ad != "none":
             apply_adapter(m, ad)
         name = "conversion, no adapter" if ad == "none" else ad
