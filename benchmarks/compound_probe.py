@@ -86,7 +86,7 @@ def main(argv=None) -> None:
 
     torch.set_grad_enabled(False)
     torch.set_num_threads(a.threads)
-    hf, conv = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
+    hf, _ = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
     doc = real.document(a.chars)
     samples = [make_sample(doc, 1000 + s) for s in range(a.samples)]
@@ -99,9 +99,8 @@ def main(argv=None) -> None:
                 "samples": js}
 
     rows = {"source": run("source", AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}
-    for ad in a.adapters:  # an adapter is scored at the window it was trained at; none at the demo's first (128)
-        w = 128 if ad == "none" else json.loads((Path(ad) / "adapter.json").read_text()).get("window", 128)
-        m = load_model(conv if w == 128 else real.source_and_conversion(a.model_dir, w, a.sink_tokens)[1]).eval()
+    for ad in a.adapters:  # an adapter is scored at the window it was trained at; none at 128
+        m = load_model(real.conversion_for(a.model_dir, ad, a.sink_tokens)).eval()
         if ad != "none":
             apply_adapter(m, ad)
         name = "conversion, no adapter" if ad == "none" else ad

@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     from orthros.models.adapter import apply_adapter
 
     torch.set_grad_enabled(False)
-    hf, conv = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
+    hf, _ = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
     doc = real.document()
     question = a.question or real.QUESTION
@@ -69,8 +69,7 @@ def main(argv=None) -> None:
             models += [("conversion, no adapter" if w == 128 else f"conversion W={w}, no adapter",
                         real.source_and_conversion(a.model_dir, w, a.sink_tokens)[1], None) for w in a.windows]
         else:
-            w = json.loads((Path(ad) / "adapter.json").read_text()).get("window", 128)
-            models.append((ad, conv if w == 128 else real.source_and_conversion(a.model_dir, w, a.sink_tokens)[1], ad))
+            models.append((ad, real.conversion_for(a.model_dir, ad, a.sink_tokens), ad))
     for name, cdir, ad in models:
         m = load_model(cdir).eval()
         if ad is not None:

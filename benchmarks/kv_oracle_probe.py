@@ -5,10 +5,10 @@
 Orthros's output rows attend with full attention to the base stream's keys and values, so a conversion
 whose every layer made the source's K/V would give the source's logits exactly. This probe measures how
 far from that the demo's answer is, and where: for each set of layers it gives those layers of the
-conversion (window 128, 4 sinks, an --adapter or none) the source's K/V (the source's normed input to
-that layer's attention through the conversion's own K/V projections: for the conversion with no adapter
-these are the source's K/V themselves) and scores the demo's question as `demo_answer_margin.py` does:
-log p(right) - log p(wrong) after "The PEP ". The sets: none, all, the first n and the last n layers
+conversion (4 sinks; an --adapter at the window it was trained at, or none at 128) the source's K/V
+(the source's normed input to that layer's attention through the conversion's own K/V projections: for
+the conversion with no adapter these are the source's K/V themselves) and scores the demo's question as
+`demo_answer_margin.py` does: log p(right) - log p(wrong) after "The PEP ". The sets: none, all, the first n and the last n layers
 for each --n. Writes <tag>.json and <tag>.md under --out.
 """
 
@@ -77,7 +77,8 @@ def main(argv=None) -> None:
     from orthros.models.adapter import apply_adapter
 
     torch.set_grad_enabled(False)
-    hf, conv = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
+    hf, _ = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
+    conv = real.conversion_for(a.model_dir, a.adapter, a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
     question = a.question or real.QUESTION
     ids = real.prompt_ids(tok, real.document(), question) + tok.encode(a.prefix, add_special_tokens=False)
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
         rows[f"conversion, source K/V in {name}"] = m[right] - m[wrong]
         print(name, rows[f"conversion, source K/V in {name}"], flush=True)
     lines = [f"The demo's question \"{question}\" ({len(ids):,} tokens with \"{a.prefix}\"); the conversion "
-             f"(window 128, {a.sink_tokens} sinks, adapter: {a.adapter}) with the source's K/V in some layers. "
+             f"({conv.name}, adapter: {a.adapter}) with the source's K/V in some layers. "
              f"Margin: log p({right}) − log p({wrong}), nats.", "", "| model | margin |", "|---|---:|"]
     lines += [f"| {k} | {v:+.2f} |" for k, v in rows.items()]
     out = Path(a.out)

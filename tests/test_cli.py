@@ -133,3 +133,13 @@ def test_the_demo_applies_its_shipped_adapter_only_where_it_was_trained_for(tmp_
     name, why = real.default_adapter(info["window"], None)
     assert name == "none" and "source checkout" in why
     assert real.with_fact("a\nbb\nccc\n", "F", 0.5) == "a\nF\nbb\nccc\n"  # at a line start, before the middle
+
+
+def test_the_probes_convert_at_the_window_an_adapter_was_trained_at(monkeypatch):
+    """`real.conversion_for` (the demo's probes under benchmarks/): the shipped adapter's own window, 128 for none."""
+    from orthros.demo import real
+
+    monkeypatch.setattr(real, "source_and_conversion", lambda d, window, sinks: (d, real.Path(f"w{window}-s{sinks}")))
+    assert real.conversion_for("m", str(real.DEFAULT_ADAPTER), 4).name == "w512-s4"
+    assert real.conversion_for("m", "none", 4).name == "w128-s4"
+    assert real.conversion_for("m", "none", 0, window=256).name == "w256-s0"

@@ -91,6 +91,14 @@ def source_and_conversion(model_dir, window: int, sinks: int, say: str | None = 
     return hf, conv
 
 
+def conversion_for(model_dir, adapter: str, sinks: int, window: int = 128) -> Path:
+    """The conversion an adapter applies to: made (once) at the window it was trained at, from its
+    adapter.json; at `window` for `adapter` "none" or one that records no window."""
+    if adapter != "none":
+        window = json.loads((Path(adapter) / "adapter.json").read_text()).get("window") or window
+    return source_and_conversion(model_dir, window, sinks)[1]
+
+
 def prepare_models(args):
     """(tokenizer, source model, Orthros model, description of the Orthros model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
