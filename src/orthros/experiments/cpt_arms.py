@@ -150,13 +150,11 @@ ARMS = {
     "orthros-kd-lora-sink-mix-aw": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO, answers x32",
                                        dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True,
                                        recipe=dict(answer_weight=32.0)),
-    **{f"orthros-lora-sink-mix-aw-w{w}": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, "
-                                             f"answers x32, W={w}", dict(attention="orthros", sink_tokens=SINK),
-                                             "lora+so", mix=True, window=w, recipe=dict(answer_weight=32.0))
-       for w in (256, 512)},
-    "orthros-lora-sink-mix-aw-w512-s1": Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, "
-                                            "answers x32, W=512, seed 1", dict(attention="orthros", sink_tokens=SINK),
-                                            "lora+so", mix=True, window=512, seed=1, recipe=dict(answer_weight=32.0)),
+    **{f"orthros-lora-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else ""):
+       Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, answers x32, W={w}"
+           + (f", seed {seed}" if seed else ""), dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True,
+           window=w, seed=seed, recipe=dict(answer_weight=32.0))
+       for w, seed in ((256, 0), (512, 0), (512, 1))},
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
