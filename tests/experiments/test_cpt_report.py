@@ -21,3 +21,10 @@ def test_the_table_names_the_window_each_row_ran_at():
     both = {**_results("cpt-smollm2-rqp"), **w512}
     table = format_table(both, preset)
     assert table.count("\n| ") == len(both) and "window 128 (W=512 where a row says so)." in table
+
+
+def test_a_run_with_no_row_at_the_presets_window_names_only_its_own():
+    preset = PRESETS["smollm2-kd-h200-rqp"]
+    table = format_table(_results("cpt-smollm2-rqp-windows"), preset)
+    assert "window 256 / 512, as each row says." in table and "window 128" not in table
+    assert "| 5.272 | 3.784 |" in table and "W=256 |" in table

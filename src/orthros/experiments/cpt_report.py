@@ -39,7 +39,12 @@ def format_table(results: dict, preset) -> str:
     first = next(iter(results.values()))["eval"]["copy"]
     wins = sorted({r.get("window") or preset.window for r in results.values()})
     others = " / ".join(f"W={w}" for w in wins if w != preset.window)
-    window = f"window {wins[0]}" if len(wins) == 1 else f"window {preset.window} ({others} where a row says so)"
+    if len(wins) == 1:
+        window = f"window {wins[0]}"
+    elif preset.window in wins:
+        window = f"window {preset.window} ({others} where a row says so)"
+    else:  # no row at the preset's window: each row names its own
+        window = "window " + " / ".join(str(w) for w in wins) + ", as each row says"
     note = (f"\nCPT: {preset.steps} steps x {preset.batch_size} x {preset.seq_len} tokens = "
             f"{preset.train_tokens:,} tokens per trained arm, {window}. Copy loss: mean loss (nats) on "
             f"the second copy of a {first['seg_len']}-token segment repeated after the gap "
