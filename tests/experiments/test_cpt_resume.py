@@ -105,6 +105,18 @@ def test_a_freeze_recipe_keeps_those_weights_the_source_s():
                   str(DEVICE), "freeze")
 
 
+def test_the_full_weight_window_arms_carry_their_window_seed_and_frozen_projections():
+    from orthros.experiments.cpt_arms import ARMS, arm_preset
+
+    base = PRESETS["smollm2-kd-h200-rqp"]
+    for name, (window, seed, freeze) in {"orthros-cpt-sink-mix-aw-w512": (512, 0, ()),
+                                         "orthros-cpt-sink-mix-aw-w512-s1": (512, 1, ()),
+                                         "orthros-cpt-sink-mix-aw-w512-fqk": (512, 0, ("q_proj", "k_proj")),
+                                         "orthros-cpt-sink-mix-aw-w1024": (1024, 0, ())}.items():
+        arm, p = ARMS[name], arm_preset(name, base)
+        assert (arm.window, arm.seed, p.freeze, p.answer_weight, arm.mode) == (window, seed, freeze, 32.0, "all")
+
+
 def test_a_sharpened_start_scales_the_output_queries_of_the_later_layers_only(tmp_path):
     """`Arm.sharpen` (f, s): the output rows' queries of layers >= f * L are s times the unsharpened
     model's, so their scores are s times too; every other layer, the base stream and the K/V match."""

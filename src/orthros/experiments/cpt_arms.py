@@ -158,10 +158,14 @@ ARMS = {
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
-    **{f"orthros-cpt-sink-mix-aw-w{w}": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, W={w}",
-                                            dict(attention="orthros", sink_tokens=SINK), "all", mix=True, window=w,
-                                            recipe=dict(answer_weight=32.0))
-       for w in (256, 512)},
+    # the recipe at full weights over windows; at W=512 (its best perplexity) a second seed, and W_Q / W_K kept
+    # the source's (its light twins, which move them only by rank 8, copy 1.2-1.4x better)
+    **{f"orthros-cpt-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else "") + ("-fqk" if fqk else ""):
+       Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, W={w}" + (f", seed {seed}" if seed else "")
+           + (", W_Q / W_K frozen" if fqk else ""), dict(attention="orthros", sink_tokens=SINK), "all", mix=True,
+           window=w, seed=seed,
+           recipe=dict(answer_weight=32.0, **(dict(freeze=("q_proj", "k_proj")) if fqk else {})))
+       for w, seed, fqk in ((256, 0, False), (512, 0, False), (512, 1, False), (512, 0, True), (1024, 0, False))},
     "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
                            mix=True, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
