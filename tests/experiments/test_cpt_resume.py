@@ -115,6 +115,9 @@ def test_the_full_weight_window_arms_carry_their_window_seed_and_frozen_projecti
                                          "orthros-cpt-sink-mix-aw-w1024": (1024, 0, ())}.items():
         arm, p = ARMS[name], arm_preset(name, base)
         assert (arm.window, arm.seed, p.freeze, p.answer_weight, arm.mode) == (window, seed, freeze, 32.0, "all")
+    p = arm_preset("orthros-lora-sink-mix-aw-w512-r16", base)
+    assert (ARMS["orthros-lora-sink-mix-aw-w512-r16"].mode, p.lora_rank, p.answer_weight) == ("lora+so", 16, 32.0)
+    assert arm_preset("orthros-lora-sink-mix-aw-w512", base).lora_rank == 8
 
 
 def test_a_sharpened_start_scales_the_output_queries_of_the_later_layers_only(tmp_path):

@@ -150,11 +150,13 @@ ARMS = {
     "orthros-kd-lora-sink-mix-aw": Arm(f"Orthros + {SINK} sinks distilled from the source, LoRA + SO, answers x32",
                                        dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True,
                                        recipe=dict(answer_weight=32.0)),
-    **{f"orthros-lora-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else ""):
+    # (and at rank 16, 10 MB: whether the light twin's 1-2.6% over its full-weight twin is the rank's)
+    **{f"orthros-lora-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else "") + (f"-r{rank}" if rank != 8 else ""):
        Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, answers x32, W={w}"
-           + (f", seed {seed}" if seed else ""), dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True,
-           window=w, seed=seed, recipe=dict(answer_weight=32.0))
-       for w, seed in ((256, 0), (512, 0), (512, 1))},
+           + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else ""),
+           dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True, window=w, seed=seed,
+           recipe=dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {})))
+       for w, seed, rank in ((256, 0, 8), (512, 0, 8), (512, 1, 8), (512, 0, 16))},
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
@@ -174,8 +176,8 @@ ARMS = {
                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
 }
 
-RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "warmup", "kl", "ce", "temperature", "align", "align_on", "align_frac",
-                 "freeze", "answer_weight")
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_rank", "warmup", "kl", "ce", "temperature", "align", "align_on",
+                 "align_frac", "freeze", "answer_weight")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
