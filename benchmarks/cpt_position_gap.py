@@ -98,8 +98,9 @@ def main() -> None:
         ax.set_ylabel(f"perplexity vs {ref['arm']} (%)")
         ax.set_title(f"held-out {dom}")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()  # below the panels: it hides no point
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.045 * math.ceil(len(labels) / 2), 1, 1))
     fig.savefig(out / "gap.png", dpi=110)
     if args.plot:
         fig.savefig(args.plot, dpi=110)
