@@ -105,7 +105,7 @@ def test_a_freeze_recipe_keeps_those_weights_the_source_s():
                   str(DEVICE), "freeze")
 
 
-def test_the_full_weight_window_arms_carry_their_window_seed_and_frozen_projections():
+def test_the_window_arms_carry_their_window_seed_rank_and_frozen_projections():
     from orthros.experiments.cpt_arms import ARMS, arm_preset
 
     base = PRESETS["smollm2-kd-h200-rqp"]
