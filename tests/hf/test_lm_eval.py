@@ -210,3 +210,21 @@ def test_cli(runs, tmp_path, capsys):
     assert json.loads(out.read_text())["results"]["orthros_test_mc"]["sample_len"] == 2
     assert cli.main(["eval-harness", str(tmp_path), "--tasks", "orthros_test_mc"]) == 2
     assert "not a model directory" in capsys.readouterr().err
+
+
+def test_an_experiment_finds_the_checkouts_local_tasks_from_any_directory(runs, tmp_path, monkeypatch):
+    """`orthros experiment cpt` scores its arms on configs/lm_eval, whose task files name their data
+    relative to the checkout: started from another directory, it still finds both, and comes back."""
+    import dataclasses
+
+    from orthros.data.tokenizer import load_tokenizer
+    from orthros.experiments.cpt import lm_eval_scores
+    from orthros.experiments.cpt_arms import PRESETS
+    from orthros.loading import load_model
+
+    model = load_model(runs["dirs"]["wide"], dtype=torch.float32).to(DEV).eval()
+    preset = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], lm_eval_tasks=["python_syntax"], lm_eval_limit=2)
+    monkeypatch.chdir(tmp_path)
+    scores = lm_eval_scores(model, load_tokenizer(runs["dirs"]["wide"]), preset)
+    assert set(scores) == {"python_syntax"} and 0.0 <= scores["python_syntax"] <= 1.0, scores
+    assert os.getcwd() == str(tmp_path)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -286,17 +287,33 @@ def evaluate_arm(model, tok, preset: CPTPreset, heldout: dict, stream: torch.Ten
     return out
 
 
+def local_tasks() -> Path | None:
+    """The local lm-eval tasks' directory: `configs/lm_eval` of the working directory, else of the
+    source checkout this package runs from (an experiment started from another directory finds them)."""
+    for d in (Path("configs/lm_eval"), Path(__file__).resolve().parents[3] / "configs" / "lm_eval"):
+        if d.is_dir():
+            return d.resolve()
+    return None
+
+
 def lm_eval_scores(model, tok, preset: CPTPreset) -> dict:
     """Accuracy on the local lm-eval tasks ({"error": ...} where lm-eval is not installed)."""
     try:
         from ..eval.lm_eval_adapter import evaluate_model
     except ImportError as e:
         return {"error": f"lm-eval not available: {e}"}
+    tasks = local_tasks()
+    if tasks is None:
+        return {"error": "the local lm-eval tasks (configs/lm_eval) are in a source checkout: run there"}
+    here = os.getcwd()
     try:
+        os.chdir(tasks.parents[1])  # the task files name their data relative to the checkout
         res = evaluate_model(model, tok, preset.lm_eval_tasks, include_path="configs/lm_eval", batch_size=8,
                              limit=preset.lm_eval_limit)
     except Exception as e:  # one evaluation failing must not lose an arm's other results
         return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        os.chdir(here)
     return {t: res["results"][t].get("acc,none") for t in preset.lm_eval_tasks}
 
 

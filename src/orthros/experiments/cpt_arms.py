@@ -222,7 +222,7 @@ class CPTPreset:
     """samples per length and depth (5 depths x 10 = 50 a length: a 95% interval of about +-14 points)"""
     eval_batch: int = 2
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze", "python_docs_recall"])
-    """local lm-evaluation-harness tasks (configs/lm_eval; run from the repository root): the next
+    """local lm-evaluation-harness tasks (configs/lm_eval of the source checkout): the next
     word (local context), and a sentence's second half recalled from ~4K tokens back"""
     lm_eval_limit: int | None = None
     retrieval_share: float = 0.3
