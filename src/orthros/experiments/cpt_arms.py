@@ -161,7 +161,7 @@ ARMS = {
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
     # the recipe at full weights over windows; at W=512 (its best perplexity) a second seed, and W_Q / W_K kept
-    # the source's (its light twins, which move them only by rank 8, copy 1.2-1.4x better)
+    # the source's (its light twins, which move them only by rank 8, copy 1.15-1.4x better)
     **{f"orthros-cpt-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else "") + ("-fqk" if fqk else ""):
        Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, W={w}" + (f", seed {seed}" if seed else "")
            + (", W_Q / W_K frozen" if fqk else ""), dict(attention="orthros", sink_tokens=SINK), "all", mix=True,
