@@ -47,6 +47,21 @@ def _kd(label, teacher, mode="all", **kw):
     return Arm(label, dict(attention="orthros"), mode, teacher, mix=True, **kw)
 
 
+def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False) -> dict:
+    """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
+    as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank or W_Q / W_K frozen."""
+    light = mode == "lora+so"
+    name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
+        + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "")
+    label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
+             f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
+             + (", W_Q / W_K frozen" if fqk else ""))
+    recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
+                  **(dict(freeze=("q_proj", "k_proj")) if fqk else {}))
+    return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
+                      recipe=recipe)}
+
+
 ARMS = {
     "source": Arm("Source model (full attention)", dict(attention="full")),
     "orthros-0shot": Arm("Orthros, zero-shot", dict(attention="orthros")),
@@ -151,23 +166,15 @@ ARMS = {
                                        dict(attention="orthros", sink_tokens=SINK), "lora+so", "source", mix=True,
                                        recipe=dict(answer_weight=32.0)),
     # (and at rank 16, 10 MB: whether the light twin's 1-2.6% over its full-weight twin is the rank's)
-    **{f"orthros-lora-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else "") + (f"-r{rank}" if rank != 8 else ""):
-       Arm(f"Orthros + {SINK} sinks + light CPT (LoRA + SO) with retrieval data, answers x32, W={w}"
-           + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else ""),
-           dict(attention="orthros", sink_tokens=SINK), "lora+so", mix=True, window=w, seed=seed,
-           recipe=dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {})))
-       for w, seed, rank in ((256, 0, 8), (512, 0, 8), (512, 1, 8), (512, 0, 16))},
+    **_recipe("lora+so", 256), **_recipe("lora+so", 512), **_recipe("lora+so", 512, seed=1),
+    **_recipe("lora+so", 512, rank=16),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
     # the recipe at full weights over windows; at W=512 (its best perplexity) a second seed, and W_Q / W_K kept
     # the source's (its light twins, which move them only by rank 8, copy 1.15-1.4x better)
-    **{f"orthros-cpt-sink-mix-aw-w{w}" + (f"-s{seed}" if seed else "") + ("-fqk" if fqk else ""):
-       Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, W={w}" + (f", seed {seed}" if seed else "")
-           + (", W_Q / W_K frozen" if fqk else ""), dict(attention="orthros", sink_tokens=SINK), "all", mix=True,
-           window=w, seed=seed,
-           recipe=dict(answer_weight=32.0, **(dict(freeze=("q_proj", "k_proj")) if fqk else {})))
-       for w, seed, fqk in ((256, 0, False), (512, 0, False), (512, 1, False), (512, 0, True), (1024, 0, False))},
+    **_recipe("all", 256), **_recipe("all", 512), **_recipe("all", 512, seed=1), **_recipe("all", 512, fqk=True),
+    **_recipe("all", 1024),
     "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
                            mix=True, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
