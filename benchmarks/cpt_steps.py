@@ -17,10 +17,26 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from orthros.experiments.cpt_arms import ARMS, PRESETS
 from orthros.experiments.jobs import run_jobs
+
+def timing_mask(spec, preset, n_rows: int) -> np.ndarray | None:
+    """Targets of a -mix arm's rows for timing: every k-th row opens with a sample of a quarter of
+    the row whose last 16 targets are its answers (weighed as `answer_weight` says), then text,
+    as `data.retrieval` lays them out; None (every token a target) for an arm without the mix."""
+    if not (spec.mix and preset.retrieval_share > 0):
+        return None
+    T = preset.seq_len
+    mask = np.ones((n_rows, T), bool)
+    every = max(1, round(1 / preset.retrieval_share))
+    L = T // 4
+    mask[::every, : L - 17] = False  # the prompt (haystack and question)
+    mask[::every, L - 1] = False  # the EOS after the answer
+    return mask
+
 
 def time_arm(arm: str, preset, device: str, steps: int, profile: int = 0) -> dict:
     """Seconds a step of `arm` (a distilled arm gets a random full-attention teacher of the
@@ -54,7 +70,7 @@ def time_arm(arm: str, preset, device: str, steps: int, profile: int = 0) -> dic
         prof.start()
         on_step = lambda step: prof.step()  # noqa: E731
     _, stats = train_arm(model, spec.mode, dataclasses.replace(preset, steps=total), rows, device, arm,
-                         teacher=teacher, on_step=on_step)
+                         mask=timing_mask(spec, preset, len(rows)), teacher=teacher, on_step=on_step)
     out = {"arm": arm, "trains": True, "steps": steps}
     (s0, t0), (s1, t1) = stats["synced"][1], [x for x in stats["synced"] if x[0] <= steps][-1]
     dt = (t1 - t0) / (s1 - s0)  # from the second sync (compiled, warm), before any profiled step
