@@ -56,3 +56,43 @@ def test_docqa_rows_call_the_teacher_only_when_made(tmp_path, chat_tok):
     assert chat_tok.decode(rows[0, first : first + 40].tolist()).startswith("It explains how the text is laid out.")
     prepare_data(chat_tok, tmp_path, p, teacher=teacher)  # found again: the teacher is not loaded
     assert calls == [1]
+
+
+def test_train_stream_reads_a_small_corpus_once(tmp_path, chat_tok, monkeypatch):
+    """A corpus smaller than asked for is read and tokenized once (no doubling of the characters
+    asked for over text that is all read already), and all of it comes back."""
+    from orthros.experiments import cpt_data
+
+    docs = ["def f(x):\n    return x + 1\n" * 20, "The with statement is used to wrap a block.\n" * 20]
+    calls = []
+
+    def read(max_chars):
+        calls.append(max_chars)
+        return list(docs)
+
+    monkeypatch.setattr(cpt_data, "read_train_documents", read)
+    got = cpt_data.train_stream(chat_tok, 10**6, tmp_path)
+    assert calls == [4 * 10**6]
+    want = cpt_data.encode_docs(chat_tok, docs, chat_tok.eos_token_id)
+    assert np.array_equal(got, want)
+    assert np.array_equal(cpt_data.train_stream(chat_tok, 10, tmp_path / "b"), want[:10])
+
+
+@pytest.mark.parametrize("haystack_rows", [4.0, 1.0])
+def test_haystack_text_asked_follows_the_preset(tmp_path, chat_tok, monkeypatch, haystack_rows):
+    from orthros.experiments import cpt_data
+
+    asked = []
+
+    def stream(tok, tokens, cache):
+        asked.append(tokens)
+        return np.zeros(5, np.int32)
+
+    monkeypatch.setattr(cpt_data, "train_stream", stream)
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], steps=6, retrieval_share=0.5, seq_len=1024,
+                            haystack_rows=haystack_rows)
+    with pytest.raises(ValueError, match="only 5 training tokens on this machine; the preset needs"):
+        prepare_data(chat_tok, tmp_path, p)
+    n = 6 * p.batch_size
+    assert asked == [n * 1024 + round(haystack_rows * (n // 2) * 1024)]
+    assert PRESETS["smollm2-kd-h200-rqp-curve"].haystack_rows == 1.0

@@ -449,7 +449,7 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     n = preset.steps * preset.batch_size
     n_ret = round(preset.retrieval_share * n) if need_retrieval else 0
     # the corpus rows, then text the retrieval samples' haystacks are cut from (never the rows' own text)
-    need = n * preset.seq_len + (4 * n_ret * preset.seq_len if n_ret else 0)
+    need = n * preset.seq_len + (round(preset.haystack_rows * n_ret * preset.seq_len) if n_ret else 0)
     have = np.load(work / "train_rows.npy", mmap_mode="r").shape if (work / "train_rows.npy").exists() else None
     meta = {"rows": n_ret, "lengths": list(preset.retrieval_lengths), "questions": preset.retrieval_questions}
     if tuple(preset.retrieval_kinds) != KINDS:  # (rows made before kinds were a setting: found again)

@@ -235,6 +235,10 @@ class CPTPreset:
     retrieval_share: float = 0.3
     """share of the rows of a -mix arm that start with a retrieval sample (data.retrieval)"""
     retrieval_lengths: tuple = (1024, 8192)
+    haystack_rows: float = 4.0
+    """corpus text kept apart for the retrieval samples' haystacks and the text after them, in rows
+    of seq_len per retrieval row (a sample and its fill use about one row; the curve's longest
+    budget fits the corpus of one machine only at 1)"""
     retrieval_questions: int = 1
     """facts a lookup sample asks in turn (one chat turn each, every answer a target)"""
     retrieval_kinds: tuple = ("passkey", "lookup", "copy")
@@ -315,8 +319,10 @@ PRESETS = {
     "smollm2-kd-h200-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False),
     # the same curve for the recipe that keeps the pass key (rqp's data; arms orthros-cpt-sink-mix-aw and
     # full-cpt-mix-aw): 4 rows a step, half of them retrieval samples answered in sentences
+    # (haystacks: 1 row of text per retrieval row, where 4 would ask 157M tokens of a machine's 87M at 1600 steps)
     "smollm2-kd-h200-rqp-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False,
-                                           retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True),
+                                           retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True,
+                                           haystack_rows=1.0),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],

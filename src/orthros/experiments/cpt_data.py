@@ -145,11 +145,13 @@ def cached_stream(cache: str | Path, tok, what: str, size: int, make) -> np.ndar
 def train_stream(tok, tokens: int, cache: str | Path) -> np.ndarray:
     """At least `tokens` training tokens (documents separated by the EOS token), or all there are."""
     def make():
-        chars, arr = tokens * 4, None
+        chars = tokens * 4
         while True:
-            arr = encode_docs(tok, read_train_documents(chars), tok.eos_token_id)
-            if len(arr) >= tokens or chars > 50 * tokens:
-                return arr[:tokens] if len(arr) >= tokens else arr
+            docs = read_train_documents(chars)
+            arr = encode_docs(tok, docs, tok.eos_token_id)
+            # enough tokens, or every document read (asking for more characters would read the same)
+            if len(arr) >= tokens or sum(map(len, docs)) < chars or chars > 50 * tokens:
+                return arr[:tokens]
             chars *= 2
 
     arr = cached_stream(cache, tok, "train", tokens, make)
