@@ -183,3 +183,28 @@ def test_a_looping_answer_ends_before_its_first_repeat():
     assert _no_loop("The text says:\n\nThe text says:\n\nThe text says:") is None  # too little left
     assert _no_loop("It parses the file.\nIt returns a dict.\nIt parses the file.") == \
         "It parses the file.\nIt returns a dict."
+
+
+def test_chat_ids_are_the_templates_own_and_mask_each_answer(chat_tok):
+    """`_chat` tokenizes each turn's new text alone: the ids are the template's own tokenization of
+    the whole conversation, and the targets are each answer and its end-of-turn token."""
+    from orthros.data.retrieval import _chat
+
+    turns = [("Some text\nwith lines.\nWhat is the value of x?", "The value of x is 42."),
+             ("What is the value of y?", "7"), ("And z?", "The value of z is 1234.")]
+    ids, mask = _chat(chat_tok, turns)
+    msgs = [{"role": r, "content": c} for u, a in turns for r, c in (("user", u), ("assistant", a))]
+    assert ids == list(chat_tok.apply_chat_template(msgs, tokenize=True, return_dict=False))
+    spans, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            spans.append(chat_tok.decode(ids[i:j]))
+            i = j
+        else:
+            i += 1
+    eot = {s[len(a):] for s, (_, a) in zip(spans, turns)}  # what follows each answer: one end-of-turn token
+    assert [s[: len(a)] for s, (_, a) in zip(spans, turns)] == [a for _, a in turns]
+    assert len(eot) == 1 and len(chat_tok(eot.pop(), add_special_tokens=False)["input_ids"]) == 1
