@@ -461,7 +461,11 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     if have != (n, preset.seq_len) or stale:
         stream = train_stream(tok, need, work / "cache")
         if len(stream) < need:
-            raise ValueError(f"only {len(stream):,} training tokens on this machine; the preset needs {need:,}")
+            raise ValueError(f"only {len(stream):,} training tokens on this machine; the preset needs {need:,} "
+                             f"({n * preset.seq_len:,} for {n:,} rows"
+                             + (f" and {need - n * preset.seq_len:,} kept apart for the retrieval samples' haystacks "
+                                f"(haystack_rows={preset.haystack_rows:g})" if n_ret else "")
+                             + "): fewer --steps, or a preset that keeps less text apart")
         np.save(work / "train_rows.npy", stream[: n * preset.seq_len].reshape(n, preset.seq_len).astype(np.int32))
         if n_ret:
             hay = stream[n * preset.seq_len :]
