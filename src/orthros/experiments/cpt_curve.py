@@ -1,21 +1,28 @@
-"""The token curve: the conversion recipe and its same-data control at several training budgets,
-and the recipe's gap to the control at each budget.
+"""The token curve of the conversion experiment: the same arms trained at several budgets
+(`orthros experiment cpt --steps 160 480 1600`), each Orthros arm's gap to the same-data control
+(the source architecture's arm, `full-...`) at the same budget, as a table, curve.json and a plot.
 
-    python benchmarks/cpt_token_curve.py benchmarks/results/cpt-smollm2-rqp-curve/*/results.json \
-        --ref full-cpt-mix-aw --plot docs/cpt-token-curve.png
-
-Reads `orthros experiment cpt` results (runs of one preset at several `--steps`; no model runs),
-prints a table (perplexity, copy loss and pass key by tokens, and the gap to `--ref` in the same
-budget), and writes curve.json beside the first file (or to --out) and the plot.
+    orthros experiment cpt --preset smollm2-kd-h200-rqp-curve --steps 160 480 1600 --jobs 2 \
+        --arms orthros-cpt-sink-mix-aw full-cpt-mix-aw --device cuda
+    orthros experiment cpt --from-json runs/curve/steps-*/results.json --out runs/curve   # the report again
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-DOMAINS = ("code", "prose", "docs")
+from .cpt_report import DOMAINS
+
+
+def budgets(files: list[str | Path]) -> set[int]:
+    """The training-token budgets of results.json / arm-*.json files (one: a comparison; several: a curve)."""
+    out = set()
+    for f in files:
+        d = json.loads(Path(f).read_text())
+        rs = d["results"].values() if "results" in d else [d]
+        out |= {r["train"]["tokens"] for r in rs if r.get("train")}
+    return out
 
 
 def points(files: list[str | Path]) -> list[dict]:
@@ -24,7 +31,8 @@ def points(files: list[str | Path]) -> list[dict]:
     for f in files:
         d = json.loads(Path(f).read_text())
         if "results" not in d:
-            raise SystemExit(f"{f}: not a results.json of `orthros experiment cpt` (no 'results')")
+            raise ValueError(f"{f}: a curve needs the results.json of each run (it carries the preset), "
+                             "not an arm file")
         cfg = d["meta"]["config"]
         for arm, r in d["results"].items():
             if not r.get("train"):
@@ -138,26 +146,26 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="+", help="results.json of `orthros experiment cpt` runs")
-    ap.add_argument("--ref", default="full-cpt-mix-aw", help="the arm every gap is measured against")
-    ap.add_argument("--out", default=None, help="curve.json (default: beside the first file's folder)")
-    ap.add_argument("--plot", default=None, help="the plot (default: curve.png beside curve.json)")
-    args = ap.parse_args()
-    pts = points(args.files)
-    if not any(p["arm"] == args.ref for p in pts):
-        raise SystemExit(f"--ref {args.ref}: no such trained arm in these files "
-                         f"(arms: {', '.join(sorted({p['arm'] for p in pts}))})")
-    gp = gaps(pts, args.ref)
-    print(table(pts, gp))
-    out = Path(args.out) if args.out else Path(args.files[0]).resolve().parents[1] / "curve.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"ref": args.ref, "points": pts, "gaps": gp}, indent=1))
-    png = Path(args.plot) if args.plot else out.with_suffix(".png")
-    plot(pts, gp, args.ref, png)
-    print(f"wrote {out} and {png}")
+def reference(pts: list[dict]) -> str | None:
+    """The same-data control: the one source-architecture arm (`full-...`) trained at every budget."""
+    budgets_ = {p["tokens"] for p in pts}
+    full = sorted({p["arm"] for p in pts if p["arm"].startswith("full-")})
+    full = [a for a in full if {p["tokens"] for p in pts if p["arm"] == a} == budgets_]
+    return full[0] if len(full) == 1 else None
 
 
-if __name__ == "__main__":
-    main()
+def write_curve(files: list[str | Path], out: str | Path, ref: str | None = None) -> dict:
+    """curve.json, curve.md and curve.png under `out` from runs at several budgets."""
+    pts = points(files)
+    ref = ref or reference(pts)
+    if ref is not None and not any(p["arm"] == ref for p in pts):
+        raise ValueError(f"no trained arm {ref} in these runs (arms: {', '.join(sorted({p['arm'] for p in pts}))})")
+    gp = gaps(pts, ref) if ref else []
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(pts, gp) + (f"\n\nGaps: perplexity above {ref} at the same tokens." if ref else
+                             "\n\n(no same-data control, a `full-` arm at every budget: no gaps)")
+    (out / "curve.json").write_text(json.dumps({"ref": ref, "points": pts, "gaps": gp}, indent=1))
+    (out / "curve.md").write_text(text + "\n")
+    plot(pts, gp, ref, out / "curve.png")
+    return {"ref": ref, "points": pts, "gaps": gp, "table": text}
