@@ -22,8 +22,9 @@ import json
 import math
 from pathlib import Path
 
+from orthros.experiments.cpt_data import DOMAINS
+
 RANGES = ((0, 256), (256, 512), (512, 2048), (2048, 4096), (4096, 8192))
-DOMAINS = ("code", "prose", "docs")
 
 
 def load(path: str) -> dict:

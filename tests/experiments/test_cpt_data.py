@@ -96,3 +96,20 @@ def test_haystack_text_asked_follows_the_preset(tmp_path, chat_tok, monkeypatch,
     n = 6 * p.batch_size
     assert asked == [n * 1024 + round(haystack_rows * (n // 2) * 1024)]
     assert PRESETS["smollm2-kd-h200-rqp-curve"].haystack_rows == 1.0
+
+
+def test_held_out_sets_include_a_novel_no_training_file_holds(tmp_path, chat_tok, monkeypatch):
+    """The fourth held-out domain is English about no software (a novel carried with the project):
+    consecutive rows of its tokens; the training corpus holds none of its text."""
+    from orthros.experiments import cpt_data
+
+    text = cpt_data.novel_text()
+    assert text.startswith("CHAPTER 1. Loomings.\n\nCall me Ishmael.")
+    assert re.findall(r"^CHAPTER (\d+)\.", text, re.M) == [str(i) for i in range(1, 68)]
+    held = cpt_data.heldout_sets(chat_tok, 512, 3, tmp_path)
+    assert list(held) == list(cpt_data.DOMAINS) == ["code", "prose", "docs", "novel"]
+    ids = chat_tok(text[:20000], add_special_tokens=False)["input_ids"]
+    assert held["novel"].shape == (3, 512) and held["novel"].ravel().tolist() == ids[: 3 * 512]
+    # no training document quotes the novel (checked on this machine's corpus, as a run would read it)
+    docs = cpt_data.read_train_documents(3_000_000)
+    assert docs and not any("Call me Ishmael. Some years ago" in d for d in docs)

