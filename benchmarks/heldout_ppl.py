@@ -87,7 +87,9 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{a.tag}.json").write_text(json.dumps({"rows_per_length": a.rows, "domains": a.domains,
+    (out / f"{a.tag}.json").write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                                   "device": "cpu", "torch": torch.__version__,
+                                                   "rows_per_length": a.rows, "domains": a.domains,
                                                    "lengths": a.lengths, "ppl": rows}, indent=1))
     (out / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
