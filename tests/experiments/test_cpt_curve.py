@@ -37,7 +37,12 @@ def test_each_budget_is_paired_with_its_control(tmp_path):
     g = curve.gaps(pts, "full-x")
     assert [(x["tokens"], round(x["code_short"], 6), round(x["code_long"], 6), round(x["copy"]["512"], 6))
             for x in g] == [(1000, 10.0, 10.0, 10.0), (3000, 5.0, 5.0, 5.0)]
-    assert "+5.0% / +5.0%" in curve.table(pts, g)
+    text = curve.table(pts, g)
+    assert "+5.0% / +5.0%" in text
+    # the columns are the domains the runs have (no docs here), at the preset's lengths; every row fits them
+    lines = text.splitlines()
+    assert "code 2K / 8K" in lines[0] and "docs" not in lines[0] and "novel" not in lines[0]
+    assert len({ln.count("|") for ln in lines}) == 1
     assert curve.budgets(files) == {1000, 3000, 9000}
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cpt_report import DOMAINS
+from .cpt_report import DOMAINS, _k
 
 
 def budgets(files: list[str | Path]) -> set[int]:
@@ -42,7 +42,7 @@ def points(files: list[str | Path]) -> list[dict]:
             p = {"arm": arm, "label": r["label"], "tokens": r["train"]["tokens"], "steps": r["train"]["steps"],
                  "window": window, "seed": r.get("seed", 0),
                  "train_seconds": r["train"]["seconds"], "gpu": d["meta"].get("gpu"), "date": d["meta"].get("date"),
-                 "file": str(f)}
+                 "lengths": [cfg.get("short_len", 2048), cfg.get("seq_len", 8192)], "file": str(f)}
             for dom in DOMAINS:
                 if dom in ev:
                     p[f"{dom}_short"] = ev[dom]["short"]["ppl"]
@@ -70,19 +70,26 @@ def gaps(pts: list[dict], ref: str) -> list[dict]:
     return out
 
 
+def tokens_label(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
+
+
 def table(pts: list[dict], gp: list[dict]) -> str:
     gaps_of = {(g["arm"], g["tokens"]): g for g in gp}
+    doms = [d for d in DOMAINS if any(f"{d}_short" in p for p in pts)]
+    S, L = (_k(n) for n in pts[0]["lengths"])
     copies = sorted({k for p in pts for k in p["copy"]}, key=int)
     keys = sorted({k for p in pts for k in p["passkey"]}, key=int)
-    head = (["arm", "W", "tokens", "code 2K / 8K", "prose 2K / 8K", "docs 2K / 8K"]
-            + [f"copy @{c}" for c in copies] + [f"pass key {k}" for k in keys] + ["gap code / prose 2K / 8K"])
+    head = (["arm", "W", "tokens"] + [f"{d} {S} / {L}" for d in doms]
+            + [f"copy @{c}" for c in copies] + [f"pass key {k}" for k in keys]
+            + [f"gap code {S} / {L}; prose {S} / {L}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in pts:
         g = gaps_of.get((p["arm"], p["tokens"]))
-        gap = "-" if g is None else (f"{g['code_short']:+.1f}% / {g['code_long']:+.1f}% ; "
+        gap = "-" if g is None else (f"{g['code_short']:+.1f}% / {g['code_long']:+.1f}%; "
                                       f"{g['prose_short']:+.1f}% / {g['prose_long']:+.1f}%")
-        cells = [p["label"], str(p["window"] or "-"), f"{p['tokens'] / 1e6:.1f}M"]
-        cells += [f"{p[f'{d}_short']:.3f} / {p[f'{d}_long']:.3f}" if f"{d}_short" in p else "-" for d in DOMAINS]
+        cells = [p["label"], str(p["window"] or "-"), tokens_label(p["tokens"])]
+        cells += [f"{p[f'{d}_short']:.3f} / {p[f'{d}_long']:.3f}" if f"{d}_short" in p else "-" for d in doms]
         cells += [f"{p['copy'][c]:.3f}" if c in p["copy"] else "-" for c in copies]
         cells += [f"{100 * p['passkey'][k]:.0f}%" if k in p["passkey"] else "-" for k in keys]
         lines.append("| " + " | ".join(cells + [gap]) + " |")
@@ -99,24 +106,25 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
     arms = list(dict.fromkeys(p["arm"] for p in pts))
     short = {p["arm"]: ("control (full attention)" if p["arm"] == ref else f"Orthros, W={p['window']}") for p in pts}
     color = {a: "tab:orange" if a == ref else c for a, c in zip(arms, ["tab:blue", "tab:green", "tab:purple"] * 3)}
-    ticks = sorted({p["tokens"] / 1e6 for p in pts})
+    ticks = sorted({p["tokens"] for p in pts})
+    S, L = (_k(n) for n in pts[0]["lengths"])
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     for ax, dom in zip(axes[:2], ("code", "prose")):
         for arm in arms:
             ps = [p for p in pts if p["arm"] == arm]
-            x = [p["tokens"] / 1e6 for p in ps]
-            ax.plot(x, [p[f"{dom}_short"] for p in ps], "o--", color=color[arm], label=f"{short[arm]}, 2K")
-            ax.plot(x, [p[f"{dom}_long"] for p in ps], "s-", color=color[arm], label=f"{short[arm]}, 8K")
+            x = [p["tokens"] for p in ps]
+            ax.plot(x, [p[f"{dom}_short"] for p in ps], "o--", color=color[arm], label=f"{short[arm]}, {S}")
+            ax.plot(x, [p[f"{dom}_long"] for p in ps], "s-", color=color[arm], label=f"{short[arm]}, {L}")
         ax.set_title(f"held-out {dom}: perplexity")
         ax.set_ylabel("perplexity")
         ax.legend(fontsize=7)
     ax = axes[2]
     for arm in dict.fromkeys(g["arm"] for g in gp):
         gs = [g for g in gp if g["arm"] == arm]
-        x = [g["tokens"] / 1e6 for g in gs]
+        x = [g["tokens"] for g in gs]
         for k, style, c in (("code_short", "o--", "tab:blue"), ("code_long", "s-", "tab:blue"),
                             ("prose_short", "o--", "tab:red"), ("prose_long", "s-", "tab:red")):
-            name = k.replace("_short", " 2K").replace("_long", " 8K")
+            name = k.replace("_short", f" {S}").replace("_long", f" {L}")
             ax.plot(x, [g[k] for g in gs], style, color=c, label=f"{short[arm]}: {name}")
     ax.axhline(3, color="gray", lw=1, ls=":", label="target: within 3%")
     ax.axhline(0, color="black", lw=0.8)
@@ -128,7 +136,7 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
     for arm in arms:
         ps = [p for p in pts if p["arm"] == arm]
         for g, style in zip(gaps_, ("o-", "s--", "^:")):
-            ax.plot([p["tokens"] / 1e6 for p in ps], [p["copy"].get(g) for p in ps], style,
+            ax.plot([p["tokens"] for p in ps], [p["copy"].get(g) for p in ps], style,
                     color=color[arm], label=f"{short[arm]}, gap {g}")
     ax.set_title("copy loss (lower = copies)")
     ax.set_ylabel("loss on the repeated segment (nats)")
@@ -137,7 +145,7 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
         ax.set_xscale("log")
         ax.xaxis.set_major_locator(FixedLocator(ticks))
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xticklabels([f"{t:.1f}M" for t in ticks])
+        ax.set_xticklabels([tokens_label(t) for t in ticks])
         ax.set_xlabel("training tokens")
         ax.grid(alpha=0.3)
     fig.tight_layout()
