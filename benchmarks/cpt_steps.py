@@ -23,6 +23,7 @@ import torch
 from orthros.experiments.cpt_arms import ARMS, PRESETS
 from orthros.experiments.jobs import run_jobs
 
+
 def timing_mask(spec, preset, n_rows: int) -> np.ndarray | None:
     """Targets of a -mix arm's rows for timing: every k-th row opens with a sample of a quarter of
     the row whose last 16 targets are its answers (weighed as `answer_weight` says), then text,

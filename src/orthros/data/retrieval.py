@@ -100,7 +100,7 @@ def _chat(tok, turns: list[tuple[str, str]]) -> tuple[list[int], list[bool]]:
     if full != list(tok(texts[-1], add_special_tokens=False)["input_ids"]):
         raise ValueError("the chat template's turns do not meet at token boundaries")
     mask = []
-    for (user, answer), prompt, reply in zip(turns, pieces[0::2], pieces[1::2]):
+    for (_, answer), prompt, reply in zip(turns, pieces[0::2], pieces[1::2]):
         n_ans = len(tok(answer, add_special_tokens=False)["input_ids"]) + 1  # the answer and the end-of-turn token
         mask += [False] * len(prompt) + [i < n_ans for i in range(len(reply))]
     return full, mask

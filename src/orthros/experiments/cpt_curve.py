@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .cpt_report import DOMAINS, _k
+from .cpt_data import DOMAINS
+from .cpt_report import size_label
 
 
 def budgets(files: list[str | Path]) -> set[int]:
@@ -70,6 +71,11 @@ def gaps(pts: list[dict], ref: str) -> list[dict]:
     return out
 
 
+def lengths(pts: list[dict]) -> tuple[str, str]:
+    """The runs' short and long evaluation lengths, as labels ("2K", "8K")."""
+    return tuple(size_label(n) for n in pts[0]["lengths"])
+
+
 def tokens_label(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
 
@@ -77,7 +83,7 @@ def tokens_label(n: int) -> str:
 def table(pts: list[dict], gp: list[dict]) -> str:
     gaps_of = {(g["arm"], g["tokens"]): g for g in gp}
     doms = [d for d in DOMAINS if any(f"{d}_short" in p for p in pts)]
-    S, L = (_k(n) for n in pts[0]["lengths"])
+    S, L = lengths(pts)
     copies = sorted({k for p in pts for k in p["copy"]}, key=int)
     keys = sorted({k for p in pts for k in p["passkey"]}, key=int)
     head = (["arm", "W", "tokens"] + [f"{d} {S} / {L}" for d in doms]
@@ -107,7 +113,7 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
     short = {p["arm"]: ("control (full attention)" if p["arm"] == ref else f"Orthros, W={p['window']}") for p in pts}
     color = {a: "tab:orange" if a == ref else c for a, c in zip(arms, ["tab:blue", "tab:green", "tab:purple"] * 3)}
     ticks = sorted({p["tokens"] for p in pts})
-    S, L = (_k(n) for n in pts[0]["lengths"])
+    S, L = lengths(pts)
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.4))
     for ax, dom in zip(axes[:2], ("code", "prose")):
         for arm in arms:

@@ -14,17 +14,18 @@ COLORS = {"source": "black", "orthros-0shot": "tab:gray", "orthros-cpt": "tab:bl
           "full-cpt-s1": "wheat"}
 
 
-def _k(n: int) -> str:
+def size_label(n: int) -> str:
+    """2048 -> "2K"; a count that is not whole K as it is."""
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def format_table(results: dict, preset) -> str:
-    L, S = _k(preset.seq_len), _k(preset.short_len)
+    L, S = size_label(preset.seq_len), size_label(preset.short_len)
     gaps = [str(g) for g in preset.copy_gaps]
     lens = [str(n) for n in preset.passkey_lengths]
     doms = [d for d in DOMAINS if all(d in r["eval"] for r in results.values())]
     head = (["arm", "trained params"] + [f"{d} ppl {n}" for d in doms for n in (S, L)]
-            + [f"copy loss @{_k(int(g))}" for g in gaps] + [f"passkey {_k(int(n))}" for n in lens]
+            + [f"copy loss @{size_label(int(g))}" for g in gaps] + [f"passkey {size_label(int(n))}" for n in lens]
             + [f"lm-eval {t}" for t in preset.lm_eval_tasks])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, r in results.items():
