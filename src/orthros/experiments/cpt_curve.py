@@ -125,13 +125,15 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
         ax.set_ylabel("perplexity")
         ax.legend(fontsize=7)
     ax = axes[2]
-    for arm in dict.fromkeys(g["arm"] for g in gp):
+    for i, arm in enumerate(dict.fromkeys(g["arm"] for g in gp)):
         gs = [g for g in gp if g["arm"] == arm]
         x = [g["tokens"] for g in gs]
         for k, style, c in (("code_short", "o--", "tab:blue"), ("code_long", "s-", "tab:blue"),
                             ("prose_short", "o--", "tab:red"), ("prose_long", "s-", "tab:red")):
             name = k.replace("_short", f" {S}").replace("_long", f" {L}")
-            ax.plot(x, [g[k] for g in gs], style, color=c, label=f"{short[arm]}: {name}")
+            # colour says the domain; a second (third) Orthros arm gets hollow (small) markers
+            face = dict(markerfacecolor="white") if i % 3 == 1 else dict(markersize=4) if i % 3 == 2 else {}
+            ax.plot(x, [g[k] for g in gs], style, color=c, label=f"{short[arm]}: {name}", **face)
     ax.axhline(3, color="gray", lw=1, ls=":", label="target: within 3%")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_title("perplexity above the same-data control")
