@@ -117,6 +117,31 @@ def test_bench_decode_moe_counts_the_experts_read(tmp_path):
     assert main(["bench", "decode", "--model", "tiny", "--variants", "orthros-bound", "--out-dir", str(tmp_path)]) == 2
 
 
+def test_profile_groups_moe_kernels_against_the_experts_read():
+    """--profile: the fused MoE kernels are their own group, measured against the bytes of the experts
+    a step read; the GEMMs against the weights outside the experts (not every expert of every layer)."""
+    from orthros.bench.common import KERNEL_GROUPS
+    from orthros.bench.decode import expert_bytes, group_bandwidth, weight_bytes
+    from orthros.generate import new_static_cache
+
+    from ..conftest import make_model
+
+    def group(name):
+        return next(g for g, subs in KERNEL_GROUPS if any(s in name.lower() for s in subs))
+
+    assert group("moe_up") == group("moe_down") == "fused MoE experts"
+    assert group("nvjet_sm90_tst_64x8") == "GEMM (linear layers)"
+    model = make_model(window=3, base="tiny-moe")
+    cache = new_static_cache(model, 1, 16, "auto")
+    prof = {"steps": 2, "groups_ms": {"GEMM (linear layers)": 1.0, "fused MoE experts": 0.5}}
+    out = group_bandwidth(prof, model, cache, 1, 8, experts_read=2)
+    dense = weight_bytes(model, experts_read=0)
+    assert 0 < dense < weight_bytes(model) and expert_bytes(model, 2) < expert_bytes(model)
+    assert out["GEMM (linear layers)"] == pytest.approx(dense * 2 / 1e-3 / 1e9)
+    assert out["fused MoE experts"] == pytest.approx(expert_bytes(model, 2) * 2 / 0.5e-3 / 1e9)
+    assert "fused MoE experts" not in group_bandwidth(prof, model, cache, 1, 8)  # experts read unknown
+
+
 def test_graphed_step_gives_the_eager_step_s_logits():
     """The bench's graphed MoE step: on a GPU its CUDA graph replays the eager step's logits; where no
     graph can be captured (no CUDA) it runs the eager step and records why."""

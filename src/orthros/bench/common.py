@@ -152,6 +152,7 @@ KERNEL_GROUPS = [  # (group, substrings of kernel names), first match wins
     ("split-KV attention", ("splitkv", "paged_fwd", "lowbit_packed", "lowbit_finish")),
     ("FlexAttention (SWA)", ("flex", "triton_tem")),
     ("SDPA attention", ("fmha", "flash", "cudnn", "attention")),
+    ("fused MoE experts", ("moe_up", "moe_down")),
     ("GEMM (linear layers)", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "sm90")),
     ("fused elementwise (norms, RoPE, SwiGLU gate)",
      ("triton_poi", "triton_red", "triton_per", "rms_norm_fwd", "heads_fwd", "silu_mul_fwd")),

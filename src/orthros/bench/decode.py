@@ -185,13 +185,15 @@ def step_bytes(model, cache, batch: int, context: int, experts_read: float | Non
     return int(weight_bytes(model, experts_read) + kv_read_bytes(model, cache, batch, context))
 
 
-def group_bandwidth(profile: dict, model, cache, batch: int, context: int) -> dict:
-    """Achieved GB/s of the attention kernels (K/V bytes) and of the GEMMs (weight bytes) in a profile."""
+def group_bandwidth(profile: dict, model, cache, batch: int, context: int, experts_read: float | None = None) -> dict:
+    """Achieved GB/s of the attention kernels (K/V bytes), the GEMMs (the weights outside the experts)
+    and the fused MoE kernels (the bytes of the `experts_read` experts a sparse layer read) in a profile."""
     steps, g = profile["steps"], profile["groups_ms"]
     out = {}
     for group, nbytes in (("split-KV attention", kv_read_bytes(model, cache, batch, context)),
-                          ("GEMM (linear layers)", weight_bytes(model))):
-        if g.get(group):
+                          ("GEMM (linear layers)", weight_bytes(model, experts_read=0)),
+                          ("fused MoE experts", expert_bytes(model, experts_read) if experts_read else 0)):
+        if g.get(group) and nbytes:
             out[group] = nbytes * steps / (g[group] / 1e3) / 1e9
     return out
 
@@ -320,13 +322,14 @@ def measure(args) -> dict:
                     with torch.inference_mode():
                         dt, warm_s = time_decode(model, cache, args.steps, args.warmup, step_fn, device)
                         progress(f"{what}: warm-up took {warm_s:.1f} s; {args.steps} steps timed")
+                        read = experts_per_step(model, cache, B, fast_decode_step)  # (hooks: not a replay)
                         if args.profile and variant not in profiles:
                             prof = {"batch": B, "context": C, "steps": 10, **kernel_profile(
                                 lambda: [decode_one_token_fast(model, tok[:B], cache, step_fn) for _ in range(10)],
                                 device, top=40)}
-                            prof["gb_per_s"] = group_bandwidth(prof, model, cache, B, cache.length - 5)  # mid-run context
+                            # K/V at the mid-run context
+                            prof["gb_per_s"] = group_bandwidth(prof, model, cache, B, cache.length - 5, read)
                             profiles[variant] = prof
-                        read = experts_per_step(model, cache, B, fast_decode_step)  # (hooks: not a replay)
                     if isinstance(step_fn, GraphedStep):
                         row["step"] = "eager" if step_fn.note else "eager, CUDA graph"
                         if step_fn.note:
