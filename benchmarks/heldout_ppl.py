@@ -54,12 +54,15 @@ def main(argv=None) -> None:
     held = heldout_sets(tok, L, a.rows, Path(a.cache))
     data = {d: torch.from_numpy(held[d][: a.rows].astype(np.int64)) for d in a.domains}
 
-    def score(model) -> dict:
+    def score(model, name: str) -> dict:
+        from tqdm import tqdm
+
         out = {}
-        for d, rows in data.items():
-            for n in a.lengths:
-                s = loss_summary(token_losses(model, rows[:, :n], a.batch))
-                out[f"{d} {n}"] = s["ppl"]
+        with tqdm(total=sum(len(r) for r in data.values()) * len(a.lengths), desc=name, unit="row") as bar:
+            for d, rows in data.items():
+                for n in a.lengths:
+                    s = loss_summary(token_losses(model, rows[:, :n], a.batch, progress=bar))
+                    out[f"{d} {n}"] = s["ppl"]
         return out
 
     models = [("source", lambda: AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32))]
@@ -76,7 +79,7 @@ def main(argv=None) -> None:
     rows = {}
     for name, make in models:
         t = time.time()
-        rows[name] = score(make().eval())
+        rows[name] = score(make().eval(), name)
         print(name, {k: round(v, 3) for k, v in rows[name].items()}, f"({time.time() - t:.0f} s)", flush=True)
     cols = [f"{d} {n}" for d in a.domains for n in a.lengths]
     src = rows["source"]

@@ -73,9 +73,10 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(c.hidden_size, c.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
-    def probs(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., C] -> the router's softmax over all experts [..., E] (fp32)."""
-        return F.softmax(self.gate(x).float(), dim=-1)
+    def probs(self, x: torch.Tensor | None, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., C] -> the router's softmax over all experts [..., E] (fp32); from the router's
+        `logits` [..., E] instead, where a caller made them for more rows at once."""
+        return F.softmax((self.gate(x) if logits is None else logits).float(), dim=-1)
 
     def route(self, x: torch.Tensor, probs: torch.Tensor | None = None) -> Routing:
         """x [..., C] -> its top-k experts: softmax over all experts (`probs`, if already made),
@@ -86,10 +87,11 @@ class SparseMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True)
         return Routing(w, idx)
 
-    def rebind(self, x: torch.Tensor, chosen: torch.Tensor) -> Routing:
+    def rebind(self, x: torch.Tensor | None, chosen: torch.Tensor, logits: torch.Tensor | None = None) -> Routing:
         """x [..., C] on the experts `chosen` [..., k] (another row's choice): x's own router
-        logits over them, softmax-renormalised over those k."""
-        return Routing(F.softmax(self.gate(x).float().gather(-1, chosen), dim=-1), chosen)
+        logits over them (or `logits` [..., E], made already), softmax-renormalised over those k."""
+        logits = self.gate(x) if logits is None else logits
+        return Routing(F.softmax(logits.float().gather(-1, chosen), dim=-1), chosen)
 
     def forward(self, x: torch.Tensor, r: Routing | None = None) -> torch.Tensor:
         """x [..., C] -> [..., C]; `r` (over x's rows) from `route` / `rebind`, or x's own."""

@@ -173,8 +173,11 @@ class OrthrosBlock(GradientCheckpointingLayer):
         In the last layer the base stream makes K/V only (it has no MLP input), so there the output
         rows route themselves in every mode."""
         joined = len(hs) == 1 and hs[0] is not None and hs[0][1].shape[1] > T
+        lb = lo = None  # a joined group's router logits, made once for both streams' rows
         if joined:
             xb, xo = hs[0][1][:, :T], hs[0][1][:, T:]
+            logits = self.mlp.gate(hs[0][1])
+            lb, lo = logits[:, :T], logits[:, T:]
         else:
             xb = None if hs[0] is None else hs[0][1]
             xo = hs[1][1] if len(hs) > 1 else None
@@ -182,14 +185,14 @@ class OrthrosBlock(GradientCheckpointingLayer):
         # (probs, experts, rows that count); the same ops run either way, so a checkpointed block's
         # recomputation (which records nothing) matches its forward.
         bal = self.mlp.balance
-        pb = None if xb is None else self.mlp.probs(xb)
+        pb = None if xb is None else self.mlp.probs(xb, lb)
         rb = None if xb is None else self.mlp.route(xb, pb)  # [B, T, k]
         if bal is not None and pb is not None:
             bal.append((pb, rb.experts, layout.base_doc != PAD_DOC))
         ro = None
         if xo is not None:
             if self.output_routing == "independent" or last:
-                po = self.mlp.probs(xo)
+                po = self.mlp.probs(xo, lo)
                 ro = self.mlp.route(xo, po)
                 if bal is not None:  # rows routed by their own choice (bound / base reuse the base row's)
                     bal.append((po, ro.experts, layout.out_valid))
@@ -197,7 +200,7 @@ class OrthrosBlock(GradientCheckpointingLayer):
                 if take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
                     take = lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
                 chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
-                ro = (self.mlp.rebind(xo, chosen) if self.output_routing == "bound"
+                ro = (self.mlp.rebind(xo, chosen, lo) if self.output_routing == "bound"
                       else type(rb)(take(rb.weights), chosen))
         if joined:
             h, x = hs[0]
