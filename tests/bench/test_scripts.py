@@ -116,3 +116,23 @@ def test_answer_logprob_is_the_full_forwards_sum_over_the_answer():
         lp = model(torch.tensor([ids + ans], device=model.device)).logits[0].float().log_softmax(-1)
         got = answer_logprob(model, ids, ans)
     assert abs(got - sum(lp[len(ids) - 1 + k, t].item() for k, t in enumerate(ans))) < 1e-4
+
+
+def test_moe_sweep_searches_launches_and_checks_them(tmp_path):
+    """benchmarks/moe_sweep.py's logic under the Triton interpreter (its times say nothing on a CPU):
+    a decode pair routed by its base row reads k experts, every candidate of the searched field is
+    tried and checked against the default launch, and the JSON / table are written."""
+    import json
+
+    from ..conftest import run_triton_interpreted
+
+    out = tmp_path / "sweep.json"
+    r = run_triton_interpreted("benchmarks/moe_sweep.py", "--model", "tiny-moe", "--batches", "1", "--scenarios",
+                               "bound", "independent", "--fields", "up_i", "--rounds", "1", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rows = {x["scenario"]: x for x in json.loads(out.read_text())["rows"]}
+    assert rows["bound"]["rows"] == 2 and rows["bound"]["experts_read"] == 2  # tiny-moe: top 2
+    assert rows["independent"]["experts_read"] >= 2
+    for x in rows.values():
+        assert x["tried"] == 4 and not x["skipped"] and x["best_s"] <= x["default_s"]  # up_i: 16, 32, 128
+    assert "| 1 | bound (2) | 2 |" in out.with_suffix(".md").read_text()

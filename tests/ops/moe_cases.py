@@ -9,7 +9,7 @@ import torch
 from orthros import OrthrosConfig
 from orthros.generate import decode_one_token, prefill
 from orthros.layers.moe import SparseMoE
-from orthros.ops.moe import MAX_ROWS, expert_tables, fused_moe, fused_moe_ref
+from orthros.ops.moe import MAX_ROWS, MoELaunch, expert_tables, fused_moe, fused_moe_ref, fused_moe_with
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET") else "cpu")
 
@@ -38,6 +38,25 @@ def sums_match_the_loop():
                 assert got.dtype == dtype and got.shape == (R, C)
                 tol = 1e-5 if dtype == torch.float32 else 2e-2
                 assert rel(got, ref) < tol, (dtype, R, k, rel(got, ref))
+    # other launch settings (benchmarks' sweeps): tiles narrower and wider than the defaults, a segment
+    # in passes of 16 rows, widths that are not whole tiles
+    torch.manual_seed(2)
+    cfg = OrthrosConfig.from_name("tiny-moe", num_experts=8, num_experts_per_tok=2, hidden_size=96,
+                                  moe_intermediate_size=40)
+    moe = SparseMoE(cfg).to(DEVICE)
+    x = torch.randn(20, 96, device=DEVICE)
+    r = moe.route(x)
+    for idx in (r.experts, torch.full_like(r.experts, 3)):  # every row on one expert: 40 pairs, 3 passes of 16
+        ref = fused_moe_ref(x, r.weights, idx, moe.experts)
+        for launch in (MoELaunch(16, up_i=16, up_c=32, down_c=32, down_i=16, warps=2),
+                       MoELaunch(32, up_i=128, up_c=128, down_c=128, down_i=64, stages=2)):
+            got = fused_moe_with(x, r.weights, idx, expert_tables(moe.experts, DEVICE), 40, launch)
+            assert rel(got, ref) < 1e-5, (launch, rel(got, ref))
+    try:
+        fused_moe_with(x, r.weights, r.experts, expert_tables(moe.experts, DEVICE), 40, MoELaunch(8))
+        raise AssertionError("block_m 8 was taken")
+    except ValueError as e:
+        assert "block_m" in str(e)
     # rows of another dtype than the weights (fp64 rows here; bf16 rows over fp32 weights under autocast)
     torch.manual_seed(1)
     cfg = OrthrosConfig.from_name("tiny-moe")

@@ -12,9 +12,13 @@ graph. The experts stay separate `nn.Linear` modules: the kernels find them thro
 their weights' addresses (`expert_tables`).
 
 `fused_moe_ref` is the same computation as a plain PyTorch loop over the experts (the reference).
+`fused_moe_with` runs the same step at any launch settings (`MoELaunch`): for benchmarks
+(benchmarks/moe_sweep.py), not for production code.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -54,32 +58,60 @@ def _segments(weights: torch.Tensor, experts: torch.Tensor):
     return e_sorted.to(torch.int32), rows, w_sorted, order, start[:P], count[:P]
 
 
+class MoELaunch(NamedTuple):
+    """The kernels' tiles: a segment's rows a pass (>= 16, the dot's least), the gate / up kernel's
+    output columns a program and its reduction tile over C, the down kernel's output columns a
+    program and its reduction tile over I; warps and pipeline stages (None: Triton's default)."""
+    block_m: int
+    up_i: int = 64
+    up_c: int = 64
+    down_c: int = 64
+    down_i: int = 64
+    warps: int | None = None
+    stages: int | None = None
+
+
+def launch_for(rows: int) -> MoELaunch:
+    """The launch `fused_moe` uses for `rows` rows."""
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    block_i = 64 if block_m <= 32 else 32
+    return MoELaunch(block_m, up_i=block_i, up_c=64, down_c=64, down_i=block_i)
+
+
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, tables, intermediate: int,
               fp32_dots: bool | None = None) -> torch.Tensor:
     """sum_k weights[r, k] * SwiGLU_{experts[r, k]}(x[r]) for x [R, C] (R <= MAX_ROWS), weights
     [R, k], experts [R, k] (int), `tables` from `expert_tables`, `intermediate` the experts' width.
     x may be of another dtype than the weights (it is cast to theirs). fp32_dots: exact fp32 dots
     (default: for fp32 weights)."""
+    return fused_moe_with(x, weights, experts, tables, intermediate, launch_for(x.shape[0]), fp32_dots)
+
+
+def fused_moe_with(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, tables, intermediate: int,
+                   launch: MoELaunch, fp32_dots: bool | None = None) -> torch.Tensor:
+    """`fused_moe` at the given launch settings (benchmarks)."""
     from .moe_kernels import moe_down, moe_up
 
     R, C = x.shape
     if R > MAX_ROWS:
         raise ValueError(f"fused MoE takes at most {MAX_ROWS} rows, got {R}")
+    if launch.block_m < 16 or launch.block_m & (launch.block_m - 1):
+        raise ValueError(f"fused MoE: block_m must be a power of two >= 16, got {launch.block_m}")
     k = experts.shape[1]
     P, I = R * k, intermediate
     gate, up, down, w0 = tables
     e_sorted, rows, w_sorted, order, start, count = _segments(weights, experts)
     x = x.contiguous()
     ieee = w0.dtype == torch.float32 if fp32_dots is None else fp32_dots
-    block_m = min(64, max(16, 1 << (R - 1).bit_length()))
-    block_i = 64 if block_m <= 32 else 32
-    block_c = 64
+    opts = {name: v for name, v in (("num_warps", launch.warps), ("num_stages", launch.stages)) if v is not None}
     h = torch.empty(P, I, device=x.device, dtype=x.dtype)
-    moe_up[(P, -(-I // block_i))](x, x.stride(0), gate, up, w0, e_sorted, rows, start, count, h, C, I,
-                                  BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_C=block_c, IEEE=ieee)
+    moe_up[(P, -(-I // launch.up_i))](x, x.stride(0), gate, up, w0, e_sorted, rows, start, count, h, C, I,
+                                      BLOCK_M=launch.block_m, BLOCK_I=launch.up_i, BLOCK_C=launch.up_c, IEEE=ieee,
+                                      **opts)
     y = torch.empty(P, C, device=x.device, dtype=torch.float32)
-    moe_down[(P, -(-C // block_c))](h, down, w0, e_sorted, w_sorted, start, count, y, C, I,
-                                    BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_I=block_i, IEEE=ieee)
+    moe_down[(P, -(-C // launch.down_c))](h, down, w0, e_sorted, w_sorted, start, count, y, C, I,
+                                          BLOCK_M=launch.block_m, BLOCK_C=launch.down_c, BLOCK_I=launch.down_i,
+                                          IEEE=ieee, **opts)
     y = torch.empty_like(y).index_copy_(0, order, y)  # back to (row, slot) order
     return y.view(R, k, C).sum(1).to(x.dtype)
 
