@@ -114,6 +114,13 @@ def test_bench_decode_moe_counts_the_experts_read(tmp_path):
     assert rows[("orthros", 1)]["experts_per_layer"] >= k
     assert rows[("full", 1)]["experts_per_layer"] <= k
     assert "experts a layer" in doc.read_text()
+    # a run without the `orthros` variant compares its first Orthros variant with full attention
+    from orthros.bench.decode import table
+
+    res = json.loads((tmp_path / "decode.json").read_text())
+    res["rows"] = [r for r in res["rows"] if r["variant"] in ("full", "orthros-bound")]
+    head, row = [ln for ln in table(res).splitlines() if ln.startswith("| ")][:3:2]
+    assert "| orthros-bound / full |" in head and row.count("×") == 1
     assert main(["bench", "decode", "--model", "tiny", "--variants", "orthros-bound", "--out-dir", str(tmp_path)]) == 2
 
 

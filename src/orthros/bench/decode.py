@@ -371,6 +371,10 @@ def _step_kind(result) -> str:
 def table(result) -> str:
     rows, env = result["rows"], result["env"]
     idx = {(r["variant"], r["batch"], r["context"]): r for r in rows}
+    # the main table's Orthros column: `orthros`, else the first Orthros variant the run has
+    ov = next((v for v in ("orthros", *dict.fromkeys(r["variant"] for r in rows)) if v.startswith("orthros")
+               and any(r["variant"] == v for r in rows)), "orthros")
+    lab = "Orthros" if ov == "orthros" else ov
     layers = rows[0]["layers"] if rows else "?"
     out = [f"Command: `{result['command']}`  ",
            f"Date: {env['date']}; GPU: {env['gpu']}; torch {env['torch']}{', triton ' + env['triton'] if 'triton' in env else ''}; "
@@ -378,7 +382,7 @@ def table(result) -> str:
            f"window {result['window']}, {_step_kind(result)}; "
            f"mean of {result['steps']} steps. KV cache filled with random values (no real prefill). "
            f"Roofline: bytes per step (weights + K/V read) at {result['bandwidth_tb_s']} TB/s.", "",
-           "| context | batch | Orthros tok/s | full tok/s | Orthros / full | Orthros GB/s (roofline) | full GB/s (roofline) |",
+           f"| context | batch | {lab} tok/s | full tok/s | {lab} / full | {lab} GB/s (roofline) | full GB/s (roofline) |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
 
     def cell(r):
@@ -392,7 +396,7 @@ def table(result) -> str:
 
     for C in sorted({r["context"] for r in rows}):
         for B in sorted({r["batch"] for r in rows}):
-            o, f = idx.get(("orthros", B, C)), idx.get(("full", B, C))
+            o, f = idx.get((ov, B, C)), idx.get(("full", B, C))
             ok = o and f and o["status"] == f["status"] == "ok"
             ratio = f"{o['tokens_per_s'] / f['tokens_per_s']:.3f}×" if ok else "–"
             out.append(f"| {_fmt_len(C)} | {B} | {cell(o)} | {cell(f)} | {ratio} | {bw(o)} | {bw(f)} |")
