@@ -1,7 +1,7 @@
 """Where a converted arm's perplexity gap lies: the held-out loss by position, against a reference arm.
 
-Reads the arm files `orthros experiment cpt` writes (arm-*.json: each held-out domain's loss in
-256-token buckets of its 8K rows) and prints, for every domain, each arm's perplexity ratio to the
+Reads the arm files `orthros experiment cpt` writes (arm-*.json, or an arm of results.json as
+`results.json#ARM`: each held-out domain's loss in 256-token buckets of its 8K rows) and prints, for every domain, each arm's perplexity ratio to the
 reference arm in position ranges: inside the window, just past it, and out to the row's end. A gap
 that grows with the position is context the arm uses less well than the reference; a flat one is the
 training budget. No model runs.
@@ -28,10 +28,16 @@ RANGES = ((0, 256), (256, 512), (512, 2048), (2048, 4096), (4096, 8192))
 
 
 def load(path: str) -> dict:
-    p = Path(path)
+    """An arm: an arm file (arm-*.json), or one arm of a results.json as `results.json#ARM`."""
+    file, _, name = path.partition("#")
+    p = Path(file)
     if not p.is_file():
-        raise SystemExit(f"{p}: no such arm file (arm-*.json of `orthros experiment cpt`)")
+        raise SystemExit(f"{p}: no such file (arm-*.json or results.json#ARM of `orthros experiment cpt`)")
     d = json.loads(p.read_text())
+    if "results" in d and isinstance(d["results"], dict) and d["results"]:
+        if name not in d["results"]:
+            raise SystemExit(f"{path}: name one of its arms after '#': {', '.join(d['results'])}")
+        d = d["results"][name]
     if "eval" not in d or "arm" not in d:
         raise SystemExit(f"{p}: not an arm file of `orthros experiment cpt` (no 'arm' / 'eval')")
     return d

@@ -74,6 +74,11 @@ def test_cpt_position_gap_splits_a_gap_by_position(tmp_path):
     bad.write_text(json.dumps({"results": {}}))
     with pytest.raises(SystemExit, match="not an arm file"):
         gap.load(str(bad))
+    both = tmp_path / "both.json"  # a results.json: an arm named after '#'
+    both.write_text(json.dumps({"results": {"ref": arm("ref", ref_loss), "x": arm("x", arm_loss)}}))
+    assert gap.load(f"{both}#x")["eval"] == arm("x", arm_loss)["eval"]
+    with pytest.raises(SystemExit, match="name one of its arms after '#': ref, x"):
+        gap.load(str(both))
 
 
 def test_kv_oracle_probe_gives_the_source_back_with_every_layers_kv():
