@@ -89,6 +89,23 @@ def test_several_steps_run_a_budget_each_then_write_the_curve(tmp_path, monkeypa
     assert curve.budgets([o / "steps-10" / "results.json"]) == {1000}
 
 
+def test_a_preset_with_arms_runs_them_unless_arms_are_named(tmp_path, monkeypatch):
+    """The headline preset names its arms (the recipe at W = 512 and its control): with no --arms those
+    run; --arms still wins; every preset's arms exist."""
+    from orthros.experiments import cpt
+    from orthros.experiments.cli import run_cpt_command
+    from orthros.experiments.cpt_arms import ARMS, DEFAULT_ARMS, PRESETS
+
+    assert all(a in ARMS for p in PRESETS.values() for a in p.arms)
+    ran = []
+    monkeypatch.setattr(cpt, "run_cpt", lambda preset, source, out, arms, *a: ran.append(arms) or {"table": ""})
+    assert run_cpt_command(_args(tmp_path, preset="smollm2-w512-52m", archs=None)) == 0
+    assert run_cpt_command(_args(tmp_path, preset="smollm2-w512-52m", out=str(tmp_path / "o2"))) == 0
+    assert run_cpt_command(_args(tmp_path, preset="smollm2-cpu-smoke", archs=None, out=str(tmp_path / "o3"))) == 0
+    assert ran == [["orthros-cpt-sink-mix-aw-w512", "full-cpt-mix-aw"], ["orthros-x", "full-x"], list(DEFAULT_ARMS)]
+    assert PRESETS["smollm2-w512-52m"].steps * PRESETS["smollm2-w512-52m"].batch_size * 8192 == 52_428_800
+
+
 def test_recall_takes_one_steps():
     from orthros.errors import UserError
     from orthros.experiments.cli import run

@@ -83,7 +83,7 @@ def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
     from .cpt import merge_runs, run_cpt
     from .cpt_curve import budgets, write_curve
-    from .cpt_arms import ARMS, DEFAULT_ARMS
+    from .cpt_arms import ARMS, DEFAULT_ARMS, PRESETS
     from .jobs import JobsFailed
 
     from ..errors import check_output_dir
@@ -109,12 +109,12 @@ def run_cpt_command(args) -> int:
         return 0
     source = args.source or smollm2_gguf()
     steps = args.steps or [None]
+    arms = args.archs or list(getattr(PRESETS.get(preset), "arms", ()) or DEFAULT_ARMS)
     runs = []
     for s in steps:  # one budget: --out itself; several: a run each, then their curve
         run_out = out if len(steps) == 1 else f"{out}/steps-{s}"
         try:
-            res = run_cpt(preset, source, run_out, args.archs or list(DEFAULT_ARMS), args.device, args.jobs, s,
-                          args.lm_eval_limit, args.compile)
+            res = run_cpt(preset, source, run_out, arms, args.device, args.jobs, s, args.lm_eval_limit, args.compile)
         except JobsFailed as e:  # each failure was printed with its traceback when it happened
             print(f"\n{e.report['table']}\n\nsaved the finished arms to {run_out}/results.json; {e}", file=sys.stderr)
             return 1

@@ -260,6 +260,8 @@ class CPTPreset:
     """parameters kept the source's: those whose name contains one of these (e.g. ("q_proj", "k_proj"):
     the queries and keys the source's lookup heads match with, as QK-Restore keeps them)"""
     answer_weight: float = 1.0
+    arms: tuple = ()
+    """the arms run when --arms names none (empty: DEFAULT_ARMS, (a)-(g) of the comparison)"""
     """weight of a retrieval sample's answer tokens against a text token (CE, and KL where distilled).
     A retrieval row's answers are 6 tokens (a pass key), 20-40 (a lookup of up to 8 facts) or 80-125
     (a copy) of its ~8K targets: at 1 they are 0.23% of the rq preset's targets, at 32 about 7% of
@@ -323,6 +325,12 @@ PRESETS = {
     "smollm2-kd-h200-rqp-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False,
                                            retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True,
                                            haystack_rows=1.0),
+    # The headline of docs/results.md: the recipe at W = 512 and its same-data control on the curve's
+    # data, 1,600 steps x 4 rows = 52.4M tokens each, side by side (--jobs 2; about 1,160 and 870 s of
+    # training on one H100, 150 s to prepare the rows)
+    "smollm2-w512-52m": CPTPreset(batch_size=4, steps=1600, gradient_checkpointing=False, retrieval_share=0.5,
+                                  retrieval_questions=8, retrieval_phrase=True, haystack_rows=1.0,
+                                  arms=("orthros-cpt-sink-mix-aw-w512", "full-cpt-mix-aw")),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
