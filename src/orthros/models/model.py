@@ -197,7 +197,9 @@ class OrthrosBlock(GradientCheckpointingLayer):
                 if bal is not None:  # rows routed by their own choice (bound / base reuse the base row's)
                     bal.append((po, ro.experts, layout.out_valid))
             else:
-                if take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
+                if take is None and T == 1 and xo.shape[1] == 1:  # a decode pair: its base row is row 0
+                    take = lambda t: t  # noqa: E731
+                elif take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
                     take = lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
                 chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
                 ro = (self.mlp.rebind(xo, chosen, lo) if self.output_routing == "bound"
