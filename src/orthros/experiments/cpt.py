@@ -473,7 +473,7 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
             rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
                                           tuple(preset.retrieval_lengths), questions=preset.retrieval_questions,
                                           kinds=kinds, answer=teacher() if teacher and "docqa" in kinds else None,
-                                          progress="docqa" in kinds, phrase=preset.retrieval_phrase)
+                                          progress="docqa" in kinds or n_ret >= 256, phrase=preset.retrieval_phrase)
             np.save(work / "retrieval_rows.npy", rrows)
             np.save(work / "retrieval_mask.npy", rmask)
             (work / "retrieval.json").write_text(json.dumps(meta))

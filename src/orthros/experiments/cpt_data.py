@@ -128,9 +128,13 @@ def read_train_documents(max_chars: int) -> list[str]:
 
 
 def encode_docs(tok, docs: list[str], sep: int | None, batch: int = 256) -> np.ndarray:
-    """Token ids of the documents, each followed by `sep` (none if None), as one stream."""
+    """Token ids of the documents, each followed by `sep` (none if None), as one stream (a progress
+    bar over more than a few batches)."""
+    from tqdm.auto import tqdm
+
     out = []
-    for i in range(0, len(docs), batch):
+    for i in tqdm(range(0, len(docs), batch), desc="tokenizing the corpus", unit="batch", leave=False,
+                  disable=len(docs) <= 8 * batch):
         for ids in tok(docs[i : i + batch], add_special_tokens=False)["input_ids"]:
             out.append(np.asarray(ids, dtype=np.int32))
             if sep is not None:
