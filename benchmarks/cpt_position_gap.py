@@ -1,10 +1,10 @@
 """Where a converted arm's perplexity gap lies: the held-out loss by position, against a reference arm.
 
 Reads the arm files `orthros experiment cpt` writes (arm-*.json, or an arm of results.json as
-`results.json#ARM`: each held-out domain's loss in 256-token buckets of its 8K rows) and prints, for every domain, each arm's perplexity ratio to the
-reference arm in position ranges: inside the window, just past it, and out to the row's end. A gap
-that grows with the position is context the arm uses less well than the reference; a flat one is the
-training budget. No model runs.
+`results.json#ARM`: each held-out domain's loss in 256-token buckets of its 8K rows) and prints, for
+every domain, each arm's perplexity ratio to the reference arm in position ranges: inside the
+window, just past it, and out to the row's end. A gap that grows with the position is context the
+arm uses less well than the reference; a flat one is the training budget. No model runs.
 
     python benchmarks/cpt_position_gap.py --ref benchmarks/results/cpt-smollm2-kd/arm-full-cpt.json \
         --arms benchmarks/results/cpt-smollm2-kd/arm-source.json \

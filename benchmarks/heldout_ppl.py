@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     if bad:
         raise SystemExit(f"--domains: {', '.join(sorted(bad))} unknown; choose from {', '.join(DOMAINS)}")
     torch.set_grad_enabled(False)
-    hf, _ = real.source_and_conversion(a.model_dir, 128, a.sink_tokens)
+    hf = real.source_dir(a.model_dir)
     tok = AutoTokenizer.from_pretrained(str(hf))
     L = max(a.lengths)
     held = heldout_sets(tok, L, a.rows, Path(a.cache))
@@ -66,16 +66,13 @@ def main(argv=None) -> None:
         return out
 
     models = [("source", lambda: AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32))]
-    for ad in a.adapters:
-        if ad == "none":
-            cdir = real.source_and_conversion(a.model_dir, a.window, a.sink_tokens)[1]
-            models.append((f"conversion W={a.window}, no adapter", lambda c=cdir: load_model(c)))
-        else:
-            def adapted(ad=ad):
-                m = load_model(real.conversion_for(a.model_dir, ad, a.sink_tokens))
+    for ad in a.adapters:  # each conversion made (once) when its turn comes
+        def converted(ad=ad):
+            m = load_model(real.conversion_for(a.model_dir, ad, a.sink_tokens, a.window if ad == "none" else 128))
+            if ad != "none":
                 apply_adapter(m, ad)
-                return m
-            models.append((ad, adapted))
+            return m
+        models.append((f"conversion W={a.window}, no adapter" if ad == "none" else ad, converted))
     rows = {}
     for name, make in models:
         t = time.time()

@@ -25,6 +25,7 @@ import json
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -163,8 +164,6 @@ def main(argv=None) -> None:
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), model=a.model,
                shape=dict(experts=E, k=k, hidden=C, intermediate=I),
                settings={f: SETTINGS[f] for f in a.fields}, rows=rows_out)
-    from pathlib import Path
-
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))

@@ -372,8 +372,8 @@ def table(result) -> str:
     rows, env = result["rows"], result["env"]
     idx = {(r["variant"], r["batch"], r["context"]): r for r in rows}
     # the main table's Orthros column: `orthros`, else the first Orthros variant the run has
-    ov = next((v for v in ("orthros", *dict.fromkeys(r["variant"] for r in rows)) if v.startswith("orthros")
-               and any(r["variant"] == v for r in rows)), "orthros")
+    variants = [r["variant"] for r in rows]
+    ov = "orthros" if "orthros" in variants else next((v for v in variants if v.startswith("orthros")), "orthros")
     lab = "Orthros" if ov == "orthros" else ov
     layers = rows[0]["layers"] if rows else "?"
     out = [f"Command: `{result['command']}`  ",

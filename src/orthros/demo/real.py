@@ -74,17 +74,24 @@ def document(chars: int = DOC_CHARS) -> str:
     return topics[DOC_TOPIC][:chars]
 
 
-def source_and_conversion(model_dir, window: int, sinks: int, say: str | None = None) -> tuple[Path, Path]:
-    """(the source model's directory, its Orthros conversion's beside it): the source downloaded there
-    once (`say`: printed first), the conversion at `window` with `sinks` attention sinks made once (fp32)."""
+def source_dir(model_dir, say: str | None = None) -> Path:
+    """The source model's directory, the model downloaded there once (`say`: printed first)."""
     from ..convert.download import download_smollm2
-    from ..convert.hf import convert_checkpoint
 
     hf = Path(model_dir)
     if not (hf / "config.json").exists():
         if say:
             print(say, flush=True)
         download_smollm2(hf, progress=False)
+    return hf
+
+
+def source_and_conversion(model_dir, window: int, sinks: int, say: str | None = None) -> tuple[Path, Path]:
+    """(the source model's directory, its Orthros conversion's beside it): the source downloaded there
+    once (`say`: printed first), the conversion at `window` with `sinks` attention sinks made once (fp32)."""
+    from ..convert.hf import convert_checkpoint
+
+    hf = source_dir(model_dir, say)
     conv = hf.parent / f"{hf.name}-orthros-w{window}{f'-s{sinks}' if sinks else ''}"
     if not (conv / "config.json").exists():
         convert_checkpoint(hf, conv, window_size=window, dtype="fp32", progress=False, sink_tokens=sinks)

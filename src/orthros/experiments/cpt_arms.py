@@ -260,13 +260,13 @@ class CPTPreset:
     """parameters kept the source's: those whose name contains one of these (e.g. ("q_proj", "k_proj"):
     the queries and keys the source's lookup heads match with, as QK-Restore keeps them)"""
     answer_weight: float = 1.0
-    arms: tuple = ()
-    """the arms run when --arms names none (empty: DEFAULT_ARMS, (a)-(g) of the comparison)"""
     """weight of a retrieval sample's answer tokens against a text token (CE, and KL where distilled).
     A retrieval row's answers are 6 tokens (a pass key), 20-40 (a lookup of up to 8 facts) or 80-125
     (a copy) of its ~8K targets: at 1 they are 0.23% of the rq preset's targets, at 32 about 7% of
     its loss (24 rows of the SmolLM2 tokenizer). LongCE likewise weighs the tokens that need a long
     context."""
+    arms: tuple = ()
+    """the arms run when --arms names none (empty: DEFAULT_ARMS, (a)-(g) of the comparison)"""
     checkpoint_every: int = 100
     """steps between an arm's training checkpoints (run_arm: out/checkpoints/ARM; 0: none); a cut
     run continues from the newest"""
