@@ -131,13 +131,16 @@ def main(argv=None) -> None:
                     replay = graphed(step)
                 except Exception as e:  # noqa: BLE001 - a setting that does not build is skipped, said
                     return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                replay()  # a captured graph's output is written by its replays, not by the capture
                 err = ((out["y"].float() - ref).norm() / ref.norm()).item()
                 if not err < 1e-2:
                     return None, f"output differs from the default launch's (rel. err {err:.1e})"
                 return bench(replay), None
 
             default = launch_for(R)
-            t0, _ = time_of(default)
+            t0, why = time_of(default)
+            if t0 is None:
+                raise SystemExit(f"B={B} {sc}: the default launch {dict(default._asdict())} fails: {why}")
             best, tb, seen, skipped = default, t0, {default}, []
             for _ in range(a.rounds):
                 for field in a.fields:
