@@ -110,7 +110,8 @@ def plot(pts: list[dict], gp: list[dict], ref: str, path: Path) -> None:
     from matplotlib.ticker import FixedLocator, NullLocator
 
     arms = list(dict.fromkeys(p["arm"] for p in pts))
-    short = {p["arm"]: ("control (full attention)" if p["arm"] == ref else f"Orthros, W={p['window']}") for p in pts}
+    short = {p["arm"]: ("control (full attention)" if p["arm"] == ref else
+                        f"Orthros{' light' if 'LoRA' in p['label'] else ''}, W={p['window']}") for p in pts}
     color = {a: "tab:orange" if a == ref else c for a, c in zip(arms, ["tab:blue", "tab:green", "tab:purple"] * 3)}
     ticks = sorted({p["tokens"] for p in pts})
     S, L = lengths(pts)
