@@ -6,6 +6,7 @@ its base row (`OrthrosConfig.output_routing`, docs/moe.md):
 
     route(x)            x [R, C] -> Routing(weights [R, k], experts [R, k])
     rebind(x, chosen)   x's own gate weights over the experts `chosen` [R, k], renormalised
+    top(logits)         the experts of rows whose router logits are made: [R, k]
     forward(x, r)       x [*, C] -> [*, C], sum_k weights * expert_k(x) (+ shared expert)
 
 For a few rows (a decode step) on CUDA the experts run as one fused Triton step (`ops.moe`): each
@@ -78,14 +79,21 @@ class SparseMoE(nn.Module):
         `logits` [..., E] instead, where a caller made them for more rows at once."""
         return F.softmax((self.gate(x) if logits is None else logits).float(), dim=-1)
 
-    def route(self, x: torch.Tensor, probs: torch.Tensor | None = None) -> Routing:
-        """x [..., C] -> its top-k experts: softmax over all experts (`probs`, if already made),
-        top k, renormalised over those k when `norm_topk_prob` (Qwen3-MoE)."""
-        probs = self.probs(x) if probs is None else probs
-        w, idx = probs.topk(self.top_k, dim=-1)
+    def route(self, x: torch.Tensor | None, logits: torch.Tensor | None = None) -> Routing:
+        """x [..., C] (or its router `logits` [..., E], made already) -> its top-k experts: the
+        softmax over all experts, top k, renormalised over those k when `norm_topk_prob`
+        (Qwen3-MoE). Renormalised, that is the softmax of the k largest logits, computed so: two
+        kernels fewer a layer, the same weights up to fp32 rounding."""
+        logits = (self.gate(x) if logits is None else logits).float()
         if self.norm_topk_prob:
-            w = w / w.sum(-1, keepdim=True)
+            top, idx = logits.topk(self.top_k, dim=-1)
+            return Routing(F.softmax(top, dim=-1), idx)
+        w, idx = F.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         return Routing(w, idx)
+
+    def top(self, logits: torch.Tensor) -> torch.Tensor:
+        """The k experts with the largest router `logits` [..., E] -> [..., k] (`route`'s choice)."""
+        return logits.topk(self.top_k, dim=-1).indices
 
     def rebind(self, x: torch.Tensor | None, chosen: torch.Tensor, logits: torch.Tensor | None = None) -> Routing:
         """x [..., C] on the experts `chosen` [..., k] (another row's choice): x's own router

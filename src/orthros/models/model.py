@@ -53,7 +53,7 @@ from transformers.utils import logging
 
 from ..layers.attention import OrthrosAttention, rows
 from ..layers.mlp import RMSNorm, SwiGLU
-from ..layers.moe import SparseMoE, balance_loss
+from ..layers.moe import Routing, SparseMoE, balance_loss
 from ..layers.rope import RotaryEmbedding, rope_inv_freq
 from ..ops.masks import PAD_DOC
 from .cache import OrthrosCache
@@ -172,45 +172,60 @@ class OrthrosBlock(GradientCheckpointingLayer):
         hs: [(h, x)] as in `forward` (a joined group: base rows [:T], output rows [T:]).
         In the last layer the base stream makes K/V only (it has no MLP input), so there the output
         rows route themselves in every mode."""
+        mlp, mode = self.mlp, "independent" if last else self.output_routing
         joined = len(hs) == 1 and hs[0] is not None and hs[0][1].shape[1] > T
-        lb = lo = None  # a joined group's router logits, made once for both streams' rows
-        if joined:
+        if joined:  # the router's logits made once for both streams' rows
             xb, xo = hs[0][1][:, :T], hs[0][1][:, T:]
-            logits = self.mlp.gate(hs[0][1])
+            logits = mlp.gate(hs[0][1]).float()
             lb, lo = logits[:, :T], logits[:, T:]
         else:
             xb = None if hs[0] is None else hs[0][1]
             xo = hs[1][1] if len(hs) > 1 else None
+            lb = None if xb is None else mlp.gate(xb).float()
+            lo = None if xo is None or mode == "base" else mlp.gate(xo).float()
+        if take is None and T == 1 and xo is not None and xo.shape[1] == 1:  # a decode pair: its base row
+            take = lambda t: t  # noqa: E731
+        elif take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
+            take = lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
         # While the load-balancing loss is wanted (training), each routing decision is recorded as
-        # (probs, experts, rows that count); the same ops run either way, so a checkpointed block's
-        # recomputation (which records nothing) matches its forward.
-        bal = self.mlp.balance
-        pb = None if xb is None else self.mlp.probs(xb, lb)
-        rb = None if xb is None else self.mlp.route(xb, pb)  # [B, T, k]
-        if bal is not None and pb is not None:
-            bal.append((pb, rb.experts, layout.base_doc != PAD_DOC))
-        ro = None
+        # (probs, experts, rows that count). Wherever autograd runs, the router's softmax over all
+        # experts is made whether it is recorded or not, so a checkpointed block's recomputation
+        # (which records nothing) saves what its forward saved; a decode step skips it.
+        bal, keep = mlp.balance, mlp.balance is not None or torch.is_grad_enabled()
+
+        def record(logits, experts, valid):
+            if keep:
+                probs = mlp.probs(None, logits)
+                if bal is not None:
+                    bal.append((probs, experts, valid))
+
+        if joined and mode == "bound" and mlp.norm_topk_prob:
+            # Each row's weights: the softmax of its own logits over the base row's k experts (for the
+            # base row that is `route`'s): one gather and one softmax for the group, no concatenation
+            # of weights.
+            eb = mlp.top(lb)
+            record(lb, eb, layout.base_doc != PAD_DOC)
+            e = torch.cat([eb, take(eb)], 1)
+            h, x = hs[0]
+            return h + mlp(x, Routing(F.softmax(logits.gather(-1, e), dim=-1), e)), None
+        rb = ro = None
+        if xb is not None:
+            rb = mlp.route(None, lb)  # [B, T, k]
+            record(lb, rb.experts, layout.base_doc != PAD_DOC)
         if xo is not None:
-            if self.output_routing == "independent" or last:
-                po = self.mlp.probs(xo, lo)
-                ro = self.mlp.route(xo, po)
-                if bal is not None:  # rows routed by their own choice (bound / base reuse the base row's)
-                    bal.append((po, ro.experts, layout.out_valid))
+            if mode == "independent":  # rows routed by their own choice (bound / base reuse the base row's)
+                ro = mlp.route(None, lo)
+                record(lo, ro.experts, layout.out_valid)
             else:
-                if take is None and T == 1 and xo.shape[1] == 1:  # a decode pair: its base row is row 0
-                    take = lambda t: t  # noqa: E731
-                elif take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
-                    take = lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
                 chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
-                ro = (self.mlp.rebind(xo, chosen, lo) if self.output_routing == "bound"
-                      else type(rb)(take(rb.weights), chosen))
+                ro = mlp.rebind(None, chosen, lo) if mode == "bound" else Routing(take(rb.weights), chosen)
         if joined:
             h, x = hs[0]
             if last:  # the base rows run only to keep the pair one group, then are dropped: they take
                 rb = ro  # their output rows' experts, so the step reads no expert for them alone
-            r = type(rb)(*(torch.cat([b, o], 1) for b, o in zip(rb, ro)))
-            return h + self.mlp(x, r), None
-        out = [None if h is None else h[0] + self.mlp(h[1], r) for h, r in zip(hs, [rb, ro])]
+            r = Routing(*(torch.cat([b, o], 1) for b, o in zip(rb, ro)))
+            return h + mlp(x, r), None
+        out = [None if h is None else h[0] + mlp(h[1], r) for h, r in zip(hs, [rb, ro])]
         return out[0], (out[1] if len(out) > 1 else None)
 
     def _mlp_chunks(self, h, x):
