@@ -74,8 +74,9 @@ class MoELaunch(NamedTuple):
 def launch_for(rows: int) -> MoELaunch:
     """The launch `fused_moe` uses for `rows` rows: the best settings `benchmarks/moe_sweep.py` found
     on an H100 for qwen3-30b-a3b's experts (`benchmarks/results/moe/moe-sweep-*.json`). One sequence's
-    decode rows (1, or a pair) take wide C tiles and narrow I tiles, 21% less time than the tiles
-    that suit 8 rows; from 32 rows on, wider C tiles in the down projection save 6-8%."""
+    decode rows (1, or a pair) take wide C / narrow I tiles in the up projection and narrow C tiles
+    in the down projection: 21% less time than the tiles that suit 8 rows. Past 16 rows (measured at
+    32 and 64), wider C tiles in the down projection save 6-8%."""
     if rows == 1:
         return MoELaunch(16, up_i=16, up_c=128, down_c=32, down_i=64)
     if rows == 2:
