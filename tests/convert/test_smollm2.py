@@ -103,3 +103,17 @@ def test_the_named_shape_is_the_real_model_s():
               "window_size")
     assert {f: getattr(named, f) for f in fields} == {f: getattr(real, f) for f in fields}
     assert named.rms_norm_eps == pytest.approx(real.rms_norm_eps)
+
+
+def test_the_demo_probe_scores_a_conversion_as_its_source(source):
+    """`demo.real.probe` (the conversion experiment's demo column) through both models: a conversion
+    at W >= T gets the source's margin and the source's answers, and the source reads its codes."""
+    from orthros.demo.real import probe
+
+    tok, src = source
+    want = probe(src, tok, chars=1500)
+    model = OrthrosForCausalLM.from_pretrained(smollm2_dir("orthros", 8192), dtype=torch.float32).eval()
+    got = probe(model, tok, chars=1500)
+    assert abs(got["margin"] - want["margin"]) < 1e-3, (got["margin"], want["margin"])
+    assert [f["text"] for f in got["facts"]] == [f["text"] for f in want["facts"]]
+    assert want["right"] == 3, want["facts"]  # real behaviour: the source finds a code in ~400 tokens

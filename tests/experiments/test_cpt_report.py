@@ -28,3 +28,19 @@ def test_a_run_with_no_row_at_the_presets_window_names_only_its_own():
     table = format_table(_results("cpt-smollm2-rqp-windows"), preset)
     assert "window 256 / 512, as each row says." in table and "window 128" not in table
     assert "| 5.272 | 3.784 |" in table and "W=256 |" in table
+
+
+def test_the_demo_columns_appear_once_a_row_has_the_probe():
+    preset = PRESETS["smollm2-kd-h200-rqp"]
+    rows = _results("cpt-smollm2-rqp-w512")
+    assert "demo" not in format_table(rows, preset)  # runs from before the probe: no columns
+    arm = next(iter(rows))
+    facts = [{"depth": d, "code": "12345", "text": t, "right": r}
+             for d, t, r in ((0.1, "12345", True), (0.5, "no", False), (0.9, "12345.", True))]
+    probed = {**rows, arm: {**rows[arm], "eval": {**rows[arm]["eval"], "demo": {"margin": 0.7, "facts": facts,
+                                                                               "right": 2}}}}
+    table = format_table(probed, preset)
+    assert "| demo 343 − 634 | demo codes |" in table and "| +0.70 | 2 / 3 |" in table
+    ends = [line.rsplit("|", 3)[1:3] for line in table.splitlines() if line.startswith("| ")]
+    assert ends.count([" - ", " - "]) == len(rows) - 1 and [" +0.70 ", " 2 / 3 "] in ends
+    assert "archive code asked at 10 / 50 / 90% depth" in table

@@ -62,6 +62,30 @@ def answer_logprob(model, ids: list[int], answer: list[int]) -> float:
     return sum(lp[k, t].item() for k, t in enumerate(answer))
 
 
+@torch.no_grad()
+def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int = 0, max_new_tokens: int = 16) -> dict:
+    """The demo's two readings of one model (any causal LM with `generate()`), as numbers:
+    `margin`, log p("343") - log p("634") after "The PEP " in answer to the demo's question about its
+    document cut to `chars` characters (`benchmarks/demo_answer_margin.py`), and `facts`, the
+    archive code written into that document at each depth and asked (greedy; right when the answer
+    holds the code; the codes `orthros demo --seed` draws)."""
+    doc = document(chars)
+    ids = prompt_ids(tok, doc, QUESTION)
+    pre = tok.encode("The PEP ", add_special_tokens=False)
+    lp = {c: answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False)) for c in ("343", "634")}
+    rng, eos, facts = random.Random(seed), tok.eos_token_id, []
+    for depth in depths:
+        code = str(rng.randrange(10000, 100000))
+        x = torch.tensor([prompt_ids(tok, with_fact(doc, FACT.format(code=code), depth), FACT_QUESTION)],
+                         device=model.device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
+        said = tok.decode([i for i in out.tolist() if i != eos], skip_special_tokens=True).strip()
+        facts.append({"depth": depth, "code": code, "tokens": x.shape[1], "text": said, "right": code in said})
+    return {"margin": lp["343"] - lp["634"], "logprob": lp, "prompt_tokens": len(ids), "facts": facts,
+            "right": sum(f["right"] for f in facts)}
+
+
 def with_fact(doc: str, fact: str, depth: float) -> str:
     """`doc` with the line `fact` inserted at the line start nearest before `depth` of its length."""
     cut = doc.rfind("\n", 0, int(len(doc) * depth)) + 1

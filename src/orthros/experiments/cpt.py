@@ -283,6 +283,10 @@ def evaluate_arm(model, tok, preset: CPTPreset, heldout: dict, stream: torch.Ten
                                          batch_size=preset.eval_batch))
         probe("passkey", lambda: chat_passkey(model, tok, preset.passkey_lengths, preset.passkey_depths,
                                               preset.passkey_samples, batch_size=preset.eval_batch * 8))
+        if preset.demo_chars and tok is not None:
+            from ..demo.real import probe as demo_probe
+
+            probe("demo", lambda: demo_probe(model, tok, preset.demo_chars))
         if preset.lm_eval_tasks:  # last: the slowest, and the one that separates the arms least
             probe("lm_eval", lambda: lm_eval_scores(model, tok, preset))
     return out

@@ -228,6 +228,10 @@ class CPTPreset:
     passkey_samples: int = 10
     """samples per length and depth (5 depths x 10 = 50 a length: a 95% interval of about +-14 points)"""
     eval_batch: int = 2
+    demo_chars: int = 24000
+    """the demo probe (`demo.real.probe`): `orthros demo`'s question (the 343 - 634 margin) and its
+    archive code at 10 / 50 / 90% depth, about the demo's chapter cut to this many characters
+    (24,000: the demo's ~6K tokens); 0: not run"""
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze", "python_docs_recall"])
     """local lm-evaluation-harness tasks (configs/lm_eval of the source checkout): the next
     word (local context), and a sentence's second half recalled from ~4K tokens back"""
@@ -332,7 +336,7 @@ PRESETS = {
                                   retrieval_questions=8, retrieval_phrase=True, haystack_rows=1.0,
                                   arms=("orthros-cpt-sink-mix-aw-w512", "full-cpt-mix-aw")),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
-    "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2,
+    "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2, demo_chars=600,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
                                    passkey_depths=[0.5], passkey_samples=1, gradient_checkpointing=False,
                                    lm_eval_limit=4, lm_eval_tasks=["python_docs_cloze"], retrieval_lengths=(96, 200)),

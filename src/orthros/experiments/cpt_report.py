@@ -27,6 +27,8 @@ def format_table(results: dict, preset) -> str:
     head = (["arm", "trained params"] + [f"{d} ppl {n}" for d in doms for n in (S, L)]
             + [f"copy loss @{size_label(int(g))}" for g in gaps] + [f"passkey {size_label(int(n))}" for n in lens]
             + [f"lm-eval {t}" for t in preset.lm_eval_tasks])
+    demo = any("demo" in r["eval"] for r in results.values())
+    head += ["demo 343 − 634", "demo codes"] if demo else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, r in results.items():
         ev, tr = r["eval"], r["train"]
@@ -37,6 +39,8 @@ def format_table(results: dict, preset) -> str:
         cells += [f"{100 * ev['passkey']['by_length'][n]:.0f}%" for n in lens]
         lm = ev.get("lm_eval", {})
         cells += ["-" if not isinstance(lm.get(t), float) else f"{100 * lm[t]:.1f}%" for t in preset.lm_eval_tasks]
+        d = ev.get("demo")
+        cells += ([f"{d['margin']:+.2f}", f"{d['right']} / {len(d['facts'])}"] if d else ["-", "-"]) if demo else []
         lines.append("| " + " | ".join(cells) + " |")
     first = next(iter(results.values()))["eval"]["copy"]
     wins = sorted({r.get("window") or preset.window for r in results.values()})
@@ -51,7 +55,9 @@ def format_table(results: dict, preset) -> str:
             f"{preset.train_tokens:,} tokens per trained arm, {window}. Copy loss: mean loss (nats) on "
             f"the second copy of a {first['seg_len']}-token segment repeated after the gap "
             f"({first['samples']} samples). Passkey: greedy answers through the chat template, "
-            f"{len(preset.passkey_depths)} depths x {preset.passkey_samples} samples per length.")
+            f"{len(preset.passkey_depths)} depths x {preset.passkey_samples} samples per length."
+            + (" Demo: `orthros demo`'s question, log p(343) − log p(634) after \"The PEP \" (nats), and its "
+               "archive code asked at 10 / 50 / 90% depth (right answers)." if demo else ""))
     return "\n".join(lines) + note
 
 
