@@ -117,3 +117,30 @@ def test_the_demo_probe_scores_a_conversion_as_its_source(source):
     assert abs(got["margin"] - want["margin"]) < 1e-3, (got["margin"], want["margin"])
     assert [f["text"] for f in got["facts"]] == [f["text"] for f in want["facts"]]
     assert want["right"] == 3, want["facts"]  # real behaviour: the source finds a code in ~400 tokens
+
+
+def test_the_demo_margin_is_recorded_during_training_and_resumes(source, tmp_path, monkeypatch):
+    """`experiments.cpt.demo_curve`: every demo_every steps the margin of the model as it is then,
+    kept in a file a resumed run continues; the model goes back to training mode."""
+    import dataclasses
+    import json
+
+    import orthros.demo.real as real
+    from orthros.experiments.cpt import demo_curve
+    from orthros.experiments.cpt_arms import PRESETS
+
+    tok, _ = source
+    model = OrthrosForCausalLM.from_pretrained(smollm2_dir("orthros", 64), dtype=torch.float32).train()
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], demo_every=2, demo_chars=300)
+    want = real.margin(model, tok, 300)["margin"]
+    path = tmp_path / "curve.json"
+    hook = demo_curve(model, tok, p, path)
+    for step in range(3):  # steps 1..3 done: a point at 2
+        hook(step)
+    assert model.training and json.loads(path.read_text()) == [[2, 2 * p.batch_size * p.seq_len, want]]
+    calls = []
+    monkeypatch.setattr(real, "margin", lambda *a: calls.append(a) or {"margin": 0.0})
+    hook = demo_curve(model, tok, p, path)  # a resumed run: from step 2 on
+    for step in range(1, 4):
+        hook(step)
+    assert len(calls) == 1 and [q[0] for q in json.loads(path.read_text())] == [2, 4]

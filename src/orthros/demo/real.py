@@ -70,9 +70,6 @@ def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int 
     archive code written into that document at each depth and asked (greedy; right when the answer
     holds the code; the codes `orthros demo --seed` draws)."""
     doc = document(chars)
-    ids = prompt_ids(tok, doc, QUESTION)
-    pre = tok.encode("The PEP ", add_special_tokens=False)
-    lp = {c: answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False)) for c in ("343", "634")}
     rng, eos, facts = random.Random(seed), tok.eos_token_id, []
     for depth in depths:
         code = str(rng.randrange(10000, 100000))
@@ -82,8 +79,16 @@ def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int 
                              eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
         said = tok.decode([i for i in out.tolist() if i != eos], skip_special_tokens=True).strip()
         facts.append({"depth": depth, "code": code, "tokens": x.shape[1], "text": said, "right": code in said})
-    return {"margin": lp["343"] - lp["634"], "logprob": lp, "prompt_tokens": len(ids), "facts": facts,
-            "right": sum(f["right"] for f in facts)}
+    return {**margin(model, tok, chars), "facts": facts, "right": sum(f["right"] for f in facts)}
+
+
+@torch.no_grad()
+def margin(model, tok, chars: int = DOC_CHARS) -> dict:
+    """`probe`'s margin alone: {margin, logprob of each candidate, prompt_tokens}."""
+    ids = prompt_ids(tok, document(chars), QUESTION)
+    pre = tok.encode("The PEP ", add_special_tokens=False)
+    lp = {c: answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False)) for c in ("343", "634")}
+    return {"margin": lp["343"] - lp["634"], "logprob": lp, "prompt_tokens": len(ids)}
 
 
 def with_fact(doc: str, fact: str, depth: float) -> str:

@@ -386,8 +386,12 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
             teacher = load_teacher(work / "models" / spec.teacher, device, torch.float32)
         rows, mask = arm_rows(work, spec, preset)
         ckpts = work / "checkpoints" / arm
+        curve = work / f"arm-{arm}.demo-curve.json"
+        on_step = demo_curve(model, tok, preset, curve) if preset.demo_every and preset.demo_chars else None
         model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position, mask, teacher,
-                                 ckpt_dir=ckpts)
+                                 on_step=on_step, ckpt_dir=ckpts)
+        if curve.exists():
+            stats["demo_curve"] = json.loads(curve.read_text())
         del teacher
         if mode != "all":
             save_adapter(model, saved, {"arm": arm, "mode": mode, "window": model.config.window_size,
@@ -414,6 +418,31 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
     (work / f"arm-{arm}.json").write_text(json.dumps(res, indent=2))
     partial.unlink(missing_ok=True)
     return res
+
+
+def demo_curve(model, tok, preset: CPTPreset, path: Path):
+    """A `train_arm` step hook: every `preset.demo_every` steps, the demo probe's margin of the model
+    as it is then (`demo.real.margin`, eval mode, no autograd), appended to `path` as [step, tokens,
+    margin] (atomically; a resumed run keeps the points it has and adds the rest)."""
+    from ..demo.real import margin
+
+    points = json.loads(path.read_text()) if path.exists() else []
+    cuda = next(model.parameters()).is_cuda
+
+    def on_step(step: int) -> None:
+        done = step + 1
+        if done % preset.demo_every or any(p[0] == done for p in points):
+            return
+        model.eval()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            m = margin(model, tok, preset.demo_chars)["margin"]
+        model.train()
+        points.append([done, done * preset.batch_size * preset.seq_len, m])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(points))
+        tmp.replace(path)
+
+    return on_step
 
 
 # ------------------------------------------------------------------ the run

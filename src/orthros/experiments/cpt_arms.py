@@ -232,6 +232,9 @@ class CPTPreset:
     """the demo probe (`demo.real.probe`): `orthros demo`'s question (the 343 - 634 margin) and its
     archive code at 10 / 50 / 90% depth, about the demo's chapter cut to this many characters
     (24,000: the demo's ~6K tokens); 0: not run"""
+    demo_every: int = 0
+    """during training, the demo probe's margin every this many steps (the model as it is then:
+    the arm's `train.demo_curve`, [step, tokens, margin]); 0: never"""
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze", "python_docs_recall"])
     """local lm-evaluation-harness tasks (configs/lm_eval of the source checkout): the next
     word (local context), and a sentence's second half recalled from ~4K tokens back"""
@@ -328,12 +331,12 @@ PRESETS = {
     # (haystacks: 1 row of text per retrieval row, where 4 would ask 157M tokens of a machine's 87M at 1600 steps)
     "smollm2-kd-h200-rqp-curve": CPTPreset(batch_size=4, steps=480, gradient_checkpointing=False,
                                            retrieval_share=0.5, retrieval_questions=8, retrieval_phrase=True,
-                                           haystack_rows=1.0),
+                                           haystack_rows=1.0, demo_every=100),
     # The headline of docs/results.md: the recipe at W = 512 and its same-data control on the curve's
     # data, 1,600 steps x 4 rows = 52.4M tokens each, side by side (--jobs 2; about 1,160 and 870 s of
     # training on one H100, 150 s to prepare the rows)
     "smollm2-w512-52m": CPTPreset(batch_size=4, steps=1600, gradient_checkpointing=False, retrieval_share=0.5,
-                                  retrieval_questions=8, retrieval_phrase=True, haystack_rows=1.0,
+                                  retrieval_questions=8, retrieval_phrase=True, haystack_rows=1.0, demo_every=100,
                                   arms=("orthros-cpt-sink-mix-aw-w512", "full-cpt-mix-aw")),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2, demo_chars=600,
