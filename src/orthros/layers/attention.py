@@ -143,9 +143,10 @@ class OrthrosAttention(nn.Module):
                            dense_start=layout.base_dense, base_rows=R, **base)
         T = n_base
         if self.out_window is None:  # one call: one launch where the kernel takes both windows
-            # (slots, documents and hints per group: concatenated only where one launch takes both)
-            return attend_(q, kv, (layout.base_slot, layout.out_slot), (layout.base_doc, layout.out_doc),
-                           layout.key_doc, window=self.base_window, window_rows=T, base_rows=T,
+            # (slots and documents joined once a step, or per group: concatenated only where one launch
+            # takes both)
+            slot, doc = layout.joined_rows or ((layout.base_slot, layout.out_slot), (layout.base_doc, layout.out_doc))
+            return attend_(q, kv, slot, doc, layout.key_doc, window=self.base_window, window_rows=T, base_rows=T,
                            dense_start=(layout.base_dense, layout.out_dense), **base)
         return torch.cat([self._attend_group(q[:, :T], T, kv, layout, attend_),
                           self._attend_group(q[:, T:], 0, kv, layout, attend_)], 1)

@@ -41,6 +41,10 @@ class Layout:
     # every rank (`parallel.context`): each stream runs alone (its own GEMMs, never joined), so the
     # replicated rows round alike on every rank and every rank reads (collectively) the same groups.
     shard: bool = False
+    # A decode step whose two streams travel as one group of rows (`forward_streams` sets it, once
+    # a step): that group's (slots [B, T + N], documents [B, T + N]), so that each layer's attention
+    # reads them without concatenating them again.
+    joined_rows: tuple | None = None
 
 
 def pad_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,9 +183,7 @@ class OrthrosBlock(GradientCheckpointingLayer):
             xo = hs[1][1] if len(hs) > 1 else None
             lb = None if xb is None else mlp.gate(xb).float()
             lo = None if xo is None or mode == "base" else mlp.gate(xo).float()
-        if take is None and T == 1 and xo is not None and xo.shape[1] == 1:  # a decode pair: its base row
-            take = lambda t: t  # noqa: E731
-        elif take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
+        if take is None:  # (not `take or ...`: dynamo cannot branch on a function's truth)
             take = lambda t: t.gather(1, layout.out_idx[..., None].expand(-1, -1, t.shape[-1]))  # noqa: E731
         # While the load-balancing loss is wanted (training), each routing decision is recorded as
         # (probs, experts, rows that count). Wherever autograd runs, the router's softmax over all
@@ -416,6 +414,13 @@ class OrthrosModel(OrthrosPreTrainedModel):
             # fewer do; that layer has no base SO, so they take the output stream's) and dropped.
             hb, ho = torch.cat([hb, ho], 1), None
             ropes.joined = tuple(torch.cat([b, o], 1) for b, o in zip(ropes.base, ropes.out))
+            B = hb.shape[0]
+            layout.joined_rows = (torch.cat([layout.base_slot.expand(B, T), layout.out_slot], 1),
+                                  torch.cat([layout.base_doc, layout.out_doc], 1))
+        else:
+            layout.joined_rows = None
+        # a joined group's output rows are its base rows, in order: their rows of a base-stream tensor
+        take = (lambda t: t) if joined else gather  # noqa: E731
         for i, block in enumerate(self.layers):
             last = i == L - 1
             if last and not two_streams:
@@ -425,7 +430,7 @@ class OrthrosModel(OrthrosPreTrainedModel):
                 if trace.base:
                     trace.base_hidden.append(hb)
                 trace.out_hidden.append(ho if ho is not None else gather(hb))
-            hb, ho = block(hb, ho, layout, ropes, cache, last, probs=probs, take=gather)
+            hb, ho = block(hb, ho, layout, ropes, cache, last, probs=probs, take=take)
             if probs is not None:  # [base rows (all but the last layer), output rows (if a group of their own)]
                 if trace.base and not last:
                     trace.base_attn.append(probs[0])
