@@ -141,3 +141,23 @@ def test_moe_sweep_searches_launches_and_checks_them(tmp_path):
     for x in rows.values():
         assert x["tried"] == 4 and not x["skipped"] and x["best_s"] <= x["default_s"]  # up_i: 16, 32, 128
     assert "| 1 | bound (2) | 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_decode_op_count_says_what_a_bound_pair_adds_to_a_layer(tmp_path):
+    """benchmarks/decode_op_count.py on the CPU: a bound pair's layer dispatches at most 4 ops more
+    than the Transformer's (the SO's multiply and add, the routing's concatenation and gather:
+    docs/moe.md); one more per layer fails here."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    try:
+        import decode_op_count
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "ops.json"
+    decode_op_count.main(["--variants", "full", "orthros-bound", "--layers", "2", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    full, bound = rows["full"]["per_layer"], rows["orthros-bound"]["per_layer"]
+    assert full > 20 and full < bound <= full + 4, (full, bound)
+    assert out.with_suffix(".md").read_text().count("\n") == 4
