@@ -48,6 +48,32 @@ def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(m
     assert rel_err(got, make_model(perturb_so=False)(x).logits) > 1e-4  # training changed something
 
 
+def test_lora_on_some_projections_wraps_only_those_and_the_adapter_reproduces_the_model(tmp_path):
+    """A light arm's `lora_targets` (the `-attn` arms: attention only, the MLPs as the source's)."""
+    import orthros.experiments.cpt as cpt
+
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    model = make_model(perturb_so=False)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
+                            lora_targets=attn)
+    rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
+    model, _ = cpt.train_arm(model, "lora+so", p, rows, str(DEVICE), "attn")
+    wrapped = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if "lora_A" in n}
+    assert wrapped == set(attn)
+    x = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
+    with torch.no_grad():
+        want = model(x).logits
+    save_adapter(model, tmp_path / "a", {"mode": "lora+so"}, lora_dtype=torch.float32)
+    fresh = make_model(perturb_so=False)
+    fresh.load_state_dict(base)
+    with torch.no_grad():
+        assert rel_err(apply_adapter(fresh, tmp_path / "a")(x).logits, want) < 1e-5
+    with pytest.raises(ValueError, match="LoRA targets"):
+        make_trainable(make_model(), "lora+so", targets=("q_proj", "mlp"))
+    assert cpt.ARMS["orthros-lora-sink-mix-aw-w512-attn"].recipe["lora_targets"] == attn
+
+
 def test_so_out_learns_the_output_queries_only():
     """so-out trains the output stream's SO alone: every base-stream row (so every layer's K/V)
     is the untrained model's (to rounding: CUDA kernels may differ in the last bit from call to

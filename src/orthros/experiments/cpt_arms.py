@@ -47,17 +47,19 @@ def _kd(label, teacher, mode="all", **kw):
     return Arm(label, dict(attention="orthros"), mode, teacher, mix=True, **kw)
 
 
-def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False) -> dict:
+def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False) -> dict:
     """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
-    as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank or W_Q / W_K frozen."""
+    as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank, W_Q / W_K frozen or
+    LoRA on the attention projections only (`attn`: the MLPs as the source's)."""
     light = mode == "lora+so"
     name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
-        + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "")
+        + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
-             + (", W_Q / W_K frozen" if fqk else ""))
+             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
-                  **(dict(freeze=("q_proj", "k_proj")) if fqk else {}))
+                  **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
+                  **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}))
     return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
                       recipe=recipe)}
 
@@ -168,6 +170,9 @@ ARMS = {
     # (and at rank 16, 10 MB: whether the light twin's 1-2.6% over its full-weight twin is the rank's)
     **_recipe("lora+so", 256), **_recipe("lora+so", 512), **_recipe("lora+so", 512, seed=1),
     **_recipe("lora+so", 512, rank=16),
+    # the light twin with the MLPs as the source's: at 52.4M tokens the full twin's MLP deltas alone turned
+    # the demo's answer (its margin without them: +0.17; with them: -3.11; docs/notes/2026-12-conversion.md)
+    **_recipe("lora+so", 512, attn=True),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
@@ -183,8 +188,8 @@ ARMS = {
                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
 }
 
-RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_rank", "warmup", "kl", "ce", "temperature", "align", "align_on",
-                 "align_frac", "freeze", "answer_weight")
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_rank", "lora_targets", "warmup", "kl", "ce", "temperature", "align",
+                 "align_on", "align_frac", "freeze", "answer_weight")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
@@ -213,6 +218,8 @@ class CPTPreset:
     """peak learning rate of SO / norm vectors in light CPT"""
     lora_lr: float = 1e-3
     lora_rank: int = 8
+    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """the projections a light arm's LoRA wraps (`models.adapter.LORA_TARGETS`: all of them)"""
     warmup: int = 20
     weight_decay: float = 0.1
     gradient_checkpointing: bool = True

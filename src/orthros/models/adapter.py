@@ -80,13 +80,15 @@ def lora_modules(model) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None):
+def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, targets=LORA_TARGETS):
     """Freeze all but the `mode`'s parameters (in place; returns the model).
 
-    "lora+so" wraps every projection (`LORA_TARGETS`) in a `LoRALinear` first; the
-    wrapped model's forward is the merged model's."""
+    "lora+so" wraps each projection named in `targets` (default every one, `LORA_TARGETS`) in a
+    `LoRALinear` first; the wrapped model's forward is the merged model's."""
     if mode not in MODES:
         raise ValueError(f"trainable mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if not targets or set(targets) - set(LORA_TARGETS):
+        raise ValueError(f"LoRA targets must be some of {', '.join(LORA_TARGETS)}, got {tuple(targets)}")
     if mode == "all":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -99,7 +101,7 @@ def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None):
         alpha = float(alpha if alpha is not None else 2 * rank)
         for name, mod in list(model.named_modules()):
             for child, sub in list(mod.named_children()):
-                if child in LORA_TARGETS and isinstance(sub, nn.Linear):
+                if child in targets and isinstance(sub, nn.Linear):
                     setattr(mod, child, LoRALinear(sub, rank, alpha))
     for name, p in model.named_parameters():
         if mode == "so-out":
