@@ -53,13 +53,11 @@ def main(argv=None) -> None:
     doc = real.document()
     question = a.question or real.QUESTION
     ids = real.prompt_ids(tok, doc, question)
-    pre = tok.encode(a.prefix, add_special_tokens=False)
     where = {c: len(tok.encode(doc[doc.find(c):], add_special_tokens=False)) if c in doc else None
              for c in a.candidates}  # tokens from the candidate's first mention to the document's end
 
     def score(model) -> dict:
-        return {c: real.answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False))
-                for c in a.candidates}
+        return real.margin(model, tok, question=question, prefix=a.prefix, candidates=a.candidates)["logprob"]
 
     rows = {"source": score(AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval())}
     print("source", rows["source"], flush=True)

@@ -62,33 +62,42 @@ def answer_logprob(model, ids: list[int], answer: list[int]) -> float:
     return sum(lp[k, t].item() for k, t in enumerate(answer))
 
 
-@torch.no_grad()
-def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int = 0, max_new_tokens: int = 16) -> dict:
-    """The demo's two readings of one model (any causal LM with `generate()`), as numbers:
-    `margin`, log p("343") - log p("634") after "The PEP " in answer to the demo's question about its
-    document cut to `chars` characters (`benchmarks/demo_answer_margin.py`), and `facts`, the
-    archive code written into that document at each depth and asked (greedy; right when the answer
-    holds the code; the codes `orthros demo --seed` draws)."""
-    doc = document(chars)
-    rng, eos, facts = random.Random(seed), tok.eos_token_id, []
+def fact_prompts(tok, doc: str, depths, seed: int = 0) -> list[tuple[float, str, list[int]]]:
+    """A 5-digit code written into `doc` at each depth and asked (`FACT`, `FACT_QUESTION`):
+    [(depth, code, prompt ids)], the codes drawn in turn from `seed` (`orthros demo --seed`)."""
+    rng, out = random.Random(seed), []
     for depth in depths:
         code = str(rng.randrange(10000, 100000))
-        x = torch.tensor([prompt_ids(tok, with_fact(doc, FACT.format(code=code), depth), FACT_QUESTION)],
-                         device=model.device)
+        out.append((depth, code, prompt_ids(tok, with_fact(doc, FACT.format(code=code), depth), FACT_QUESTION)))
+    return out
+
+
+@torch.no_grad()
+def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int = 0, max_new_tokens: int = 16) -> dict:
+    """The demo's two readings of one model (any causal LM with `generate()`), as numbers: `margin`
+    (below) about the demo's document cut to `chars` characters, and `facts`, the archive code
+    written into that document at each depth and asked (greedy; right when the answer holds the
+    code; `fact_prompts`)."""
+    eos, facts = tok.eos_token_id, []
+    for depth, code, ids in fact_prompts(tok, document(chars), depths, seed):
+        x = torch.tensor([ids], device=model.device)
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
         said = tok.decode([i for i in out.tolist() if i != eos], skip_special_tokens=True).strip()
-        facts.append({"depth": depth, "code": code, "tokens": x.shape[1], "text": said, "right": code in said})
+        facts.append({"depth": depth, "code": code, "tokens": len(ids), "text": said, "right": code in said})
     return {**margin(model, tok, chars), "facts": facts, "right": sum(f["right"] for f in facts)}
 
 
 @torch.no_grad()
-def margin(model, tok, chars: int = DOC_CHARS) -> dict:
-    """`probe`'s margin alone: {margin, logprob of each candidate, prompt_tokens}."""
-    ids = prompt_ids(tok, document(chars), QUESTION)
-    pre = tok.encode("The PEP ", add_special_tokens=False)
-    lp = {c: answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False)) for c in ("343", "634")}
-    return {"margin": lp["343"] - lp["634"], "logprob": lp, "prompt_tokens": len(ids)}
+def margin(model, tok, chars: int = DOC_CHARS, question: str = QUESTION, prefix: str = "The PEP ",
+           candidates=("343", "634")) -> dict:
+    """How sure a model is of the right answer to a question about the demo's document (cut to
+    `chars`) against a wrong one: the log-probability of each candidate after `prefix`, teacher-
+    forced (the right one first). {margin: first - second, logprob: {candidate: nats}, prompt_tokens}."""
+    ids = prompt_ids(tok, document(chars), question)
+    pre = tok.encode(prefix, add_special_tokens=False)
+    lp = {c: answer_logprob(model, ids + pre, tok.encode(c, add_special_tokens=False)) for c in candidates}
+    return {"margin": lp[candidates[0]] - lp[candidates[1]], "logprob": lp, "prompt_tokens": len(ids)}
 
 
 def with_fact(doc: str, fact: str, depth: float) -> str:
@@ -190,15 +199,11 @@ def answer(model, ids: list[int], max_new_tokens: int, eos: int, hf: bool) -> tu
 def facts(args, tok, doc: str, models: dict, eos: int) -> list[dict]:
     """A 5-digit code written into the document at each of `args.fact_depths`, asked of every model:
     a fact no model can know but from its context. [{depth, code, tokens, <model>: {text, right}}]."""
-    rng = random.Random(args.seed)
     print(f"[3/4] a fact only the document holds, \"{FACT.format(code='NNNNN')}\" written into it, then "
           f"\"{FACT_QUESTION}\":", flush=True)
     print(f"      {'depth':>5}  {'source':<8} {'Orthros':<8} answers", flush=True)
     rows = []
-    for depth in args.fact_depths:
-        code = str(rng.randrange(10000, 100000))
-        text = with_fact(doc, FACT.format(code=code), depth)
-        ids = prompt_ids(tok, text, FACT_QUESTION)
+    for depth, code, ids in fact_prompts(tok, doc, args.fact_depths, args.seed):
         row = {"depth": depth, "code": code, "tokens": len(ids)}
         for key, (m, hf) in models.items():
             toks, _ = answer(m, ids, 16, eos, hf)

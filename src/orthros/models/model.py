@@ -193,7 +193,7 @@ class OrthrosBlock(GradientCheckpointingLayer):
 
         def record(logits, experts, valid):
             if keep:
-                probs = mlp.probs(None, logits)
+                probs = mlp.probs(None, logits=logits)
                 if bal is not None:
                     bal.append((probs, experts, valid))
 
@@ -208,15 +208,15 @@ class OrthrosBlock(GradientCheckpointingLayer):
             return h + mlp(x, Routing(F.softmax(logits.gather(-1, e), dim=-1), e)), None
         rb = ro = None
         if xb is not None:
-            rb = mlp.route(None, lb)  # [B, T, k]
+            rb = mlp.route(None, logits=lb)  # [B, T, k]
             record(lb, rb.experts, layout.base_doc != PAD_DOC)
         if xo is not None:
             if mode == "independent":  # rows routed by their own choice (bound / base reuse the base row's)
-                ro = mlp.route(None, lo)
+                ro = mlp.route(None, logits=lo)
                 record(lo, ro.experts, layout.out_valid)
             else:
                 chosen = take(rb.experts)  # [B, N, k]: the experts of each output row's base row
-                ro = mlp.rebind(None, chosen, lo) if mode == "bound" else Routing(take(rb.weights), chosen)
+                ro = mlp.rebind(None, chosen, logits=lo) if mode == "bound" else Routing(take(rb.weights), chosen)
         if joined:
             h, x = hs[0]
             if last:  # the base rows run only to keep the pair one group, then are dropped: they take
