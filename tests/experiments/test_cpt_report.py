@@ -44,3 +44,18 @@ def test_the_demo_columns_appear_once_a_row_has_the_probe():
     ends = [line.rsplit("|", 3)[1:3] for line in table.splitlines() if line.startswith("| ")]
     assert ends.count([" - ", " - "]) == len(rows) - 1 and [" +0.70 ", " 2 / 3 "] in ends
     assert "archive code asked at 10 / 50 / 90% depth" in table
+
+
+def test_a_run_with_a_demo_curve_gets_its_plot(tmp_path):
+    """plot_all draws the demo's margin along training for the arms that scored it, and only then."""
+    from orthros.experiments.cpt_report import plot_all
+
+    preset = PRESETS["smollm2-w512-52m"]
+    run = _results("cpt-smollm2-rqp-curve/1600x4-w1024")
+    saved = [p.name for p in plot_all(run, preset, tmp_path)]
+    assert saved == ["cpt.png", "cpt-train.png", "cpt-demo.png"] and (tmp_path / "cpt-demo.png").stat().st_size > 0
+    (arm, r), = run.items()
+    assert len(r["train"]["demo_curve"]) == 16 and r["train"]["demo_curve"][-1][1] == r["train"]["tokens"]
+    plain = {arm: {**r, "train": {k: v for k, v in r["train"].items() if k != "demo_curve"}}}
+    (tmp_path / "plain").mkdir()
+    assert "cpt-demo.png" not in [p.name for p in plot_all(plain, preset, tmp_path / "plain")]

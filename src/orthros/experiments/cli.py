@@ -105,7 +105,7 @@ def run_cpt_command(args) -> int:
             return 0
         res = merge_runs(args.from_json, out)
         print(res["table"])
-        print(f"\nsaved {out}/results.json, table.md, cpt.png, cpt-train.png")
+        print(f"\nsaved {out}/" + ", ".join(res["files"]))
         return 0
     source = args.source or smollm2_gguf()
     steps = args.steps or [None]
@@ -120,7 +120,7 @@ def run_cpt_command(args) -> int:
             return 1
         print()
         print(res["table"])
-        print(f"\nsaved {run_out}/results.json, table.md, cpt.png, cpt-train.png")
+        print(f"\nsaved {run_out}/" + ", ".join(res["files"]))
         runs.append(f"{run_out}/results.json")
     if len(runs) > 1:
         res = write_curve(runs, out)

@@ -580,7 +580,8 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
 
 
 def write_report(results: dict, preset: CPTPreset, meta: dict, out: str | Path, name: str = "results.json") -> dict:
-    """results.json, table.md, cpt.png and cpt-train.png under `out`; arms in ARMS order."""
+    """results.json, table.md and the plots (cpt.png, cpt-train.png, cpt-demo.png where arms scored the demo
+    along training) under `out`; arms in ARMS order. The report's "files" name what was written."""
     from .cpt_report import format_table, plot_all
 
     out = Path(out)
@@ -588,11 +589,11 @@ def write_report(results: dict, preset: CPTPreset, meta: dict, out: str | Path, 
     results = {a: results[a] for a in ARMS if a in results}
     (out / name).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     if not results:  # every arm failed
-        return {"meta": meta, "results": results, "table": "(no arm finished)"}
+        return {"meta": meta, "results": results, "table": "(no arm finished)", "files": [name]}
     table = format_table(results, preset)
     (out / "table.md").write_text(table + "\n")
-    plot_all(results, preset, out)
-    return {"meta": meta, "results": results, "table": table}
+    plots = [p.name for p in plot_all(results, preset, out)]
+    return {"meta": meta, "results": results, "table": table, "files": [name, "table.md", *plots]}
 
 
 def merge_runs(files: list[str | Path], out: str | Path, name: str = "results.json") -> dict:

@@ -114,4 +114,33 @@ def plot_all(results: dict, preset, out: Path) -> list[Path]:
         fig.savefig(p, dpi=110)
         plt.close(fig)
         saved.append(p)
+    curves = {a: r["train"]["demo_curve"] for a, r in trained.items() if r["train"].get("demo_curve")}
+    if curves:
+        saved.append(plot_demo_curves(results, curves, out / "cpt-demo.png"))
     return saved
+
+
+def plot_demo_curves(results: dict, curves: dict, path: Path) -> Path:
+    """The demo's margin (log p(343) − log p(634), `demo.real.margin`) along each arm's training
+    (`train.demo_curve`: [step, tokens, margin]), against tokens; an untrained arm's margin (the
+    source's, the zero-shot conversion's) as a level line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for arm, c in curves.items():
+        ax.plot([t / 1e6 for _, t, _ in c], [m for _, _, m in c], marker="o", ms=3, color=COLORS.get(arm),
+                label=results[arm]["label"])
+    for arm, r in results.items():
+        d = r["eval"].get("demo")
+        if not r["train"] and d:
+            ax.axhline(d["margin"], ls="--", lw=1, color=COLORS.get(arm, "black"), label=f"{r['label']} (untrained)")
+    ax.axhline(0, color="gray", lw=0.8)
+    ax.set_xlabel("training tokens (M)")
+    ax.set_ylabel("log p(343) − log p(634) (nats)")
+    ax.set_title("the demo's answer along training (> 0: the right PEP)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
