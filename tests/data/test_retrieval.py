@@ -7,8 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from orthros.data.retrieval import (ALL_KINDS, KEY_MOD, KINDS, _no_loop, answer_mask, eval_key, retrieval_rows, sample,
-                                    train_key)
+from orthros.data.retrieval import (ALL_KINDS, KEY_MOD, KINDS, VARIED_FACTS, VARIED_NOUNS, VARIED_QUESTIONS,
+                                    VARIED_UNITS, _no_loop, answer_mask, eval_key, retrieval_rows, sample, train_key)
 
 
 def test_the_answer_is_the_target_and_the_haystack_holds_it(chat_tok):
@@ -72,6 +72,31 @@ def test_phrase_answers_are_sentences_the_needle_holds_with_the_same_draws(chat_
     for sent in sentences:
         noun, key = re.fullmatch(r"The ([a-z ]+) is (\d+)\.", sent).groups()
         assert key in a_bare and re.search(rf"(?i)the {noun} is {key}", prompt)
+
+
+def test_varied_pass_keys_are_worded_many_ways_the_answer_held_and_never_the_demo_probe_s(chat_tok):
+    """varied=True: a pass key's fact and question in many wordings; the answer is a sentence that names
+    what the question names and ends with the key the prompt holds; the demo probe's words (its noun,
+    its unit) are in no wording, so the demo stays a test of words no row holds."""
+    from orthros.demo.real import FACT, FACT_QUESTION
+
+    words = " ".join(VARIED_NOUNS + VARIED_UNITS + VARIED_FACTS + VARIED_QUESTIONS).lower()
+    assert "archive" not in words and "chapter" not in words
+    assert "archive code" in FACT and "chapter" in FACT_QUESTION  # (what the line above keeps out)
+    stream = np.asarray(chat_tok("some text here. " * 3000)["input_ids"], np.int32)
+    rng, seen = np.random.default_rng(3), set()
+    for _ in range(40):
+        ids, mask = sample(chat_tok, stream, 300, "passkey", rng, varied=True)
+        first = mask.index(True)
+        prompt, ans = chat_tok.decode(ids[:first]), chat_tok.decode([t for t, m in zip(ids, mask) if m])
+        noun, unit, key = re.fullmatch(r"The ([a-z ]+?)(?: of this ([a-z]+))? is (\d+)\.\s*\S*", ans.strip()).groups()
+        assert noun in VARIED_NOUNS and int(key) % KEY_MOD == 0 and key in prompt
+        assert prompt.lower().count(noun) >= 2 and (unit is None or unit in prompt.rsplit("\n", 1)[-1])
+        seen.add((noun, unit))
+    assert len(seen) >= 15  # many wordings in 40 draws
+    default = sample(chat_tok, stream, 300, "passkey", np.random.default_rng(3), phrase=True)
+    again = sample(chat_tok, stream, 300, "passkey", np.random.default_rng(3), phrase=True, varied=False)
+    assert default == again  # the fixed needles' rows are drawn as before
 
 
 def test_training_and_evaluation_keys_are_disjoint():

@@ -37,6 +37,13 @@ def test_retrieval_rows_follow_the_preset(tmp_path, chat_tok):
     first = int(np.flatnonzero(said[0])[0])  # row 0 is a pass key: answered in the needle's sentence
     assert re.match(r"The (pass key|secret code|access number) is \d{5}\.", chat_tok.decode(rows[0, first:].tolist()))
 
+    prepare_data(chat_tok, tmp_path, dataclasses.replace(p, retrieval_questions=4, retrieval_phrase=True,
+                                                         retrieval_varied=True))
+    assert json.loads((tmp_path / "retrieval.json").read_text())["varied"] is True  # made again, in many wordings
+    rows, said = np.load(tmp_path / "retrieval_rows.npy"), np.load(tmp_path / "retrieval_mask.npy")
+    answers = [chat_tok.decode(rows[r, int(np.flatnonzero(said[r])[0]):][:20].tolist()) for r in (0, 3)]
+    assert all(re.match(r"The [a-z ]+ is \d{5}\.", a) for a in answers)
+
 
 def test_docqa_rows_call_the_teacher_only_when_made(tmp_path, chat_tok):
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], steps=4, retrieval_share=1.0, seq_len=1024,

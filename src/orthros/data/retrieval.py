@@ -6,7 +6,8 @@ Five kinds, each a haystack of real text (spans of a token `stream`, e.g. the
 training corpus) of 1K–8K tokens:
 
     passkey   a key sentence hidden at a random depth, asked for through the chat
-              template; the loss on the assistant's answer (the key, then <end>)
+              template; the loss on the assistant's answer (the key, then <end>); with
+              `varied`, the fact and the question in one of many wordings
     lookup    several "the value of NAME is NUMBER" facts spread through the text,
               one of them (or, with `questions`, several in turn) asked for through
               the chat template
@@ -64,6 +65,32 @@ BOILERPLATE = re.compile(r"licen[cs]e|copyright|https?:|www\\.", re.I)
 LINE_QUESTIONS = ('The text above contains the line "{line}". What does the text say there? Answer in one or two '
                   "sentences.",
                   'What is the part of the text above around "{line}" about? Answer briefly.')
+
+
+# `varied` pass keys (sample's `varied`): the fact and its question in many words, so that a model learns to
+# find a number by what the question says of it, not one needle's wording. Never the words of the demo's
+# probe ("archive code", "chapter": demo.real.FACT), which stays a test of wording no row holds.
+VARIED_NOUNS = ("pass key", "secret code", "access number", "order number", "room number", "serial number",
+                "ticket number", "reference number", "locker code", "project code", "batch number", "account number",
+                "voucher code", "badge number", "tracking number", "booking code")
+VARIED_UNITS = ("document", "section", "file", "page", "text", "report", "manual", "module")
+VARIED_FACTS = ("The {noun} of this {unit} is {key}.", "The {noun} is {key}.", "{Noun}: {key}.",
+                "Note that the {noun} for this {unit} is {key}.", "This {unit} has the {noun} {key}.",
+                "The {noun} is {key}. Remember it. {key} is the {noun}.")
+VARIED_QUESTIONS = ("What is the {noun} of this {unit}?", "What is the {noun}?", "Which {noun} does the {unit} give?",
+                    "What {noun} is mentioned in the text above?", "What is the {noun}? Answer with the number only.")
+
+
+def varied_passkey(key: str, rng: np.random.Generator) -> tuple[str, str, str]:
+    """(fact, question, the answer in a sentence) of a `varied` pass key: a noun, a unit, a fact's form and
+    a question's form drawn; the answer names the unit where the question does."""
+    noun = VARIED_NOUNS[int(rng.integers(0, len(VARIED_NOUNS)))]
+    unit = VARIED_UNITS[int(rng.integers(0, len(VARIED_UNITS)))]
+    fact = VARIED_FACTS[int(rng.integers(0, len(VARIED_FACTS)))]
+    q = VARIED_QUESTIONS[int(rng.integers(0, len(VARIED_QUESTIONS)))]
+    answer = f"The {noun} of this {unit} is {key}." if "{unit}" in q else f"The {noun} is {key}."
+    words = dict(noun=noun, Noun=noun[0].upper() + noun[1:], unit=unit, key=key)
+    return fact.format(**words) + " ", q.format(**words), answer
 
 
 def train_key(rng: np.random.Generator, lo: int = 10_000, hi: int = 100_000) -> str:
@@ -199,7 +226,7 @@ def compound_facts(rng: np.random.Generator, key: Callable[[], str]) -> tuple[li
 
 
 def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Generator, questions: int = 1,
-           answer: Callable[[list[int]], str | None] | None = None, phrase: bool = False):
+           answer: Callable[[list[int]], str | None] | None = None, phrase: bool = False, varied: bool = False):
     """One sample of about `length` tokens: (ids, mask) as lists. `questions`: a lookup (a docqa
     sample) asks up to that many of its facts (things in its text), one chat turn each, every
     answer a target (denser supervision of the lookup for the same tokens). `answer`: the teacher
@@ -208,7 +235,8 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
     the answer starts with words the needle holds, so the key follows a match a copy can make
     (induction), where a bare key must be found from the question alone; and the model keeps
     answering in sentences. The draws are the same either way (a lookup of several questions
-    leaves room for the longer answers: its text is a little shorter)."""
+    leaves room for the longer answers: its text is a little shorter). `varied`: a pass key's fact and
+    question in one of many wordings (`varied_passkey`), answered in a sentence."""
     if kind == "copy":
         seg = int(rng.integers(32, 129)) if length >= 512 else max(4, length // 8)
         a = int(rng.integers(0, len(stream) - length))
@@ -217,6 +245,10 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
         ids = hay + hay[b : b + seg]
         return ids, [False] * len(hay) + [True] * seg
     overhead = 48
+    if kind == "passkey" and varied:
+        fact, q, ans = varied_passkey(train_key(rng), rng)
+        text = _insert(_haystack(tok, stream, length - overhead, rng), [fact], rng)
+        return _chat(tok, [(text + "\n" + q, ans)])
     if kind == "passkey":
         i = int(rng.integers(0, len(NEEDLES)))
         key = train_key(rng)
@@ -277,12 +309,12 @@ def sample(tok, stream: np.ndarray, length: int, kind: str, rng: np.random.Gener
 def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.random.Generator,
                    lengths: tuple[int, int] = (1024, 8192), fill: np.ndarray | None = None, questions: int = 1,
                    kinds: tuple[str, ...] = KINDS, answer: Callable[[list[int]], str | None] | None = None,
-                   progress: bool = False, phrase: bool = False):
+                   progress: bool = False, phrase: bool = False, varied: bool = False):
     """`n_rows` rows [n_rows, seq_len] int32 and their target masks (bool): one sample of a
     length drawn from `lengths` (capped below seq_len) each, then EOS and text from `fill`
     (default: `stream`) up to seq_len. The `kinds` take turns; a lookup (a docqa sample) asks
     up to `questions` of its facts; `answer` answers docqa samples (`teacher_answerer`); `phrase`:
-    answers in a sentence (`sample`)."""
+    answers in a sentence; `varied`: pass keys in many wordings (`sample`)."""
     if not kinds or set(kinds) - set(ALL_KINDS):  # (a docqa sample without `answer` stops in `sample`)
         raise ValueError(f"retrieval kinds must be among {', '.join(ALL_KINDS)}, got {', '.join(kinds) or 'none'}")
     fill = stream if fill is None else fill
@@ -298,7 +330,7 @@ def retrieval_rows(tok, stream: np.ndarray, n_rows: int, seq_len: int, rng: np.r
         rows_iter = tqdm(rows_iter, desc="retrieval rows", unit="row", leave=False)
     for r in rows_iter:
         L = int(rng.integers(lo, hi + 1))
-        ids, m = sample(tok, stream, L, kinds[r % len(kinds)], rng, questions, answer, phrase)
+        ids, m = sample(tok, stream, L, kinds[r % len(kinds)], rng, questions, answer, phrase, varied)
         ids, m = ids[: seq_len - 1], m[: seq_len - 1]
         rest = seq_len - len(ids) - 1
         if at + rest > len(fill):

@@ -489,6 +489,8 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
         meta["kinds"] = list(preset.retrieval_kinds)
     if preset.retrieval_phrase:  # (likewise)
         meta["phrase"] = True
+    if preset.retrieval_varied:
+        meta["varied"] = True
     made = json.loads((work / "retrieval.json").read_text()) if (work / "retrieval.json").exists() else None
     stale = n_ret and made != meta  # (a work dir from before retrieval.json: made again, the same rows)
     if have != (n, preset.seq_len) or stale:
@@ -506,7 +508,8 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
             rrows, rmask = retrieval_rows(tok, hay, n_ret, preset.seq_len, np.random.default_rng(1234),
                                           tuple(preset.retrieval_lengths), questions=preset.retrieval_questions,
                                           kinds=kinds, answer=teacher() if teacher and "docqa" in kinds else None,
-                                          progress="docqa" in kinds or n_ret >= 256, phrase=preset.retrieval_phrase)
+                                          progress="docqa" in kinds or n_ret >= 256, phrase=preset.retrieval_phrase,
+                                          varied=preset.retrieval_varied)
             np.save(work / "retrieval_rows.npy", rrows)
             np.save(work / "retrieval_mask.npy", rmask)
             (work / "retrieval.json").write_text(json.dumps(meta))

@@ -173,6 +173,8 @@ ARMS = {
     # the light twin with the MLPs as the source's: at 52.4M tokens the full twin's MLP deltas alone turned
     # the demo's answer (its margin without them: +0.17; with them: -3.11; docs/notes/2026-12-conversion.md)
     **_recipe("lora+so", 512, attn=True),
+    # the light twin at the window whose full-weight recipe meets the perplexity target at 52.4M tokens
+    **_recipe("lora+so", 1024),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
@@ -261,6 +263,9 @@ class CPTPreset:
     retrieval_phrase: bool = False
     """pass keys and lookups answered in a sentence, as the source answers ("The pass key is 56993."),
     not with the bare number (data.retrieval.sample's `phrase`)"""
+    retrieval_varied: bool = False
+    """pass keys written and asked in many wordings (nouns, units, sentence and question forms:
+    data.retrieval.varied_passkey), never the demo probe's, rather than three fixed needles"""
     kl: float = 1.0
     """distilled arms: weight of KL(teacher || student) on every output position"""
     temperature: float = 1.0
@@ -345,6 +350,13 @@ PRESETS = {
     "smollm2-w512-52m": CPTPreset(batch_size=4, steps=1600, gradient_checkpointing=False, retrieval_share=0.5,
                                   retrieval_questions=8, retrieval_phrase=True, haystack_rows=1.0, demo_every=100,
                                   arms=("orthros-cpt-sink-mix-aw-w512", "full-cpt-mix-aw")),
+    # The 52.4M schedule with pass keys in many wordings (data.retrieval.varied_passkey): the W = 1024 recipe
+    # met the perplexity target but, like the 52.4M light twin, stopped finding the demo's archive code,
+    # which the 52.4M twin finds when it is written as the training's needle is (benchmarks/fact_phrasing_probe.py)
+    "smollm2-52m-varied": CPTPreset(batch_size=4, steps=1600, gradient_checkpointing=False, retrieval_share=0.5,
+                                    retrieval_questions=8, retrieval_phrase=True, retrieval_varied=True,
+                                    haystack_rows=1.0, demo_every=100,
+                                    arms=("orthros-lora-sink-mix-aw-w1024", "orthros-cpt-sink-mix-aw-w1024")),
     # The whole pipeline on a CPU in a few minutes: a short window, short rows, a few steps.
     "smollm2-cpu-smoke": CPTPreset(window=16, seq_len=256, batch_size=2, steps=3, warmup=1, eval_rows=2, demo_chars=600,
                                    short_len=128, copy_gaps=[64], copy_samples=2, passkey_lengths=[160],
