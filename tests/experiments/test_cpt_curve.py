@@ -71,7 +71,7 @@ def test_several_steps_run_a_budget_each_then_write_the_curve(tmp_path, monkeypa
     def fake_run_cpt(preset, source, out, arms, device, jobs, steps, *a):
         ran.append((out, steps))
         _run(Path(out) / "results.json", steps, {"full-x": 40 / steps, "orthros-x": 44 / steps})
-        return {"table": f"table of {steps}"}
+        return {"table": f"table of {steps}", "files": ["results.json"]}
 
     monkeypatch.setattr(cpt, "run_cpt", fake_run_cpt)
     assert run_cpt_command(_args(tmp_path, steps=[10, 30])) == 0
@@ -98,7 +98,7 @@ def test_a_preset_with_arms_runs_them_unless_arms_are_named(tmp_path, monkeypatc
 
     assert all(a in ARMS for p in PRESETS.values() for a in p.arms)
     ran = []
-    monkeypatch.setattr(cpt, "run_cpt", lambda preset, source, out, arms, *a: ran.append(arms) or {"table": ""})
+    monkeypatch.setattr(cpt, "run_cpt", lambda preset, source, out, arms, *a: ran.append(arms) or {"table": "", "files": []})
     assert run_cpt_command(_args(tmp_path, preset="smollm2-w512-52m", archs=None)) == 0
     assert run_cpt_command(_args(tmp_path, preset="smollm2-w512-52m", out=str(tmp_path / "o2"))) == 0
     assert run_cpt_command(_args(tmp_path, preset="smollm2-cpu-smoke", archs=None, out=str(tmp_path / "o3"))) == 0
