@@ -44,6 +44,36 @@ PHRASINGS = {  # fact line, question, the answer's first words (scored before th
 }
 
 
+@torch.no_grad()
+def read_facts(model, tok, phrasings, depths=(0.1, 0.5, 0.9), seed: int = 0) -> dict:
+    """{phrasing: {right, logprob: [nats a depth], answers}}: the demo's document with an evaluation key
+    written at each depth in each phrasing and asked; greedy answers (16 tokens) and log p(key | the
+    answer's first words). The keys are drawn from `seed`, phrasing by phrasing, depth by depth."""
+    from tqdm.auto import tqdm
+
+    from orthros.data.retrieval import eval_key
+    from orthros.demo import real
+
+    doc, rng = real.document(), random.Random(seed)
+    cases = [(ph, d, eval_key(rng)) for ph in phrasings for d in depths]
+    eos = tok.eos_token_id
+    out = {ph: {"right": 0, "logprob": [], "answers": []} for ph in phrasings}
+    for ph, depth, k in tqdm(cases, leave=False, desc="prompts"):
+        fact, question, pre = PHRASINGS[ph]
+        ids = real.prompt_ids(tok, real.with_fact(doc, fact.format(k=k), depth), question)
+        x = torch.tensor([ids], device=model.device)
+        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
+        said = tok.decode([i for i in gen.tolist() if i != eos], skip_special_tokens=True).strip()
+        lp = real.answer_logprob(model, ids + tok.encode(pre, add_special_tokens=False),
+                                 tok.encode(k, add_special_tokens=False))
+        r = out[ph]
+        r["right"] += k in said
+        r["logprob"].append(lp)
+        r["answers"].append({"depth": depth, "code": k, "text": said, "logprob": lp})
+    return out
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default="runs/smollm2", help="the source model (orthros download)")
@@ -61,7 +91,6 @@ def main(argv=None) -> None:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from orthros.data.retrieval import eval_key
     from orthros.demo import real
     from orthros.loading import load_model
     from orthros.models.adapter import apply_adapter
@@ -69,27 +98,6 @@ def main(argv=None) -> None:
     torch.set_grad_enabled(False)
     hf, _ = real.source_and_conversion(a.model_dir, 512, a.sink_tokens)
     tok = AutoTokenizer.from_pretrained(str(hf))
-    doc, rng = real.document(), random.Random(a.seed)
-    cases = [(ph, d, eval_key(rng)) for ph in a.phrasings for d in a.depths]
-    eos = tok.eos_token_id
-
-    def run(model) -> dict:
-        out = {ph: {"right": 0, "logprob": [], "answers": []} for ph in a.phrasings}
-        for ph, depth, k in tqdm(cases, leave=False, desc="prompts"):
-            fact, question, pre = PHRASINGS[ph]
-            ids = real.prompt_ids(tok, real.with_fact(doc, fact.format(k=k), depth), question)
-            x = torch.tensor([ids], device=model.device)
-            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
-            said = tok.decode([i for i in gen.tolist() if i != eos], skip_special_tokens=True).strip()
-            lp = real.answer_logprob(model, ids + tok.encode(pre, add_special_tokens=False),
-                                     tok.encode(k, add_special_tokens=False))
-            r = out[ph]
-            r["right"] += k in said
-            r["logprob"].append(lp)
-            r["answers"].append({"depth": depth, "code": k, "text": said, "logprob": lp})
-        return out
-
     models = [] if a.no_source else [("source", None, None)]
     for ad in a.adapters:
         models.append((ad if ad != "none" else "conversion W=512, no adapter",
@@ -103,7 +111,7 @@ def main(argv=None) -> None:
             m = load_model(cdir).eval()
             if ad is not None:
                 apply_adapter(m, ad)
-        rows[name] = run(m)
+        rows[name] = read_facts(m, tok, a.phrasings, a.depths, a.seed)
         print(name, {ph: (r["right"], round(sum(r["logprob"]) / len(r["logprob"]), 2)) for ph, r in rows[name].items()},
               flush=True)
     n = len(a.depths)
