@@ -132,14 +132,19 @@ def test_the_demo_margin_is_recorded_during_training_and_resumes(source, tmp_pat
     tok, _ = source
     model = OrthrosForCausalLM.from_pretrained(smollm2_dir("orthros", 64), dtype=torch.float32).train()
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], demo_every=2, demo_chars=300)
-    want = real.margin(model, tok, 300)["margin"]
+    model.eval()
+    want, codes = real.margin(model, tok, 300)["margin"], real.fact_logprob(model, tok, 300)
+    model.train()
     path = tmp_path / "curve.json"
     hook = demo_curve(model, tok, p, path)
     for step in range(3):  # steps 1..3 done: a point at 2
         hook(step)
-    assert model.training and json.loads(path.read_text()) == [[2, 2 * p.batch_size * p.seq_len, want]]
+    (point,) = json.loads(path.read_text())
+    assert model.training and point[:3] == [2, 2 * p.batch_size * p.seq_len, want]
+    assert abs(point[3] - codes) < 1e-4 and -60 < codes < 0  # the codes' mean log p, as fact_logprob gives it
     calls = []
     monkeypatch.setattr(real, "margin", lambda *a: calls.append(a) or {"margin": 0.0})
+    monkeypatch.setattr(real, "fact_logprob", lambda *a: -1.0)
     hook = demo_curve(model, tok, p, path)  # a resumed run: from step 2 on
     for step in range(1, 4):
         hook(step)

@@ -56,6 +56,9 @@ def test_a_run_with_a_demo_curve_gets_its_plot(tmp_path):
     assert saved == ["cpt.png", "cpt-train.png", "cpt-demo.png"] and (tmp_path / "cpt-demo.png").stat().st_size > 0
     (arm, r), = run.items()
     assert len(r["train"]["demo_curve"]) == 16 and r["train"]["demo_curve"][-1][1] == r["train"]["tokens"]
+    with_codes = {arm: {**r, "train": {**r["train"], "demo_curve": [p + [-0.5] for p in r["train"]["demo_curve"]]}}}
+    (tmp_path / "codes").mkdir()
+    assert "cpt-demo.png" in [p.name for p in plot_all(with_codes, preset, tmp_path / "codes")]  # two panels
     plain = {arm: {**r, "train": {k: v for k, v in r["train"].items() if k != "demo_curve"}}}
     (tmp_path / "plain").mkdir()
     assert "cpt-demo.png" not in [p.name for p in plot_all(plain, preset, tmp_path / "plain")]

@@ -89,6 +89,17 @@ def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int 
 
 
 @torch.no_grad()
+def fact_logprob(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int = 0) -> float:
+    """How sure a model is of the archive codes `probe` asks for: log p(code | the answer's first words,
+    "The archive code of this chapter is "), teacher-forced, the mean over `depths` (nats; the same
+    prompts and codes as `probe`). Smoother than the greedy answers' right / wrong."""
+    pre = tok.encode(FACT.split("{code}")[0], add_special_tokens=False)
+    lps = [answer_logprob(model, ids + pre, tok.encode(code, add_special_tokens=False))
+           for _, code, ids in fact_prompts(tok, document(chars), depths, seed)]
+    return sum(lps) / len(lps)
+
+
+@torch.no_grad()
 def margin(model, tok, chars: int = DOC_CHARS, question: str = QUESTION, prefix: str = "The PEP ",
            candidates=("343", "634")) -> dict:
     """How sure a model is of the right answer to a question about the demo's document (cut to

@@ -422,9 +422,10 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
 
 def demo_curve(model, tok, preset: CPTPreset, path: Path):
     """A `train_arm` step hook: every `preset.demo_every` steps, the demo probe's margin of the model
-    as it is then (`demo.real.margin`, eval mode, no autograd), appended to `path` as [step, tokens,
-    margin] (atomically; a resumed run keeps the points it has and adds the rest)."""
-    from ..demo.real import margin
+    as it is then (`demo.real.margin`, eval mode, no autograd) and its mean log p of the archive codes
+    (`demo.real.fact_logprob`), appended to `path` as [step, tokens, margin, code log p] (atomically; a
+    resumed run keeps the points it has and adds the rest)."""
+    from ..demo.real import fact_logprob, margin
 
     points = json.loads(path.read_text()) if path.exists() else []
     cuda = next(model.parameters()).is_cuda
@@ -436,8 +437,9 @@ def demo_curve(model, tok, preset: CPTPreset, path: Path):
         model.eval()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             m = margin(model, tok, preset.demo_chars)["margin"]
+            codes = fact_logprob(model, tok, preset.demo_chars)
         model.train()
-        points.append([done, done * preset.batch_size * preset.seq_len, m])
+        points.append([done, done * preset.batch_size * preset.seq_len, m, codes])
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(points))
         tmp.replace(path)

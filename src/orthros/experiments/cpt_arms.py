@@ -243,7 +243,7 @@ class CPTPreset:
     (24,000: the demo's ~6K tokens); 0: not run"""
     demo_every: int = 0
     """during training, the demo probe's margin every this many steps (the model as it is then:
-    the arm's `train.demo_curve`, [step, tokens, margin]); 0: never"""
+    the arm's `train.demo_curve`, [step, tokens, margin, the archive codes' mean log p]); 0: never"""
     lm_eval_tasks: list[str] = field(default_factory=lambda: ["python_docs_cloze", "python_docs_recall"])
     """local lm-evaluation-harness tasks (configs/lm_eval of the source checkout): the next
     word (local context), and a sentence's second half recalled from ~4K tokens back"""

@@ -122,24 +122,34 @@ def plot_all(results: dict, preset, out: Path) -> list[Path]:
 
 def plot_demo_curves(results: dict, curves: dict, path: Path) -> Path:
     """The demo's margin (log p(343) − log p(634), `demo.real.margin`) along each arm's training
-    (`train.demo_curve`: [step, tokens, margin]), against tokens; an untrained arm's margin (the
-    source's, the zero-shot conversion's) as a level line."""
+    (`train.demo_curve`: [step, tokens, margin, code log p]), against tokens; an untrained arm's margin
+    (the source's, the zero-shot conversion's) as a level line; beside it, where the points have it,
+    the archive codes' mean log p (`demo.real.fact_logprob`)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    codes = any(len(p) > 3 for c in curves.values() for p in c)  # curves from before 2026-12-06 lack it
+    fig, axes = plt.subplots(1, 2 if codes else 1, figsize=(13 if codes else 7, 4), squeeze=False)
+    ax = axes[0, 0]
     for arm, c in curves.items():
-        ax.plot([t / 1e6 for _, t, _ in c], [m for _, _, m in c], marker="o", ms=3, color=COLORS.get(arm),
+        ax.plot([p[1] / 1e6 for p in c], [p[2] for p in c], marker="o", ms=3, color=COLORS.get(arm),
                 label=results[arm]["label"])
+        if codes:
+            axes[0, 1].plot([p[1] / 1e6 for p in c if len(p) > 3], [p[3] for p in c if len(p) > 3], marker="o",
+                            ms=3, color=COLORS.get(arm), label=results[arm]["label"])
     for arm, r in results.items():
         d = r["eval"].get("demo")
         if not r["train"] and d:
             ax.axhline(d["margin"], ls="--", lw=1, color=COLORS.get(arm, "black"), label=f"{r['label']} (untrained)")
     ax.axhline(0, color="gray", lw=0.8)
-    ax.set_xlabel("training tokens (M)")
     ax.set_ylabel("log p(343) − log p(634) (nats)")
     ax.set_title("the demo's answer along training (> 0: the right PEP)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if codes:
+        axes[0, 1].set_ylabel("mean log p(code | its sentence) (nats)")
+        axes[0, 1].set_title("the demo's archive codes (10 / 50 / 90% depth)")
+    for a in axes[0]:
+        a.set_xlabel("training tokens (M)")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
