@@ -56,15 +56,11 @@ def read_facts(model, tok, phrasings, depths=(0.1, 0.5, 0.9), seed: int = 0) -> 
 
     doc, rng = real.document(), random.Random(seed)
     cases = [(ph, d, eval_key(rng)) for ph in phrasings for d in depths]
-    eos = tok.eos_token_id
     out = {ph: {"right": 0, "logprob": [], "answers": []} for ph in phrasings}
     for ph, depth, k in tqdm(cases, leave=False, desc="prompts"):
         fact, question, pre = PHRASINGS[ph]
         ids = real.prompt_ids(tok, real.with_fact(doc, fact.format(k=k), depth), question)
-        x = torch.tensor([ids], device=model.device)
-        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
-        said = tok.decode([i for i in gen.tolist() if i != eos], skip_special_tokens=True).strip()
+        said = real.greedy_answer(model, tok, ids)
         lp = real.answer_logprob(model, ids + tok.encode(pre, add_special_tokens=False),
                                  tok.encode(k, add_special_tokens=False))
         r = out[ph]

@@ -78,14 +78,21 @@ def probe(model, tok, chars: int = DOC_CHARS, depths=(0.1, 0.5, 0.9), seed: int 
     (below) about the demo's document cut to `chars` characters, and `facts`, the archive code
     written into that document at each depth and asked (greedy; right when the answer holds the
     code; `fact_prompts`)."""
-    eos, facts = tok.eos_token_id, []
+    facts = []
     for depth, code, ids in fact_prompts(tok, document(chars), depths, seed):
-        x = torch.tensor([ids], device=model.device)
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
-        said = tok.decode([i for i in out.tolist() if i != eos], skip_special_tokens=True).strip()
+        said = greedy_answer(model, tok, ids, max_new_tokens)
         facts.append({"depth": depth, "code": code, "tokens": len(ids), "text": said, "right": code in said})
     return {**margin(model, tok, chars), "facts": facts, "right": sum(f["right"] for f in facts)}
+
+
+@torch.no_grad()
+def greedy_answer(model, tok, ids: list[int], max_new_tokens: int = 16) -> str:
+    """A causal LM's greedy answer to prompt `ids` (`generate()`, up to its end of turn), as text."""
+    eos = tok.eos_token_id
+    x = torch.tensor([ids], device=model.device)
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=eos, pad_token_id=eos)[0, x.shape[1]:]
+    return tok.decode([i for i in out.tolist() if i != eos], skip_special_tokens=True).strip()
 
 
 @torch.no_grad()
