@@ -173,8 +173,9 @@ ARMS = {
     # the light twin with the MLPs as the source's: at 52.4M tokens the full twin's MLP deltas alone turned
     # the demo's answer (its margin without them: +0.17; with them: -3.11; docs/notes/2026-12-conversion.md)
     **_recipe("lora+so", 512, attn=True),
-    # the light twin at the window whose full-weight recipe meets the perplexity target at 52.4M tokens
-    **_recipe("lora+so", 1024),
+    # the light twin at the window whose full-weight recipe meets the perplexity target at 52.4M tokens, at
+    # rank 8 and at rank 16 (a 10 MB adapter; the W = 512 twin at rank 8 was 2-3.4% above full weights)
+    **_recipe("lora+so", 1024), **_recipe("lora+so", 1024, rank=16),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
