@@ -165,3 +165,22 @@ def test_long_scenario_without_capacity_and_full_attention_without_low_bit(tmp_p
     assert [(r["variant"], r["kv_dtype"], r["completed"]) for r in res["rows"]] == [
         ("orthros", "int4", 1), ("orthros", "fp8", 1), ("full", "fp8", 1)]
     assert "full: no int4 KV cache (Orthros only)" in capsys.readouterr().out
+
+
+def test_faults_scenario_every_check_holds(tmp_path):
+    """A burst of 64 long prompts at 4 seats and a queue of 16: 503s for the overflow and no accepted
+    request lost; a client gone mid-prefill: its blocks freed before any token; a prompt one token over
+    the limit: a 400 naming it. Each server is still serving after."""
+    res = run(tmp_path, "faults", "--server", "inprocess")
+    rows = {(r["variant"], r["run"]): r for r in res["rows"]}
+    assert {v for v, _ in rows} == {"orthros", "full"} and len(rows) == 6
+    for v in ("orthros", "full"):
+        b = rows[v, "burst"]
+        assert b["held"] and b["lost"] == 0 and b["served"] + b["refused_503"] == 64
+        assert b["served"] >= 16 and b["refused_503"] >= 1 and b["alive_after"]
+        assert sum(q["ok"] for q in b["requests"]) == b["served"]
+        d = rows[v, "disconnect mid-prefill"]
+        assert d["held"] and d["blocks_held"] > 0 and d["tokens_before_close"] == 0 and d["freed_after_s"] is not None
+        t = rows[v, "one token over --max-model-len"]
+        assert t["held"] and t["status"] == 400 and str(t["input_tokens"] - 1) in t["message"]
+    assert "× 503" in (tmp_path / "serve-faults.md").read_text()

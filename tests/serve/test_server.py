@@ -48,6 +48,9 @@ def test_models_health_and_metrics(server, client):
         * cfg.head_dim * 4 == pool.memory_bytes
     assert value["orthros_max_model_len"] == 256
     assert (value["orthros_device_memory_peak_bytes"] > 0) == (srv.engine.device.type == "cuda")
+    # the request is over and the engine idle: the gauges say so (not the state before its last step)
+    assert value["orthros_num_requests_running"] == value["orthros_num_requests_waiting"] == 0
+    assert value["orthros_kv_blocks_used"] == srv.engine.blocks.num_used == 0
 
 
 def test_completion_equals_generate(server, client):

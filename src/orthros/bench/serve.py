@@ -16,6 +16,9 @@ Scenarios (`--scenario`), each for Orthros and the same server with
     long          the longest requests a server of each KV dtype holds (fp8 1M, int4 1M
                   and 2M, int2 4M), then as many concurrent 128K requests as its pool
                   holds, per dtype (bf16, fp8, int4, int2): `bench/serve_long.py`
+    faults        a burst of 64 long prompts at a server with 4 seats and a queue of 16 (503s for
+                  the overflow, no accepted request lost), a client gone mid-prefill (its
+                  blocks freed), a prompt over --max-model-len (a 400): `bench/serve_faults.py`
     custom        --input-len / --output-len / --rates / --concurrency
 
 `--scale gpu` is the full setting (llama-3.1-8b shape, bf16); `--scale tiny`
@@ -29,6 +32,7 @@ the load at a running server instead (one attention, whatever it serves).
     orthros bench serve --scenario interference --budgets 2048 8192 16384
     orthros bench serve --scenario documents --rates 0.05 0.1 0.2
     orthros bench serve --scenario long --variants orthros --long-cases int4:2M --capacity-dtypes bf16 int4
+    orthros bench serve --scenario faults
     orthros bench serve --scenario custom --url http://127.0.0.1:8000/v1 --model-name NAME \\
         --input-len 4096 --output-len 128 --rates inf --concurrency 8 --num-prompts 64
 
@@ -52,6 +56,7 @@ import sys
 import time
 
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
+from .serve_faults import faults_plot, faults_rows, faults_table
 from .serve_long import CAPACITY_DTYPES, LONG_CASES, long_plot, long_rows, long_table
 from .serve_client import (lengths, percentile, random_prompts, result_dict, run_interference, run_load,
                            run_sessions, summarize)
@@ -69,6 +74,7 @@ SCENARIOS = {
     "documents": dict(docs=4, doc=("uniform", 32 * K, 128 * K), sessions=16, turns=3, question=("uniform", 64, 256),
                       output=("uniform", 64, 128), zipf=1.0, rates=[0.02, 0.05, 0.1, 0.2]),
     "long": dict(cases=LONG_CASES, capacity=CAPACITY_DTYPES),  # bench/serve_long.py
+    "faults": dict(),  # bench/serve_faults.py
 }
 SCALES = {
     "gpu": dict(model="llama-3.1-8b", dtype="bf16", div_in=1, div_out=1, div_budget=1, max_model_len=129 * K + 1024,
@@ -139,8 +145,8 @@ class Server:
     """A server for one (attention, budget): started here, or the one at --url."""
 
     def __init__(self, args, attention: str, budget: int, kv_dtype: str | None = None,
-                 max_model_len: int | str | None = None, name: str | None = None):
-        self.args, self.attention, self.budget = args, attention, budget
+                 max_model_len: int | str | None = None, name: str | None = None, extra: list[str] = ()):
+        self.args, self.attention, self.budget, self.extra = args, attention, budget, list(extra)
         self.kv_dtype, self.max_model_len = kv_dtype or args.kv_dtype, max_model_len
         self.name = name or f"{attention}-budget{budget}"
         self.proc = self.thread_server = None
@@ -163,6 +169,7 @@ class Server:
             argv += ["--block-size", str(sc["block_size"])]
         if a.layers:
             argv += ["--layers", str(a.layers)]
+        argv += self.extra  # a scenario's own server settings (later flags win)
         if a.step_log_dir:
             os.makedirs(a.step_log_dir, exist_ok=True)
             self.step_log = os.path.join(a.step_log_dir, f"{self.name}.jsonl")
@@ -384,6 +391,9 @@ def measure(args) -> dict:
         if args.scenario == "long":
             rows += long_rows(args, variant, commands, steps, Server, _warmup, _vocab(args))
             continue
+        if args.scenario == "faults":
+            rows += faults_rows(args, variant, commands, steps, Server, _warmup, _vocab(args))
+            continue
         with Server(args, variant, args.budget) as srv:
             commands[variant] = srv.command
             rng = random.Random(args.seed)
@@ -467,6 +477,8 @@ def table(res: dict) -> str:
         return head + "\n".join(lines) + engine_table(res)
     if res["scenario"] == "long":
         return head + long_table(res) + engine_table(res)
+    if res["scenario"] == "faults":
+        return head + faults_table(res) + engine_table(res)
     hits = res["scenario"] == "documents"  # the share of prompt tokens read from the prefix cache
     lines = ["| attention | run | ok | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | ITL p99 "
              "| E2EL p50 | E2EL p99 |" + (" prefix hits |" if hits else ""),
@@ -531,6 +543,9 @@ def plot(res: dict, path: str) -> None:
     if res["scenario"] == "long":
         fig, axes = subplots(2, 5.5, 4)
         long_plot(res, (fig, axes))
+    elif res["scenario"] == "faults":
+        fig, (ax,) = subplots(1, 6, 4)
+        faults_plot(res, ax)
     elif res["scenario"] == "interference":
         fig, (ax,) = subplots(1, 5.5, 4)
         for i, v in enumerate(variants):
@@ -576,7 +591,7 @@ def run(args):
     from .common import splice_marks
 
     name = args.tag or f"serve-{args.scenario}"
-    if args.scenario in ("interference", "long") and args.url:
+    if args.scenario in ("interference", "long", "faults") and args.url:
         raise ValueError(f"{args.scenario} starts servers of its own (per token budget or KV dtype): it cannot "
                          "use --url")
     if args.from_json:

@@ -79,7 +79,7 @@ class ServerMetrics:
     def on_step(self, engine, tokens: int, segments: int, seconds: float) -> None:
         self.step_time.observe(seconds)
         self.step_tokens.observe(tokens)
-        self.kv_used.set(engine.blocks.num_used)
+        self.on_schedule(engine)  # requests that finished in the step are gone (an idle engine runs no more)
 
     def on_admit(self, req, now: float) -> None:
         if req.num_output == 0:  # not a readmission after preemption
