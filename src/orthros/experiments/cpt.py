@@ -40,6 +40,7 @@ results.json, table.md, plots in --out.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -135,12 +136,14 @@ class _NoScheduler:  # the learning rate is a function of the step (lr_factor)
 
 
 def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, desc: str, position: int = 0,
-              mask: np.ndarray | None = None, teacher=None, on_step=None, ckpt_dir: Path | None = None):
+              mask: np.ndarray | None = None, teacher=None, on_step=None, ckpt_dir: Path | None = None,
+              token_weights: np.ndarray | None = None):
     """Training of one arm on `rows` [steps * batch, seq_len] (the same rows, in order, for every
     arm) with target masks `mask` (default: every token). With a `teacher`, the loss is
     `train.distill`'s (KL, the K/V alignment in the first align_frac of the steps, CE) on the
     same output positions the CE would use. `on_step(step)` runs after each step (a profiler's
-    schedule, say).
+    schedule, say). `token_weights` [rows, seq_len] (like the labels), if given, multiply each
+    target's loss (`long_weights`: the tokens that need the far context), with the answers' weight.
 
     `ckpt_dir`: every `preset.checkpoint_every` steps the trainable weights, the optimizer, the
     RNG and the curves so far are written there (`train.checkpoint`: atomic, safetensors), and a
@@ -213,6 +216,9 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
         if answers is not None:
             a = torch.from_numpy(answers[step * B : (step + 1) * B]).to(device)
             w = 1 + (preset.answer_weight - 1) * a.float()
+        if token_weights is not None:
+            lw = torch.from_numpy(token_weights[step * B : (step + 1) * B].astype(np.float32)).to(device)
+            w = lw if w is None else w * lw
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             if teacher is None:
                 loss = (model(input_ids=x, labels=labels, use_cache=False).loss if w is None
@@ -388,8 +394,17 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
         ckpts = work / "checkpoints" / arm
         curve = work / f"arm-{arm}.demo-curve.json"
         on_step = demo_curve(model, tok, preset, curve) if preset.demo_every and preset.demo_chars else None
+        long_w = None
+        if preset.long_weight_cap:
+            from .long_weights import source_long_weights
+
+            long_w = source_long_weights(orthros_dir, rows, model.config.window_size, model.config.sink_tokens,
+                                         preset.long_weight_cap, device,
+                                         work / f"long-weights-w{model.config.window_size}-"
+                                         f"s{model.config.sink_tokens}-cap{preset.long_weight_cap:g}-"
+                                         f"{hashlib.sha1(rows[:, :64].tobytes()).hexdigest()[:10]}.npy")
         model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position, mask, teacher,
-                                 on_step=on_step, ckpt_dir=ckpts)
+                                 on_step=on_step, ckpt_dir=ckpts, token_weights=long_w)
         if curve.exists():
             stats["demo_curve"] = json.loads(curve.read_text())
         del teacher

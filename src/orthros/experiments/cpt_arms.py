@@ -47,19 +47,24 @@ def _kd(label, teacher, mode="all", **kw):
     return Arm(label, dict(attention="orthros"), mode, teacher, mix=True, **kw)
 
 
-def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False) -> dict:
+def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False,
+            long: float = 0.0) -> dict:
     """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
     as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank, W_Q / W_K frozen or
-    LoRA on the attention projections only (`attn`: the MLPs as the source's)."""
+    LoRA on the attention projections only (`attn`: the MLPs as the source's), and the far context's
+    tokens weighed up to `long` times (long_weight_cap)."""
     light = mode == "lora+so"
     name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
-        + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "")
+        + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "") \
+        + (f"-lce{long:g}" if long else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
-             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else ""))
+             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "")
+             + (f", far-context tokens weighed up to x{long:g}" if long else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
                   **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
-                  **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}))
+                  **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}),
+                  **(dict(long_weight_cap=long) if long else {}))
     return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
                       recipe=recipe)}
 
@@ -183,6 +188,10 @@ ARMS = {
     # the source's (its light twins, which move them only by rank 8, copy 1.15-1.4x better)
     **_recipe("all", 256), **_recipe("all", 512), **_recipe("all", 512, seed=1), **_recipe("all", 512, fqk=True),
     **_recipe("all", 1024),
+    # the W = 1024 recipe with the tokens its window cannot give weighed up to 5x (LongCE, the source
+    # judging): past the window is where its perplexity gap (+1.6% / +2.2% at 8K) and its copying (2x the
+    # control's loss at a 2K gap) are left
+    **_recipe("all", 1024, long=5.0), **_recipe("lora+so", 1024, long=5.0),
     "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
                            mix=True, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
@@ -192,7 +201,7 @@ ARMS = {
 }
 
 RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_rank", "lora_targets", "warmup", "kl", "ce", "temperature", "align",
-                 "align_on", "align_frac", "freeze", "answer_weight")
+                 "align_on", "align_frac", "freeze", "answer_weight", "long_weight_cap")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
@@ -283,8 +292,12 @@ class CPTPreset:
     """weight of a retrieval sample's answer tokens against a text token (CE, and KL where distilled).
     A retrieval row's answers are 6 tokens (a pass key), 20-40 (a lookup of up to 8 facts) or 80-125
     (a copy) of its ~8K targets: at 1 they are 0.23% of the rq preset's targets, at 32 about 7% of
-    its loss (24 rows of the SmolLM2 tokenizer). LongCE likewise weighs the tokens that need a long
-    context."""
+    its loss (24 rows of the SmolLM2 tokenizer)."""
+    long_weight_cap: float = 0.0
+    """> 0: every target also weighs min(p_full / p_window, cap), the source's probability of it with
+    the whole row over that with the arm's window (LongCE with the source as the judge:
+    experiments/long_weights.py), so the tokens only the far context gives count up to `cap` times;
+    0: every text token weighs 1"""
     arms: tuple = ()
     """the arms run when --arms names none (empty: DEFAULT_ARMS, (a)-(g) of the comparison)"""
     checkpoint_every: int = 100

@@ -85,14 +85,15 @@ def check_teacher(path: str | Path, student_vocab: int) -> None:
 
 
 def load_teacher(path: str | Path, device, dtype=torch.bfloat16, attention: str | None = None,
-                 cache_dir: str | Path | None = None):
+                 cache_dir: str | Path | None = None, **config_changes):
     """A frozen teacher in eval mode, always as an Orthros model (one forward, one set of
     layer names, packed documents separated exactly as the student separates them).
 
     path: an Orthros directory, or a Llama / Qwen3 Hugging Face directory or GGUF file,
     converted once into `cache_dir` and run as `full` attention: exactly the source
     Transformer (the converted model's logits at W >= T are transformers').
-    attention: run an Orthros directory as orthros / full / swa instead of its own."""
+    attention: run an Orthros directory as orthros / full / swa instead of its own.
+    config_changes: other fields of an Orthros directory's config (say window_size, sink_tokens)."""
     from ..loading import load_model, read_config
 
     p = Path(path)
@@ -110,8 +111,12 @@ def load_teacher(path: str | Path, device, dtype=torch.bfloat16, attention: str 
             convert_checkpoint(p, conv, window_size=1, scale_offset=False, dtype="fp32", progress=False)
         p, attention = conv, "full"
     config = read_config(p)
-    if attention is not None:
-        config.attention = attention
+    if attention is not None or config_changes:
+        for k, v in config_changes.items():
+            if not hasattr(config, k):
+                raise UserError(f"the teacher's config has no field {k!r}")
+            setattr(config, k, v)
+        config.attention = attention or config.attention
         config.validate()
     model = load_model(p, dtype=dtype, config=config, new_scale_offset=attention is not None)
     model.to(device).eval().requires_grad_(False)
