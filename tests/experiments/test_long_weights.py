@@ -15,6 +15,8 @@ from orthros.experiments.long_weights import long_context_weights, source_long_w
 from ..conftest import DEVICE, make_model
 
 W = 8
+# on CUDA the judge runs under bf16 autocast, and full and windowed attention are different kernels
+ATOL = 2e-3 if DEVICE.type == "cpu" else 5e-2
 
 
 def test_token_logprobs_are_the_models_log_softmax():
@@ -30,11 +32,11 @@ def test_weights_are_one_inside_the_window_and_capped_past_it():
     rows = np.random.default_rng(0).integers(0, full.config.vocab_size, (3, 48)).astype(np.int32)
     w = long_context_weights(full, windowed, rows, cap=3.0, device=DEVICE, batch=2, progress=False)
     assert w.shape == rows.shape and w.dtype == np.float16
-    assert np.allclose(w[:, :W], 1.0, atol=2e-3)  # the window holds the whole prefix: the same prediction
+    assert np.allclose(w[:, :W], 1.0, atol=ATOL)  # the window holds the whole prefix: the same prediction
     assert (w <= 3.0).all() and (w > 0).all()
     assert not np.allclose(w[:, W + 1 :], 1.0, atol=1e-2)  # past it the two differ
     same = long_context_weights(full, full, rows, cap=3.0, device=DEVICE, progress=False)
-    assert np.allclose(same, 1.0, atol=2e-3)
+    assert np.allclose(same, 1.0, atol=ATOL)
     with pytest.raises(ValueError, match="at least 1"):
         long_context_weights(full, full, rows, cap=0.5, device=DEVICE, progress=False)
 
@@ -50,7 +52,7 @@ def test_the_source_judges_once_per_run(tmp_path, monkeypatch):
     ref = long_context_weights(make_model("full", window=W, perturb_so=False),
                                make_model("swa", window=W, perturb_so=False, sink_tokens=2), rows, 4.0, DEVICE,
                                progress=False)
-    assert np.allclose(w.astype(np.float32), ref.astype(np.float32), atol=2e-3) and cache.exists()
+    assert np.allclose(w.astype(np.float32), ref.astype(np.float32), atol=ATOL) and cache.exists()
     monkeypatch.setattr(lw, "long_context_weights", lambda *a, **k: pytest.fail("computed again"))
     assert np.array_equal(source_long_weights(tmp_path / "source", rows, W, 2, 4.0, DEVICE, cache), w)
 
@@ -63,7 +65,7 @@ def test_token_weights_multiply_the_training_loss():
         torch.manual_seed(0)
         _, stats = train_arm(make_model(perturb_so=False), "all", p, rows, str(DEVICE), "t", token_weights=tw)
         losses.append(stats["loss_curve"][0])
-    assert losses[1] == pytest.approx(2 * losses[0], rel=1e-5)
+    assert losses[1] == pytest.approx(2 * losses[0], rel=1e-4)
 
 
 def test_the_long_weight_arms():
