@@ -72,6 +72,20 @@ def random_prompts(lens: list[int], vocab: int, rng: random.Random) -> list[list
     return [[rng.randrange(vocab) for _ in range(n)] for n in lens]
 
 
+# ---------------------------------------------------------------- the server's view
+def scrape_metrics(url: str) -> dict[str, float]:
+    """The server's own `orthros_*` metrics ({name: value}) from /metrics; `url` is its /v1 URL."""
+    import httpx
+
+    text = httpx.get(url[: -len("/v1")] + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0].startswith("orthros_"):
+            out[parts[0]] = float(parts[1])
+    return out
+
+
 # ---------------------------------------------------------------- one request
 async def stream_request(client, url: str, model: str, prompt: list[int], max_tokens: int,
                          res: Result | None = None) -> Result:

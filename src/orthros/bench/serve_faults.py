@@ -15,29 +15,19 @@ any check did not hold.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
-from .serve_client import http_client, random_prompts, stream_request, summarize
+from .serve_client import (http_client, lengths, random_prompts, result_dict, scrape_metrics, stream_request,
+                           summarize)
 
 K = 1024
 BURST = dict(num=64, input=("loguniform", 32 * K, 128 * K), output=64, max_num_seqs=4, max_queue=16)
 DISCONNECT_INPUT = 128 * K
 
 
-def _gauges(srv) -> dict:
-    import httpx
-
-    text = httpx.get(srv.url[: -len("/v1")] + "/metrics", timeout=30).text
-    out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0].startswith("orthros_"):
-            out[parts[0]] = float(parts[1])
-    return out
-
-
 def _idle(srv) -> bool:
-    g = _gauges(srv)
+    g = scrape_metrics(srv.url)
     return g.get("orthros_kv_blocks_used", 1) == 0 and g.get("orthros_num_requests_running", 1) == 0 \
         and g.get("orthros_num_requests_waiting", 1) == 0
 
@@ -54,8 +44,6 @@ def _wait_idle(srv, timeout: float) -> float | None:
 
 def _alive(srv, model: str, vocab: int) -> bool:
     """A short request after the fault is served in full."""
-    import random
-
     (p,) = random_prompts([16], vocab, random.Random("alive"))
 
     async def go():
@@ -65,18 +53,7 @@ def _alive(srv, model: str, vocab: int) -> bool:
     return asyncio.run(go()).ok
 
 
-def _status(res) -> int | None:
-    """The HTTP status a failed request got (200 when it was accepted and its stream went wrong)."""
-    if res.error and res.error.startswith("HTTP "):
-        return int(res.error.split()[1].rstrip(":"))
-    return 200 if res.ttft is not None or res.ok else None
-
-
 def burst(srv, model: str, vocab: int, scale_len, seed: int) -> dict:
-    import random
-
-    from .serve_client import lengths
-
     rng = random.Random(f"{seed}/burst")
     n, out = BURST["num"], scale_len(BURST["output"], "out")
     prompts = random_prompts(lengths(scale_len(BURST["input"], "in"), n, rng), vocab, rng)
@@ -89,14 +66,12 @@ def burst(srv, model: str, vocab: int, scale_len, seed: int) -> dict:
 
     results, duration = asyncio.run(go())
     served = [r for r in results if r.ok]
-    refused = [r for r in results if _status(r) == 503 and "queue_full" in (r.error or "")]
+    refused = [r for r in results if (r.error or "").startswith("HTTP 503") and "queue_full" in r.error]
     lost = [r for r in results if not r.ok and r not in refused]
     idle_s = _wait_idle(srv, 60)
     alive = _alive(srv, model, vocab)
     s = summarize(served, duration)
     held = not lost and len(refused) > 0 and idle_s is not None and alive
-    from .serve_client import result_dict
-
     return dict(run="burst", sent=n, served=len(served), refused_503=len(refused), lost=len(lost),
                 lost_errors=sorted({r.error for r in lost})[:5], input_tokens=sum(r.prompt_len for r in results),
                 output=out, seats=BURST["max_num_seqs"], queue=BURST["max_queue"], ttft=s["ttft"], e2el=s["e2el"],
@@ -109,26 +84,24 @@ def disconnect(srv, model: str, vocab: int, length: int, seed: int, asked: int =
     connection; time until the blocks are free again. The generation counter says how many tokens
     the request made before the server saw it gone (0: the close came mid-prefill; fewer than asked:
     it was cut short, which is all a tiny model on a busy CPU can promise)."""
-    import random
-
     import httpx
 
     (p,) = random_prompts([length], vocab, random.Random(f"{seed}/disconnect"))
     body = {"model": model, "prompt": p, "max_tokens": asked, "temperature": 0.0, "ignore_eos": True, "stream": True}
     used = first = None
-    generated = _gauges(srv).get("orthros_generation_tokens_total", 0)
+    generated = scrape_metrics(srv.url).get("orthros_generation_tokens_total", 0)
     with httpx.Client(timeout=None) as client:
         with client.stream("POST", srv.url + "/completions", json=body) as resp:
             t0 = time.monotonic()
             while time.monotonic() - t0 < 120:
-                used = _gauges(srv).get("orthros_kv_blocks_used", 0)
+                used = scrape_metrics(srv.url).get("orthros_kv_blocks_used", 0)
                 if used > 0:
                     break
                 time.sleep(0.01)
             first = resp.status_code
         t_closed = time.monotonic()  # the stream is closed here
     idle_s = _wait_idle(srv, 60)
-    tokens = int(_gauges(srv).get("orthros_generation_tokens_total", 0) - generated)
+    tokens = int(scrape_metrics(srv.url).get("orthros_generation_tokens_total", 0) - generated)
     alive = _alive(srv, model, vocab)
     held = first == 200 and bool(used) and tokens < asked and idle_s is not None and alive
     return dict(run="disconnect mid-prefill", input_tokens=length, blocks_held=int(used or 0), status=first,
@@ -137,11 +110,9 @@ def disconnect(srv, model: str, vocab: int, length: int, seed: int, asked: int =
 
 
 def too_long(srv, model: str, vocab: int) -> dict:
-    import random
-
     import httpx
 
-    limit = int(_gauges(srv).get("orthros_max_model_len", 0))
+    limit = int(scrape_metrics(srv.url).get("orthros_max_model_len", 0))
     (p,) = random_prompts([limit + 1], vocab, random.Random("too long"))
     t0 = time.perf_counter()
     r = httpx.post(srv.url + "/completions", json={"model": model, "prompt": p, "max_tokens": 1}, timeout=120)
@@ -154,8 +125,6 @@ def too_long(srv, model: str, vocab: int) -> dict:
 
 
 def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int) -> list[dict]:
-    import random
-
     from .serve import SCALES, _keep_steps, _scale_len
 
     sc = SCALES[args.scale]

@@ -20,7 +20,7 @@ import math
 import random
 
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
-from .serve_client import random_prompts, result_dict, run_load, summarize
+from .serve_client import random_prompts, result_dict, run_load, scrape_metrics, summarize
 
 K = 1024
 M = K * K
@@ -43,14 +43,7 @@ def parse_case(s: str) -> tuple[str, int]:
 
 def server_gauges(srv) -> dict:
     """The server's /metrics gauges this scenario reports (None where the server has none)."""
-    import httpx
-
-    text = httpx.get(srv.url[: -len("/v1")] + "/metrics", timeout=30).text
-    vals = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0].startswith("orthros_"):
-            vals[parts[0]] = float(parts[1])
+    vals = scrape_metrics(srv.url)
     names = dict(kv_pool_bytes="orthros_kv_pool_bytes", max_model_len="orthros_max_model_len",
                  memory_peak_bytes="orthros_device_memory_peak_bytes", kv_blocks="orthros_kv_blocks_total",
                  block_size="orthros_kv_block_size",

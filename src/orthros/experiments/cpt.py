@@ -40,7 +40,6 @@ results.json, table.md, plots in --out.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -399,10 +398,7 @@ def run_arm(arm: str, orthros_dir: str, work: str, preset: CPTPreset, device: st
             from .long_weights import source_long_weights
 
             long_w = source_long_weights(orthros_dir, rows, model.config.window_size, model.config.sink_tokens,
-                                         preset.long_weight_cap, device,
-                                         work / f"long-weights-w{model.config.window_size}-"
-                                         f"s{model.config.sink_tokens}-cap{preset.long_weight_cap:g}-"
-                                         f"{hashlib.sha1(rows[:, :64].tobytes()).hexdigest()[:10]}.npy")
+                                         preset.long_weight_cap, device, work)
         model, stats = train_arm(model, mode, preset, rows, device, f"{arm}", position, mask, teacher,
                                  on_step=on_step, ckpt_dir=ckpts, token_weights=long_w)
         if curve.exists():

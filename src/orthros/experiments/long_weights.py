@@ -19,52 +19,44 @@ only the far context gives the token, and below 1 where the far context misleads
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-
-
-@torch.no_grad()
-def token_logprobs(model, x: torch.Tensor, chunk: int = 2048) -> torch.Tensor:
-    """log p(x_t | x_<t) [B, T] (fp32; t = 0, which has no context, gets 0), the LM head applied
-    `chunk` positions at a time."""
-    rows = model(input_ids=x, use_cache=False, lm_head=False).output_rows  # [B, T, C]: every position
-    head = model.get_output_embeddings()
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for s in range(0, x.shape[1] - 1, chunk):
-        e = min(s + chunk, x.shape[1] - 1)
-        logits = head(rows[:, s:e]).float()
-        out[:, s + 1 : e + 1] = -F.cross_entropy(logits.transpose(1, 2), x[:, s + 1 : e + 1], reduction="none")
-    return out
 
 
 @torch.no_grad()
 def long_context_weights(full, windowed, rows: np.ndarray, cap: float, device, batch: int = 1,
                          progress: bool = True) -> np.ndarray:
     """[N, T] float16 weights of `rows` [N, T] (indexed like labels: w[:, t] weighs predicting
-    x_t): min(exp(log p_full - log p_windowed), cap); w[:, 0] = 1."""
+    x_t): min(exp(log p_full - log p_windowed), cap); w[:, 0] = 1. The next-token losses are
+    `eval.longrange.token_losses`', `block` rows at a time."""
     if cap < 1:
         raise ValueError(f"long_weight_cap={cap}: the cap is the largest weight, at least 1 (0 turns the weights off)")
     from tqdm.auto import tqdm
 
-    dev = torch.device(device)
-    out = np.empty(rows.shape, np.float16)
-    for i in tqdm(range(0, len(rows), batch), desc="long-context weights", unit="row", unit_scale=batch,
-                  disable=not progress, leave=False):
-        x = torch.from_numpy(rows[i : i + batch].astype(np.int64)).to(dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            gain = token_logprobs(full, x) - token_logprobs(windowed, x)
-        out[i : i + batch] = gain.exp().clamp(max=cap).cpu().numpy()
+    from ..eval.longrange import token_losses
+
+    cuda = torch.device(device).type == "cuda"
+    out = np.ones(rows.shape, np.float16)
+    block = 64 * batch  # rows whose int64 ids and losses are held at once
+    with tqdm(total=2 * len(rows), desc="long-context weights", unit="row", disable=not progress, leave=False) as bar:
+        for i in range(0, len(rows), block):
+            x = torch.from_numpy(rows[i : i + block].astype(np.int64))
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                gain = token_losses(windowed, x, batch, bar) - token_losses(full, x, batch, bar)  # log p_full - log p_W
+            out[i : i + block, 1:] = gain.exp().clamp(max=cap).numpy()
     return out
 
 
 def source_long_weights(orthros_dir, rows: np.ndarray, window: int, sinks: int, cap: float, device,
-                        cache: Path) -> np.ndarray:
+                        work: Path) -> np.ndarray:
     """`long_context_weights` with the converted source as the judge (full attention, and
-    sliding-window attention at `window` with `sinks` sinks), kept in `cache` (.npy) for every arm
-    of the run that asks for the same ones."""
+    sliding-window attention at `window` with `sinks` sinks), kept under `work` (.npy, named by the
+    window, sinks, cap and rows) for every arm of the run that asks for the same ones."""
+    digest = hashlib.sha1(rows[:, :64].tobytes()).hexdigest()[:10]
+    cache = Path(work) / f"long-weights-w{window}-s{sinks}-cap{cap:g}-{digest}.npy"
     if cache.exists():
         w = np.load(cache)
         if w.shape == rows.shape:

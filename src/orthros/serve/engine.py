@@ -187,8 +187,6 @@ class Engine:
         for r in self.scheduler.pop_aborted():
             self._finish(r, "abort")
         chunks = self.scheduler.schedule()
-        if self.metrics:
-            self.metrics.on_schedule(self)
         if not chunks:
             return 0
         t0 = time.perf_counter()

@@ -65,21 +65,20 @@ class ServerMetrics:
         self.kv_pool_bytes.set(engine.pool.memory_bytes)
         self.max_model_len.set(engine.max_model_len)
         self.block_size.set(engine.blocks.block_size)
-        if engine.device.type == "cuda":  # read when scraped, not on the engine's steps
+        # the engine's state is read when scraped, not set on its steps: an idle engine runs none, and
+        # a gauge set in its last step would show the request that step finished
+        self.waiting.set_function(lambda: len(engine.waiting))
+        self.running.set_function(lambda: len(engine.running))
+        self.kv_used.set_function(lambda: engine.blocks.num_used)
+        self.kv_total.set_function(lambda: engine.blocks.num_blocks)
+        if engine.device.type == "cuda":
             import torch
 
             self.memory_peak.set_function(lambda dev=engine.device: torch.cuda.max_memory_allocated(dev))
 
-    def on_schedule(self, engine) -> None:
-        self.waiting.set(len(engine.waiting))
-        self.running.set(len(engine.running))
-        self.kv_used.set(engine.blocks.num_used)
-        self.kv_total.set(engine.blocks.num_blocks)
-
     def on_step(self, engine, tokens: int, segments: int, seconds: float) -> None:
         self.step_time.observe(seconds)
         self.step_tokens.observe(tokens)
-        self.on_schedule(engine)  # requests that finished in the step are gone (an idle engine runs no more)
 
     def on_admit(self, req, now: float) -> None:
         if req.num_output == 0:  # not a readmission after preemption
