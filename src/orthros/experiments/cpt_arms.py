@@ -188,10 +188,10 @@ ARMS = {
     # the source's (its light twins, which move them only by rank 8, copy 1.15-1.4x better)
     **_recipe("all", 256), **_recipe("all", 512), **_recipe("all", 512, seed=1), **_recipe("all", 512, fqk=True),
     **_recipe("all", 1024),
-    # the W = 1024 recipe with the tokens its window cannot give weighed up to 5x (LongCE, the source
+    # the W = 1024 recipe with the tokens its window cannot give weighed up to 5x / 2x (LongCE, the source
     # judging): past the window is where its perplexity gap (+1.6% / +2.2% at 8K) and its copying (2x the
-    # control's loss at a 2K gap) are left
-    **_recipe("all", 1024, long=5.0), **_recipe("lora+so", 1024, long=5.0),
+    # control's loss at a 2K gap) are left. At 5.2M tokens they copy better and lose perplexity everywhere
+    **_recipe("all", 1024, long=5.0), **_recipe("lora+so", 1024, long=5.0), **_recipe("all", 1024, long=2.0),
     "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
                            mix=True, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
