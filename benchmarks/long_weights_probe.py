@@ -5,12 +5,15 @@ of a CPT run's training data and held-out sets, summarised by position and drawn
     python benchmarks/long_weights_probe.py --source runs/smollm2-orthros-w512-s4 --prep /tmp/prep \
         --window 1024 --sinks 4 --cap 5 --rows 3 --out benchmarks/results/long-weights
 
-`--prep` is a CPT run's folder (its train_rows.npy, retrieval_mask.npy and heldout_*.npy); the first
---rows rows of each set are judged. Per set and position band (inside the window, then past it):
-the mean weight, the share of tokens weighing more than 1.5 and 3, the share at the cap, and the share
-weighing less than 1 (the far context misleads the source there). With the weights, the mean
-(weighted) loss of a band grows by the ratio of weighted to plain means: the loss's tilt to the far
-context. Writes <tag>.json, <tag>.md and <tag>.png under --out.
+`--prep` is a CPT run's folder (its train_rows.npy, retrieval_rows.npy, retrieval_mask.npy and
+heldout_*.npy); the first --rows rows of each set are judged. Per set and position band (inside the
+window, then past it): the mean weight, the share of tokens weighing more than 1.5 and 3, the share at
+the cap, and the share weighing less than 1 (the far context misleads the source there). With the
+weights, the mean (weighted) loss of a band grows by the ratio of weighted to plain means: the loss's
+tilt to the far context. The set `retrieval` (the retrieval samples, whose kinds take turns row by
+row) is judged on its targets only and split into the samples' answers and the text after them; it
+also says what share of the rows' loss weight the answers hold at `--answer-weight`, with the weights
+multiplied onto the answers and without. Writes <tag>.json, <tag>.md and <tag>.png under --out.
 """
 
 from __future__ import annotations
@@ -33,10 +36,32 @@ def summarise(w: np.ndarray, window: int, cap: float) -> list[dict]:
     out = []
     for a, b in bands(window, w.shape[1]):
         x = w[:, a:b].astype(np.float32).ravel()
+        x = x[~np.isnan(x)]  # (a retrieval set: its targets only)
+        if not x.size:
+            continue
         out.append(dict(band=f"{a}-{b}", tokens=int(x.size), mean=float(x.mean()), over_1_5=float((x > 1.5).mean()),
                         over_3=float((x > 3).mean()), at_cap=float((x >= cap * 0.999).mean()),
                         under_1=float((x < 0.999).mean())))
     return out
+
+
+def answers_summary(w: np.ndarray, mask: np.ndarray, answer_weight: float, cap: float) -> dict:
+    """The weights on a retrieval set's targets, answers apart from the text after them, and the
+    answers' share of the rows' loss weight (each answer weighs `answer_weight` text tokens) without
+    the weights, with them on every target, and with them on the text only."""
+    from orthros.data.retrieval import answer_mask
+
+    ans = answer_mask(mask)
+    text = mask & ~ans
+    # w[:, t] weighs predicting token t (labels-indexed, as the mask is)
+    wa, wt = w[ans].astype(np.float64), w[text].astype(np.float64)
+    A = answer_weight
+    return dict(answers=int(ans.sum()), text=int(text.sum()),
+                answer_mean=float(wa.mean()), answer_at_cap=float((wa >= cap * 0.999).mean()),
+                text_mean=float(wt.mean()), text_at_cap=float((wt >= cap * 0.999).mean()),
+                share_plain=float(A * ans.sum() / (A * ans.sum() + text.sum())),
+                share_weighted=float(A * wa.sum() / (A * wa.sum() + wt.sum())),
+                share_text_only=float(A * ans.sum() / (A * ans.sum() + wt.sum())))
 
 
 def main(argv=None) -> int:
@@ -47,7 +72,9 @@ def main(argv=None) -> int:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--cap", type=float, default=5.0)
     p.add_argument("--rows", type=int, default=3, help="rows judged per set")
-    p.add_argument("--sets", nargs="+", default=["train", "code", "prose"])
+    p.add_argument("--sets", nargs="+", default=["train", "code", "prose"],
+                   help="train, retrieval, or held-out sets (code, prose, docs, novel)")
+    p.add_argument("--answer-weight", type=float, default=32.0, help="a retrieval answer's weight (answer_weight)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="benchmarks/results/long-weights")
     p.add_argument("--tag", default="weights")
@@ -62,14 +89,23 @@ def main(argv=None) -> int:
     prep, res = Path(a.prep), dict(source=a.source, window=a.window, sinks=a.sinks, cap=a.cap, rows=a.rows,
                                    device=a.device, sets={})
     curves = {}
+    files = {"train": "train_rows.npy", "retrieval": "retrieval_rows.npy"}
     for name in a.sets:
-        rows = np.load(prep / ("train_rows.npy" if name == "train" else f"heldout_{name}.npy"))[: a.rows]
+        f = prep / files.get(name, f"heldout_{name}.npy")
+        if not f.is_file():
+            raise SystemExit(f"{f}: not found (--prep is a CPT run's folder; sets: train, retrieval, "
+                             "or a held-out set it holds)")
+        rows = np.load(f)[: a.rows]
         t0 = time.time()
         w = long_context_weights(full, windowed, rows, a.cap, a.device)
         res["sets"][name] = dict(seconds=time.time() - t0, bands=summarise(w, a.window, a.cap),
                                  mean=float(w[:, 1:].astype(np.float32).mean()))
-        curves[name] = w.astype(np.float32)
-        print(name, json.dumps(res["sets"][name]["bands"]), flush=True)
+        if name == "retrieval":
+            mask = np.load(prep / "retrieval_mask.npy")[: a.rows]
+            res["sets"][name]["answers"] = answers_summary(w, mask, a.answer_weight, a.cap)
+            res["sets"][name]["bands"] = summarise(np.where(mask, w, np.nan), a.window, a.cap)
+        curves[name] = np.where(mask, w, np.nan).astype(np.float32) if name == "retrieval" else w.astype(np.float32)
+        print(name, json.dumps(res["sets"][name]["bands"]), res["sets"][name].get("answers", ""), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{a.tag}.json").write_text(json.dumps(res, indent=1))
@@ -80,6 +116,14 @@ def main(argv=None) -> int:
         for b in s["bands"]:
             lines.append(f"| {name} | {b['band']} | {b['mean']:.3f} | {100 * b['over_1_5']:.1f}% | "
                          f"{100 * b['over_3']:.1f}% | {100 * b['at_cap']:.1f}% | {100 * b['under_1']:.1f}% |")
+    for name, s in res["sets"].items():
+        if "answers" in s:
+            r = s["answers"]
+            lines += ["", f"{name}: {r['answers']} answer and {r['text']} text targets in {a.rows} rows. Mean weight "
+                      f"on the answers {r['answer_mean']:.2f} ({100 * r['answer_at_cap']:.0f}% at the cap), on the "
+                      f"text {r['text_mean']:.2f}. The answers' share of the rows' loss weight at x{a.answer_weight:g}: "
+                      f"{100 * r['share_plain']:.1f}% without the weights, {100 * r['share_weighted']:.1f}% with "
+                      f"them on every target, {100 * r['share_text_only']:.1f}% with them on the text only."]
     (out / f"{a.tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     from orthros.bench.common import save_figure, subplots
@@ -88,9 +132,10 @@ def main(argv=None) -> int:
     for i, (name, w) in enumerate(curves.items()):
         T = w.shape[1]
         k = 256  # the mean weight over 256-token steps of position
-        ax0.plot(np.arange(0, T, k)[: T // k] + k / 2, w[:, : T // k * k].reshape(len(w), -1, k).mean((0, 2)),
+        ax0.plot(np.arange(0, T, k)[: T // k] + k / 2, np.nanmean(w[:, : T // k * k].reshape(len(w), -1, k), (0, 2)),
                  color=f"C{i}", label=name)
-        past = np.sort(w[:, a.window :].ravel())
+        past = w[:, a.window :].ravel()
+        past = np.sort(past[~np.isnan(past)])
         ax1.plot(past, 1 - np.arange(len(past)) / len(past), color=f"C{i}", label=name)
     ax0.axvline(a.window, color="grey", ls=":", label=f"W = {a.window}")
     ax0.set(xlabel="position", ylabel="mean weight", title="the weight by position")

@@ -60,6 +60,29 @@ def test_token_weights_multiply_the_training_loss():
     assert losses[1] == pytest.approx(2 * losses[0], rel=1e-4)
 
 
+def test_the_answers_keep_their_weight_when_the_long_weights_fall_on_the_text():
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=32, steps=1, warmup=1, checkpoint_every=0,
+                            answer_weight=32.0, long_weight_cap=5.0)
+    rows = np.random.default_rng(0).integers(0, 256, (p.batch_size, 32)).astype(np.int32)
+    mask = np.ones(rows.shape, bool)
+    mask[:, :10] = False  # a retrieval row: its haystack (no target), 5 answers, the EOS, then text
+    mask[:, 15] = False
+    on_answers = np.ones(rows.shape, np.float16)
+    on_answers[:, 10:15] = 2.0  # the long weights say the answers need the far context
+
+    def first_loss(tw, answers):
+        torch.manual_seed(0)
+        q = dataclasses.replace(p, long_weight_answers=answers)
+        _, stats = train_arm(make_model(perturb_so=False), "all", q, rows, str(DEVICE), "t", mask=mask,
+                             token_weights=tw)
+        return stats["loss_curve"][0]
+
+    plain = first_loss(np.ones(rows.shape, np.float16), True)
+    assert first_loss(on_answers, False) == pytest.approx(plain, rel=1e-5)  # the answers' x32 alone
+    assert first_loss(on_answers, True) > 1.2 * plain  # x32 times 2 on the answers
+    assert first_loss(np.full(rows.shape, 2.0, np.float16), False) > plain  # the text weighs 2
+
+
 def test_the_long_weight_arms():
     for name, mode in (("orthros-cpt-sink-mix-aw-w1024-lce5", "all"), ("orthros-lora-sink-mix-aw-w1024-lce5",
                                                                         "lora+so")):
@@ -67,3 +90,7 @@ def test_the_long_weight_arms():
         assert a.mode == mode and a.window == 1024 and a.recipe["long_weight_cap"] == 5.0
         assert arm_preset(name, PRESETS["smollm2-w512-52m"]).long_weight_cap == 5.0
     assert PRESETS["smollm2-w512-52m"].long_weight_cap == 0.0
+    assert arm_preset("orthros-cpt-sink-mix-aw-w1024-lce5", PRESETS["smollm2-w512-52m"]).long_weight_answers
+    for cap in (5.0, 2.0):
+        q = arm_preset(f"orthros-cpt-sink-mix-aw-w1024-lce{cap:g}t", PRESETS["smollm2-w512-52m"])
+        assert q.long_weight_cap == cap and not q.long_weight_answers and q.answer_weight == 32.0

@@ -142,7 +142,8 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     `train.distill`'s (KL, the K/V alignment in the first align_frac of the steps, CE) on the
     same output positions the CE would use. `on_step(step)` runs after each step (a profiler's
     schedule, say). `token_weights` [rows, seq_len] (like the labels), if given, multiply each
-    target's loss (`long_weights`: the tokens that need the far context), with the answers' weight.
+    target's loss (`long_weights`: the tokens that need the far context), with the answers' weight
+    (or, with `preset.long_weight_answers` off, the text's only).
 
     `ckpt_dir`: every `preset.checkpoint_every` steps the trainable weights, the optimizer, the
     RNG and the curves so far are written there (`train.checkpoint`: atomic, safetensors), and a
@@ -217,7 +218,10 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
             w = 1 + (preset.answer_weight - 1) * a.float()
         if token_weights is not None:
             lw = torch.from_numpy(token_weights[step * B : (step + 1) * B].astype(np.float32)).to(device)
-            w = lw if w is None else w * lw
+            if w is None:
+                w = lw
+            else:  # the answers' weight times theirs, or the answers' alone
+                w = w * lw if preset.long_weight_answers else torch.where(a, w, lw)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             if teacher is None:
                 loss = (model(input_ids=x, labels=labels, use_cache=False).loss if w is None

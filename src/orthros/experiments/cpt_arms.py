@@ -48,23 +48,25 @@ def _kd(label, teacher, mode="all", **kw):
 
 
 def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False,
-            long: float = 0.0) -> dict:
+            long: float = 0.0, long_text: bool = False) -> dict:
     """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
     as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank, W_Q / W_K frozen or
     LoRA on the attention projections only (`attn`: the MLPs as the source's), and the far context's
-    tokens weighed up to `long` times (long_weight_cap)."""
+    tokens weighed up to `long` times (long_weight_cap): every target's, or the text's only (`long_text`:
+    the answers keep their x32)."""
     light = mode == "lora+so"
     name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
         + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "") \
-        + (f"-lce{long:g}" if long else "")
+        + (f"-lce{long:g}" if long else "") + ("t" if long and long_text else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
              + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "")
-             + (f", far-context tokens weighed up to x{long:g}" if long else ""))
+             + (f", far-context {'text' if long_text else 'tokens'} weighed up to x{long:g}" if long else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
                   **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
                   **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}),
-                  **(dict(long_weight_cap=long) if long else {}))
+                  **(dict(long_weight_cap=long) if long else {}),
+                  **(dict(long_weight_answers=False) if long and long_text else {}))
     return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
                       recipe=recipe)}
 
@@ -190,8 +192,12 @@ ARMS = {
     **_recipe("all", 1024),
     # the W = 1024 recipe with the tokens its window cannot give weighed up to 5x / 2x (LongCE, the source
     # judging): past the window is where its perplexity gap (+1.6% / +2.2% at 8K) and its copying (2x the
-    # control's loss at a 2K gap) are left. At 5.2M tokens they copy better and lose perplexity everywhere
+    # control's loss at a 2K gap) are left. At 5.2M tokens they copy better and lose perplexity everywhere.
+    # There the weights also multiply the answers' x32 (the answers' mean weight is 1.96), so that the
+    # answers' share of a step's loss goes from 15% to 24%. The -t arms weigh the text only (the answers
+    # keep their x32: 14%; benchmarks/results/long-weights/retrieval-answers.md)
     **_recipe("all", 1024, long=5.0), **_recipe("lora+so", 1024, long=5.0), **_recipe("all", 1024, long=2.0),
+    **_recipe("all", 1024, long=5.0, long_text=True), **_recipe("all", 1024, long=2.0, long_text=True),
     "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
                            mix=True, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
@@ -201,7 +207,7 @@ ARMS = {
 }
 
 RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_rank", "lora_targets", "warmup", "kl", "ce", "temperature", "align",
-                 "align_on", "align_frac", "freeze", "answer_weight", "long_weight_cap")
+                 "align_on", "align_frac", "freeze", "answer_weight", "long_weight_cap", "long_weight_answers")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
@@ -298,6 +304,9 @@ class CPTPreset:
     the whole row over that with the arm's window (LongCE with the source as the judge:
     experiments/long_weights.py), so the tokens only the far context gives count up to `cap` times;
     0: every text token weighs 1"""
+    long_weight_answers: bool = True
+    """with long_weight_cap: the weights also multiply the retrieval answers' answer_weight (True), or fall
+    on the text only and the answers keep answer_weight (False)"""
     arms: tuple = ()
     """the arms run when --arms names none (empty: DEFAULT_ARMS, (a)-(g) of the comparison)"""
     checkpoint_every: int = 100
