@@ -78,7 +78,7 @@ def test_the_answers_keep_their_weight_when_the_long_weights_fall_on_the_text():
         return stats["loss_curve"][0]
 
     plain = first_loss(np.ones(rows.shape, np.float16), True)
-    assert first_loss(on_answers, False) == pytest.approx(plain, rel=1e-5)  # the answers' x32 alone
+    assert first_loss(on_answers, False) == pytest.approx(plain, rel=1e-4)  # the answers' x32 alone
     assert first_loss(on_answers, True) > 1.2 * plain  # x32 times 2 on the answers
     assert first_loss(np.full(rows.shape, 2.0, np.float16), False) > plain  # the text weighs 2
 
