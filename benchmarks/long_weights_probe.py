@@ -98,13 +98,15 @@ def main(argv=None) -> int:
         rows = np.load(f)[: a.rows]
         t0 = time.time()
         w = long_context_weights(full, windowed, rows, a.cap, a.device)
-        res["sets"][name] = dict(seconds=time.time() - t0, bands=summarise(w, a.window, a.cap),
-                                 mean=float(w[:, 1:].astype(np.float32).mean()))
+        shown = w.astype(np.float32)  # a retrieval set: its targets only (the rest NaN)
         if name == "retrieval":
             mask = np.load(prep / "retrieval_mask.npy")[: a.rows]
+            shown = np.where(mask, shown, np.nan)
+        res["sets"][name] = dict(seconds=time.time() - t0, bands=summarise(shown, a.window, a.cap),
+                                 mean=float(w[:, 1:].astype(np.float32).mean()))
+        if name == "retrieval":
             res["sets"][name]["answers"] = answers_summary(w, mask, a.answer_weight, a.cap)
-            res["sets"][name]["bands"] = summarise(np.where(mask, w, np.nan), a.window, a.cap)
-        curves[name] = np.where(mask, w, np.nan).astype(np.float32) if name == "retrieval" else w.astype(np.float32)
+        curves[name] = shown
         print(name, json.dumps(res["sets"][name]["bands"]), res["sets"][name].get("answers", ""), flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
