@@ -189,7 +189,7 @@ ARMS = {
     # the recipe at full weights over windows; at W=512 (its best perplexity) a second seed, and W_Q / W_K kept
     # the source's (its light twins, which move them only by rank 8, copy 1.15-1.4x better)
     **_recipe("all", 256), **_recipe("all", 512), **_recipe("all", 512, seed=1), **_recipe("all", 512, fqk=True),
-    **_recipe("all", 1024),
+    **_recipe("all", 1024), **_recipe("all", 1024, seed=1),
     # the W = 1024 recipe with the tokens its window cannot give weighed up to 5x / 2x (LongCE, the source
     # judging): past the window is where its perplexity gap (+1.6% / +2.2% at 8K) and its copying (2x the
     # control's loss at a 2K gap) are left. At 5.2M tokens they copy better and lose perplexity everywhere.
@@ -200,6 +200,8 @@ ARMS = {
     **_recipe("all", 1024, long=5.0, long_text=True), **_recipe("all", 1024, long=2.0, long_text=True),
     "full-cpt-mix-aw": Arm("Source arch. + CPT with retrieval data, answers x32", dict(attention="full"), "all",
                            mix=True, recipe=dict(answer_weight=32.0)),
+    "full-cpt-mix-aw-s1": Arm("Source arch. + CPT with retrieval data, answers x32, seed 1", dict(attention="full"),
+                              "all", mix=True, seed=1, recipe=dict(answer_weight=32.0)),
     "orthros-cpt-sink-mix-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, seed 1",
                                    dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1),
     "orthros-kd-sink-s1": Arm(f"Orthros + {SINK} sinks distilled from the source, seed 1",
