@@ -74,6 +74,42 @@ def test_lora_on_some_projections_wraps_only_those_and_the_adapter_reproduces_th
     assert cpt.ARMS["orthros-lora-sink-mix-aw-w512-attn"].recipe["lora_targets"] == attn
 
 
+def test_lora_on_a_tied_lm_head_trains_its_own_delta_and_merges_untied(tmp_path):
+    """The `-head` arms: LoRA on the LM head too. The tied input embedding stays the source's; the
+    adapter, applied to a tied base, and the merged model both reproduce the trained model, untied."""
+    import orthros.experiments.cpt as cpt
+    from orthros.models.adapter import HEAD, LORA_TARGETS, merged_state_dict
+
+    model = make_model(perturb_so=False, tie_word_embeddings=True)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    emb = model.get_input_embeddings().weight.detach().clone()
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
+                            lora_targets=(*LORA_TARGETS, HEAD))
+    rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
+    model, _ = cpt.train_arm(model, "lora+so", p, rows, str(DEVICE), "head")
+    assert torch.equal(model.get_input_embeddings().weight, emb)
+    names = {n for n, q in model.named_parameters() if q.requires_grad}
+    assert {"lm_head.lora_A", "lm_head.lora_B"} <= names
+    x = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
+    with torch.no_grad():
+        want = model(x).logits
+    save_adapter(model, tmp_path / "a", {"mode": "lora+so"}, lora_dtype=torch.float32)
+    state = merged_state_dict(model)
+    fresh = make_model(perturb_so=False, tie_word_embeddings=True)
+    fresh.load_state_dict(base)
+    with torch.no_grad():
+        got = apply_adapter(fresh, tmp_path / "a")(x).logits
+    assert rel_err(got, want) < 1e-5
+    assert not fresh.config.tie_word_embeddings and torch.equal(fresh.get_input_embeddings().weight, emb)
+    assert rel_err(fresh.lm_head.weight, emb) > 1e-4  # the head moved, the embedding did not
+    merged = OrthrosForCausalLM(type(model.config)(**model.config.to_dict())).to(DEVICE).eval()
+    assert not merged.config.tie_word_embeddings
+    merged.load_state_dict(state)
+    with torch.no_grad():
+        assert rel_err(merged(x).logits, want) < 1e-5
+    assert cpt.ARMS["orthros-lora-sink-mix-aw-w1024-head"].recipe["lora_targets"][-1] == HEAD
+
+
 def test_so_out_learns_the_output_queries_only():
     """so-out trains the output stream's SO alone: every base-stream row (so every layer's K/V)
     is the untrained model's (to rounding: CUDA kernels may differ in the last bit from call to

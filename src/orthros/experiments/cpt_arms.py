@@ -15,6 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..models.adapter import HEAD, LORA_TARGETS
+
+
 @dataclass(frozen=True)
 class Arm:
     label: str
@@ -48,23 +51,24 @@ def _kd(label, teacher, mode="all", **kw):
 
 
 def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False,
-            long: float = 0.0, long_text: bool = False) -> dict:
+            long: float = 0.0, long_text: bool = False, head: bool = False) -> dict:
     """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
     as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank, W_Q / W_K frozen or
     LoRA on the attention projections only (`attn`: the MLPs as the source's), and the far context's
     tokens weighed up to `long` times (long_weight_cap): every target's, or the text's only (`long_text`:
-    the answers keep their x32)."""
+    the answers keep their x32); `head`: LoRA on the LM head too (a delta of the tied head's own)."""
     light = mode == "lora+so"
     name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
         + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "") \
-        + (f"-lce{long:g}" if long else "") + ("t" if long and long_text else "")
+        + ("-head" if head else "") + (f"-lce{long:g}" if long else "") + ("t" if long and long_text else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
-             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "")
+             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "") + (", LoRA on the LM head too" if head else "")
              + (f", far-context {'text' if long_text else 'tokens'} weighed up to x{long:g}" if long else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
                   **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
                   **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}),
+                  **(dict(lora_targets=(*LORA_TARGETS, HEAD)) if head else {}),
                   **(dict(long_weight_cap=long) if long else {}),
                   **(dict(long_weight_answers=False) if long and long_text else {}))
     return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
@@ -183,6 +187,9 @@ ARMS = {
     # the light twin at the window whose full-weight recipe meets the perplexity target at 52.4M tokens, at
     # rank 8 and at rank 16 (a 10 MB adapter; the W = 512 twin at rank 8 was 2-3.4% above full weights)
     **_recipe("lora+so", 1024), **_recipe("lora+so", 1024, rank=16),
+    # and with a delta on the LM head (rank 8: 0.4M numbers): full weights move the tied embedding, which no
+    # projection's LoRA reaches; continued pre-training on code is where LoRA is known to learn less
+    **_recipe("lora+so", 1024, head=True),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
@@ -238,8 +245,8 @@ class CPTPreset:
     """peak learning rate of SO / norm vectors in light CPT"""
     lora_lr: float = 1e-3
     lora_rank: int = 8
-    lora_targets: tuple = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    """the projections a light arm's LoRA wraps (`models.adapter.LORA_TARGETS`: all of them)"""
+    lora_targets: tuple = LORA_TARGETS
+    """the projections a light arm's LoRA wraps (default all of them; `models.adapter.HEAD` adds the LM head)"""
     warmup: int = 20
     weight_decay: float = 0.1
     gradient_checkpointing: bool = True

@@ -38,6 +38,9 @@ SHIPPED = Path(__file__).resolve().parents[3] / "adapters"
 
 MODES = ("all", "so-out", "so", "so+norms", "lora+so")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEAD = "lm_head"
+"""a LoRA target beside the projections: the LM head. A tied head gets a delta of its own (the input
+embedding stays the source's); merged, the head is untied (`tie_word_embeddings` False)."""
 SO_NAMES = ("so_alpha", "so_beta", "so_alpha_out", "so_beta_out")
 SO_OUT_NAMES = ("so_alpha_out", "so_beta_out")
 
@@ -87,8 +90,8 @@ def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, 
     `LoRALinear` first; the wrapped model's forward is the merged model's."""
     if mode not in MODES:
         raise ValueError(f"trainable mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if not targets or set(targets) - set(LORA_TARGETS):
-        raise ValueError(f"LoRA targets must be some of {', '.join(LORA_TARGETS)}, got {tuple(targets)}")
+    if not targets or set(targets) - {*LORA_TARGETS, HEAD}:
+        raise ValueError(f"LoRA targets must be some of {', '.join((*LORA_TARGETS, HEAD))}, got {tuple(targets)}")
     if mode == "all":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -119,12 +122,24 @@ def merged_state_dict(model, state: dict | None = None) -> dict:
         a, b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
         w = state[f"{name}.weight"]
         state[f"{name}.weight"] = w + (b.float() @ a.float() * m.scale).to(w.dtype)
+    if HEAD in lora_modules(model):
+        _untie(model.config)
     return state
+
+
+def _untie(config) -> None:
+    """A merged LM-head delta makes the head a matrix of its own: say so in the config (and its
+    text config, where the model has one), so that loading the merged weights does not tie them back."""
+    for c in (config, getattr(config, "text_config", None)):
+        if c is not None and getattr(c, "tie_word_embeddings", False):
+            c.tie_word_embeddings = False
 
 
 @torch.no_grad()
 def merge_lora(model):
     """Replace every `LoRALinear` by a plain `nn.Linear` holding the merged weight (in place)."""
+    if HEAD in lora_modules(model):
+        _untie(model.config)
     for name, m in lora_modules(model).items():
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
@@ -296,6 +311,10 @@ def apply_adapter(model, path: str | Path):
         if name.endswith(".lora_A"):
             mod = name[: -len(".lora_A")]
             w = params.get(f"{mod}.weight")
+            if w is None and mod == HEAD and getattr(model, HEAD, None) is not None:  # tied: the head's own copy
+                head = getattr(model, HEAD)
+                head.weight = w = nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+                _untie(cfg)
             b = tensors.get(f"{mod}.lora_B")
             if w is None or b is None:
                 raise ValueError(f"{f}: LoRA factors for {mod!r} do not fit this model")
