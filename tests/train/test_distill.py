@@ -120,11 +120,15 @@ def test_weighted_losses_are_the_plain_ones_at_weight_1_and_weigh_each_target(so
     assert p2["kl"] > p0["kl"] and heavy > plain
 
 
-@pytest.mark.parametrize("trainable", ["all", "lora+so"])
+@pytest.mark.parametrize("trainable", ["all", "lora+so", "lora+so+head"])
 def test_distill_resume_is_exact(source, tmp_path, trainable):
     """N steps straight == N/2 steps, stop, resume: same losses (every part), same weights; a light
-    run's checkpoint is the merged model, and its adapter reproduces it on the base model."""
-    kw = dict(model__trainable=trainable, distill__ce="0.5", distill__align="1.0", distill__align_steps="2",
+    run's checkpoint is the merged model, and its adapter reproduces it on the base model (with LoRA
+    on the LM head too: the merged checkpoint's head is its own, untied)."""
+    head = trainable.endswith("+head")
+    trainable = trainable.removesuffix("+head")
+    extra = dict(model__lora_targets="[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]")
+    kw = dict(model__trainable=trainable, **(extra if head else {}), distill__ce="0.5", distill__align="1.0", distill__align_steps="2",
               optim__vector_lr="1e-2", optim__lora_lr="1e-2", checkpoint__every="100", train__steps="4",
               train__grad_accum="2", train__gradient_checkpointing="true")
     train(build_config(None, run_cfg(source, tmp_path / "straight", **kw)))
@@ -145,7 +149,9 @@ def test_distill_resume_is_exact(source, tmp_path, trainable):
     moved = [k for k in wa if not torch.equal(wa[k], start[k])]
     if trainable == "lora+so":
         assert (ca / "adapter.safetensors").exists()
-        assert all(("so_" in k) or ("norm" in k) or k.endswith("proj.weight") for k in moved)
+        assert all(("so_" in k) or ("norm" in k) or k.endswith("proj.weight") or (head and k == "lm_head.weight")
+                   for k in moved)
+        assert ("lm_head.weight" in moved) == head
         base = load_model(source / "student")
         apply_adapter(base, ca)
         x = torch.randint(0, base.config.vocab_size, (1, SEQ))
@@ -175,6 +181,9 @@ def test_distill_cli_needs_a_teacher_and_says_so_in_one_line(source, tmp_path, c
     assert len(err) == 1 and "needs a teacher" in err[0]
     assert cli.main(["distill", *cli_args(run_cfg(source, tmp_path / "r2", model__trainable="lora"))]) == 2
     assert "model.trainable" in capsys.readouterr().err
+    o = run_cfg(source, tmp_path / "r3", model__trainable="lora+so", model__lora_targets="[q_proj, mlp]")
+    assert cli.main(["distill", *cli_args(o)]) == 2
+    assert "model.lora_targets" in capsys.readouterr().err
 
 
 def test_distill_cli_trains(source, tmp_path):
