@@ -63,7 +63,8 @@ def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = Fa
         + ("-head" if head else "") + (f"-lce{long:g}" if long else "") + ("t" if long and long_text else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
-             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "") + (", LoRA on the LM head too" if head else "")
+             + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "")
+             + (", LoRA on the LM head too" if head else "")
              + (f", far-context {'text' if long_text else 'tokens'} weighed up to x{long:g}" if long else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
                   **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
