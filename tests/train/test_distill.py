@@ -127,9 +127,9 @@ def test_distill_resume_is_exact(source, tmp_path, trainable):
     on the LM head too: the merged checkpoint's head is its own, untied)."""
     head = trainable.endswith("+head")
     trainable = trainable.removesuffix("+head")
-    extra = dict(model__lora_targets="[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
-                                     "lm_head]")
-    kw = dict(model__trainable=trainable, **(extra if head else {}), distill__ce="0.5", distill__align="1.0", distill__align_steps="2",
+    extra = dict(model__lora_targets="[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]")
+    kw = dict(model__trainable=trainable, **(extra if head else {}), distill__ce="0.5", distill__align="1.0",
+              distill__align_steps="2",
               optim__vector_lr="1e-2", optim__lora_lr="1e-2", checkpoint__every="100", train__steps="4",
               train__grad_accum="2", train__gradient_checkpointing="true")
     train(build_config(None, run_cfg(source, tmp_path / "straight", **kw)))
