@@ -41,6 +41,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 HEAD = "lm_head"
 """a LoRA target beside the projections: the LM head. A tied head gets a delta of its own (the input
 embedding stays the source's); merged, the head is untied (`tie_word_embeddings` False)."""
+LORA_KNOWN = (*LORA_TARGETS, HEAD)
+"""every name `make_trainable`'s LoRA targets may hold"""
 SO_NAMES = ("so_alpha", "so_beta", "so_alpha_out", "so_beta_out")
 SO_OUT_NAMES = ("so_alpha_out", "so_beta_out")
 
@@ -90,8 +92,8 @@ def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, 
     `LoRALinear` first; the wrapped model's forward is the merged model's."""
     if mode not in MODES:
         raise ValueError(f"trainable mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if not targets or set(targets) - {*LORA_TARGETS, HEAD}:
-        raise ValueError(f"LoRA targets must be some of {', '.join((*LORA_TARGETS, HEAD))}, got {tuple(targets)}")
+    if not targets or set(targets) - set(LORA_KNOWN):
+        raise ValueError(f"LoRA targets must be some of {', '.join(LORA_KNOWN)}, got {tuple(targets)}")
     if mode == "all":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -118,11 +120,12 @@ def merged_state_dict(model, state: dict | None = None) -> dict:
     """The plain model's state dict: every LoRA delta merged into its weight, no lora_* keys.
     `state`: a full state dict to merge (e.g. gathered from FSDP shards); default the model's."""
     state = dict(model.state_dict() if state is None else state)
-    for name, m in lora_modules(model).items():
+    mods = lora_modules(model)
+    for name, m in mods.items():
         a, b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
         w = state[f"{name}.weight"]
         state[f"{name}.weight"] = w + (b.float() @ a.float() * m.scale).to(w.dtype)
-    if HEAD in lora_modules(model):
+    if HEAD in mods:
         _untie(model.config)
     return state
 
@@ -138,9 +141,10 @@ def _untie(config) -> None:
 @torch.no_grad()
 def merge_lora(model):
     """Replace every `LoRALinear` by a plain `nn.Linear` holding the merged weight (in place)."""
-    if HEAD in lora_modules(model):
+    mods = lora_modules(model)
+    if HEAD in mods:
         _untie(model.config)
-    for name, m in lora_modules(model).items():
+    for name, m in mods.items():
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
                         dtype=m.weight.dtype)

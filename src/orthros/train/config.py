@@ -331,13 +331,12 @@ def validate(cfg: TrainConfig) -> None:
     need(d.format in ("auto", "text", "sft"), "data.format", f"must be auto, text or sft, got {d.format!r}")
     need(len(d.train) > 0, "data.train", "needs at least one source")
     m, ds = cfg.model, cfg.distill
-    from ..models.adapter import HEAD, LORA_TARGETS, MODES
+    from ..models.adapter import LORA_KNOWN, MODES
 
     need(m.trainable in MODES, "model.trainable", f"must be one of {', '.join(MODES)}, got {m.trainable!r}")
     need(m.lora_rank >= 1, "model.lora_rank", f"must be >= 1, got {m.lora_rank}")
-    known = (*LORA_TARGETS, HEAD)
-    need(m.lora_targets is None or (len(m.lora_targets) > 0 and set(m.lora_targets) <= set(known)),
-         "model.lora_targets", f"must be some of {', '.join(known)}, got {m.lora_targets}")
+    need(m.lora_targets is None or (len(m.lora_targets) > 0 and set(m.lora_targets) <= set(LORA_KNOWN)),
+         "model.lora_targets", f"must be some of {', '.join(LORA_KNOWN)}, got {m.lora_targets}")
     need(m.trainable == "all" or m.init_from is not None, "model.trainable",
          f"{m.trainable!r} trains a delta on an existing model: set model.init_from")
     for key, v in (("optim.vector_lr", o.vector_lr), ("optim.lora_lr", o.lora_lr)):

@@ -104,14 +104,14 @@ def build_model(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None) -> Ort
     A light set (SO, norms, LoRA) trains a delta on `model.init_from`: a checkpoint of
     such a run holds the merged model (to use) and the delta unmerged in
     adapter.safetensors (to resume exactly), so a resume rebuilds init_from + delta."""
-    from ..models.adapter import load_trainable, make_trainable
+    from ..models.adapter import LORA_TARGETS, load_trainable, make_trainable
 
     m = cfg.model
     if m.trainable != "all":
         model = load_model(m.init_from, dtype=torch.float32, config=mc, new_scale_offset=True)
         torch.manual_seed(cfg.train.seed)  # LoRA's A factors: the same on every process and every run
         model = make_trainable(model, m.trainable, rank=m.lora_rank, alpha=m.lora_alpha,
-                               **({"targets": tuple(m.lora_targets)} if m.lora_targets else {}))
+                               targets=tuple(m.lora_targets or LORA_TARGETS))
         if resume is not None:
             load_trainable(model, resume / "adapter.safetensors")
         return model
