@@ -81,7 +81,7 @@ def run(args) -> int:
 
 def run_cpt_command(args) -> int:
     from ..convert.download import smollm2_gguf
-    from .cpt import merge_runs, run_cpt
+    from .cpt import check_names, merge_runs, run_cpt
     from .cpt_curve import budgets, write_curve
     from .cpt_arms import ARMS, DEFAULT_ARMS, PRESETS
     from .jobs import JobsFailed
@@ -107,9 +107,10 @@ def run_cpt_command(args) -> int:
         print(res["table"])
         print(f"\nsaved {out}/" + ", ".join(res["files"]))
         return 0
+    arms = args.archs or list(getattr(PRESETS.get(preset), "arms", ()) or DEFAULT_ARMS)
+    check_names(preset, arms)  # a misspelt name is told before the source is looked for
     source = args.source or smollm2_gguf()
     steps = args.steps or [None]
-    arms = args.archs or list(getattr(PRESETS.get(preset), "arms", ()) or DEFAULT_ARMS)
     runs = []
     for s in steps:  # one budget: --out itself; several: a run each, then their curve
         run_out = out if len(steps) == 1 else f"{out}/steps-{s}"

@@ -541,9 +541,9 @@ def prepare_data(tok, work: Path, preset: CPTPreset, need_retrieval: bool = True
     np.save(work / "copy_stream.npy", stream)
 
 
-def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(ARMS), device: str = "cpu",
-            jobs: int = 1, steps: int | None = None, lm_eval_limit: int | None = None,
-            compile: bool | None = None) -> dict:
+def check_names(preset_name: str, arms) -> None:
+    """ValueError for an unknown preset or arm (the close names suggested): before anything is
+    looked for or loaded."""
     if preset_name not in PRESETS:
         raise ValueError(f"unknown preset {preset_name!r}; choose from {', '.join(PRESETS)}")
     bad = [a for a in arms if a not in ARMS]
@@ -554,6 +554,12 @@ def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(AR
         raise ValueError(f"unknown arm(s) {', '.join(bad)}"
                          + (f"; did you mean {', '.join(near)}?" if near else "")
                          + " (`orthros experiment cpt --list-arms` lists them)")
+
+
+def run_cpt(preset_name: str, source: str | Path, out: str | Path, arms=tuple(ARMS), device: str = "cpu",
+            jobs: int = 1, steps: int | None = None, lm_eval_limit: int | None = None,
+            compile: bool | None = None) -> dict:
+    check_names(preset_name, arms)
     preset = PRESETS[preset_name]
     if steps is not None:
         preset = dataclasses.replace(preset, steps=steps)
