@@ -101,7 +101,8 @@ def main(argv=None) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "intake.json").write_text(json.dumps({"env": env, "reps": a.reps, "rows": rows}, indent=1))
-    print("\n| prompt tokens | body | json.loads | whole intake | intake / json.loads | longest gap of a 0.5 ms ticker |")
+    print("\n| prompt tokens | body | json.loads | whole intake | intake / json.loads "
+          "| longest gap of a 0.5 ms ticker |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['tokens']:,} | {r['body_bytes'] / 2**20:.1f} MiB | {r['json_loads_ms']:.1f} ms | "

@@ -56,7 +56,7 @@ def test_interference_scenario(tmp_path):
     res = run(tmp_path, "interference", "--server", "inprocess", "--budgets", "16", "--step-log-dir",
               str(tmp_path / "steps"))
     for v in ("orthros", "full"):  # each server's engine steps, one JSON line each
-        lines = (tmp_path / "steps" / f"{v}-budget16.jsonl").read_text().splitlines()
+        lines = (tmp_path / "steps" / f"serve-interference-{v}-budget16.jsonl").read_text().splitlines()
         assert len(lines) > 10 and all(json.loads(x)["ms"] >= 0 for x in lines)
         summary = res["steps"][f"{v} budget 16"]  # and its summary in the results
         assert summary["steps"] == len(lines) and summary["slowest"][0]["ms"] == summary["ms_max"] >= summary["ms_p50"]

@@ -129,7 +129,8 @@ def add_arguments(p):
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per server (compilation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-log-dir", default=None,
-                   help="each started server logs its engine steps to DIR/<attention>-budget<N>.jsonl (--step-log)")
+                   help="each started server logs its engine steps to DIR/<tag>-<attention>-budget<N>.jsonl "
+                        "(--step-log)")
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
     p.add_argument("--out-dir", default="benchmarks/results/serve", help="where serve-<scenario>.json / .md go")
     p.add_argument("--plot-dir", default="benchmarks/results/serve", help="where serve-<scenario>.png goes")
@@ -172,7 +173,8 @@ class Server:
         argv += self.extra  # a scenario's own server settings (later flags win)
         if a.step_log_dir:
             os.makedirs(a.step_log_dir, exist_ok=True)
-            self.step_log = os.path.join(a.step_log_dir, f"{self.name}.jsonl")
+            # the run's tag first: runs that share a directory (and a budget) keep their own logs
+            self.step_log = os.path.join(a.step_log_dir, f"{a.tag or 'serve-' + a.scenario}-{self.name}.jsonl")
             if os.path.exists(self.step_log):
                 os.remove(self.step_log)  # this server's steps only
             argv += ["--step-log", self.step_log]
