@@ -10,7 +10,6 @@ import torch
 
 from orthros.generate import generate
 from orthros.serve.engine import Engine, EngineConfig, QueueFull, SamplingParams
-from orthros.serve.runner import ModelRunner
 
 from ..conftest import DEVICE, make_model, rel_err
 from .conftest import decode_graphs, decoding_engine
@@ -103,8 +102,15 @@ def test_mixed_steps_split_into_decodes_and_chunks_equal_alone(attention):
                                      chunk_align=4, cuda_graphs=False))
     eng.runner.graphs = _EagerGraphs(eng.runner)
     mixed = []  # steps split into the decodes' forward and the chunks'
-    eng.runner.merge = lambda segs, dec, rest: (mixed.append((len(dec), len(rest))),
-                                                ModelRunner.merge(segs, dec, rest))[1]
+    parts = eng.runner.forward_parts
+
+    def counted(segments):
+        got = list(parts(segments))
+        if len(got) == 2:
+            mixed.append([len(idx) for idx, _ in got])
+        return iter(got)
+
+    eng.runner.forward_parts = counted
     out = Collector()
     for i, p in enumerate(prompts):
         eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
@@ -176,14 +182,58 @@ def test_chunks_padded_to_the_compiled_lengths_change_no_output():
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
 
 
-def test_split_step_logits_go_back_to_the_segments_order():
-    from orthros.models.paged_cache import Segment
+def test_a_split_step_sends_its_decodes_tokens_before_it_launches_the_chunks():
+    """In a mixed step split on graphs, the decodes' greedy tokens go out before the chunks'
+    forward is launched (on a GPU they do not wait for another prompt's chunk); a sampled
+    request's token, whose choice needs the device, goes out after it. Every output still equals
+    its prompt alone (the sampled one: its seeded draws served alone)."""
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    cfg = dict(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6, chunk_align=4,
+               cuda_graphs=False, decode_last_prompt_token=True)
+    eng = Engine(model, EngineConfig(**cfg))
+    eng.runner.graphs = _EagerGraphs(eng.runner)
+    order = []  # (step, "token", request) and (step, "chunks"), as they happen
+    parts = eng.runner.forward_parts
 
-    segs = [Segment([1], 5, [], True), Segment([1, 2], 0, [], False), Segment([3], 9, [], True),
-            Segment([4, 5, 6], 0, [], True), Segment([7], 0, [], True)]
-    dec = torch.tensor([[0.0], [2.0], [4.0]])  # the single-token outputs: segments 0, 2, 4
-    rest = torch.tensor([[3.0]])  # segment 3's output
-    assert ModelRunner.merge(segs, dec, rest).flatten().tolist() == [0.0, 2.0, 3.0, 4.0]
+    def marked(segments):  # a split step's second part: the chunks' forward, launched when asked for
+        it = parts(segments)
+        yield next(it)
+        for p in it:
+            order.append((eng.steps, "chunks"))
+            yield p
+
+    eng.runner.forward_parts = marked
+    out = Collector()
+
+    def sink(i):
+        keep = out.sink(i)
+        return lambda ev: (order.append((eng.steps, "token", i)) if ev.token_id is not None else None, keep(ev))
+
+    prompts, _ = _workload(4)
+    SAMPLED = 1
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+    for i, p in enumerate(prompts):
+        eng.submit(p, sampled if i == SAMPLED else SamplingParams(max_tokens=6), sink(i))
+        eng.step()
+    eng.run_until_done()
+    split = {e[0]: k for k, e in enumerate(order) if e[1] == "chunks"}  # step -> where its chunks ran
+    early = late = 0
+    for k, e in enumerate(order):
+        if e[1] == "token" and e[0] in split:
+            if e[2] == SAMPLED:
+                assert k > split[e[0]], e
+                late += 1
+            else:
+                assert k < split[e[0]], e
+                early += 1
+    assert early and late  # both kinds of decode ran beside a chunk
+    for i, p in enumerate(prompts):
+        if i != SAMPLED:
+            assert out.tokens(i) == generate(model, [p], max_new_tokens=6)[0, len(p):].tolist(), i
+    alone, col = Engine(model, EngineConfig(**cfg)), Collector()
+    alone.submit(prompts[SAMPLED], sampled, col.sink(0))
+    alone.run_until_done()
+    assert len(col.tokens(0)) == 6 and out.tokens(SAMPLED) == col.tokens(0)
 
 
 def test_chunks_cut_by_the_budget_are_aligned():

@@ -191,24 +191,48 @@ class Engine:
             return 0
         t0 = time.perf_counter()
         self.runner.sync_twins()
-        logits = self.runner.forward([Segment(c.tokens, c.start, c.req.table.blocks, c.output) for c in chunks])
+        parts = self.runner.forward_parts([Segment(c.tokens, c.start, c.req.table.blocks, c.output) for c in chunks])
         n_tokens = sum(len(c.tokens) for c in chunks)
-        # one device sync for all rows; the constrained rows' grammar masks are filled on the host
-        # before it, while the device runs the forward
-        greedy, masked = greedy_choices(logits, [c.req.matcher for c in chunks if c.output], self.masks)
-        now = time.perf_counter()
-        out_i = 0
+        # Each part's rows are chosen in one device sync (the constrained rows' grammar masks filled
+        # on the host before it, while the device runs the forward). A mixed step's first part is
+        # its decodes' graph: their tokens whose choice needs no device are sent before the
+        # chunks' forward is launched, so a stream's token (and the first token of a prompt whose
+        # last token runs as a decode) does not wait for another prompt's chunk.
+        idx, logits = next(parts)
+        choice = greedy_choices(logits, [chunks[i].req.matcher for i in idx], self.masks)
+        rest = self._deliver(chunks, idx, logits, choice, host_only=True)
+        second = next(parts, None)  # a split step: the chunks' forward, launched now
+        self._deliver(chunks, idx, logits, choice, rows=rest)
+        if second is not None:
+            idx, logits = second
+            self._deliver(chunks, idx, logits, greedy_choices(logits, [chunks[i].req.matcher for i in idx], self.masks))
         for c in chunks:
-            self.scheduler.advance(c)
-            if c.output:
-                self._emit(c.req, logits[out_i], greedy[out_i], now, masked.get(out_i))
-                out_i += 1
+            if not c.output:  # (the output chunks advanced as their tokens were sent)
+                self.scheduler.advance(c)
         self.steps += 1
         if self._step_log is not None:
             self._log_step(chunks, t0)
         if self.metrics:
             self.metrics.on_step(self, n_tokens, len(chunks), time.perf_counter() - t0)
         return n_tokens
+
+    def _deliver(self, chunks: list[ScheduledChunk], idx: list[int], logits: torch.Tensor, choice: tuple,
+                 host_only: bool = False, rows: list[int] | None = None) -> list[int]:
+        """Advance the output chunks `chunks[idx[j]]` for j in `rows` (default all) and send their
+        tokens from `logits[j]` and `choice` (`greedy_choices`'); `host_only`: only the rows whose
+        choice needs no device work (greedy, no penalties, no log-probabilities). Returns the rows
+        left."""
+        greedy, masked = choice
+        now = time.perf_counter()
+        left = []
+        for j in range(len(idx)) if rows is None else rows:
+            c = chunks[idx[j]]
+            if host_only and not c.req.params.host_choice:
+                left.append(j)
+                continue
+            self.scheduler.advance(c)
+            self._emit(c.req, logits[j], greedy[j], now, masked.get(j))
+        return left
 
     def _log_step(self, chunks: list[ScheduledChunk], t0: float) -> None:
         """One line: decodes (one new token past the prompt) counted, prompt chunks as

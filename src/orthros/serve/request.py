@@ -61,6 +61,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}")
 
     @property
+    def host_choice(self) -> bool:
+        """Whether the token is the step's argmax as it is (no sampling, penalties or
+        log-probabilities): chosen without device work once the argmax is read back."""
+        return self.temperature == 0 and not self.shapes_logits and self.logprobs is None
+
+    @property
     def shapes_logits(self) -> bool:
         """Whether penalties or a bias change the logits before the choice."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)

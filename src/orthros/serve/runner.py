@@ -89,50 +89,47 @@ class ModelRunner:
             self.pool.set_twins(*self.twins.take_changes())
 
     # ------------------------------------------------------------ forwards
-    def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """The step's logits [N, V] at the segments' output positions, in their order.
+    def forward_parts(self, segments: list[Segment]):
+        """The step's forward, in parts: (the indices of the output segments, their logits [n, V]).
 
-        Decode-only steps replay a captured graph. A step mixing decodes and prompt chunks runs,
-        where graphs are on (`EngineConfig.split_mixed_steps`), the decodes through their graph
-        and the chunks in a second, eager forward: run eagerly, a decode row costs the whole
-        model's per-layer kernel launches on the host (hundreds of small kernels for a few
-        rows), which is what running streams would wait for beside every chunk."""
+        One part, `forward`'s, unless the step mixes decodes and prompt chunks and graphs are on
+        (`EngineConfig.split_mixed_steps`): then the decodes replay their graph, the first part,
+        and the chunks run eagerly as a second forward, launched only when the caller asks for
+        the second part. Run eagerly beside the chunks, a decode row would cost the whole model's
+        per-layer kernel launches on the host (hundreds of small kernels for a few rows), which
+        running streams would wait for beside every chunk; and a caller that reads the decodes'
+        tokens before asking sends them a chunk's time earlier (`Engine.step`)."""
         self.used_graph = False
-        if self.graphs is not None:
-            dec = self.decodes(segments)
-            decodes = [segments[i] for i in dec]
-            if dec and (len(dec) == len(segments) or self.split_mixed_steps) and self.graphs.fits(decodes):
-                picked = set(dec)
-                rest = [s for i, s in enumerate(segments) if i not in picked]
-                # the chunks' cache first: its host-to-device copies then run while the device is
-                # idle, not queued behind the graph (a pageable copy holds the host until it is done)
-                cache = PagedStepCache(self.pool, self.model.config, rest) if rest else None
-                out = self.graphs.run(decodes)
-                if out is not None:
-                    self.used_graph = True
-                    return out if cache is None else self.merge(segments, out, self.run(cache))
+        dec = self.decodes(segments) if self.graphs is not None and self.split_mixed_steps else []
+        if dec and len(dec) < len(segments) and self.graphs.fits([segments[i] for i in dec]):
+            picked = set(dec)
+            # the chunks' cache first: its host-to-device copies then run while the device is
+            # idle, not queued behind the graph (a pageable copy holds the host until it is done)
+            cache = PagedStepCache(self.pool, self.model.config, [s for i, s in enumerate(segments) if i not in picked])
+            out = self.graphs.run([segments[i] for i in dec])
+            if out is not None:
+                self.used_graph = True
+                yield dec, out
+                yield [i for i, s in enumerate(segments) if i not in picked and s.output], self.run(cache)
+                return
+        yield [i for i, s in enumerate(segments) if s.output], self.forward(segments)
+
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """The step's logits [N, V] at the segments' output positions, in their order, from one
+        forward: a decode-only step replays a captured graph where graphs are on, anything else
+        runs eagerly."""
+        self.used_graph = False
+        if self.graphs is not None and len(self.decodes(segments)) == len(segments) and self.graphs.fits(segments):
+            out = self.graphs.run(segments)
+            if out is not None:
+                self.used_graph = True
+                return out
         return self.eager_forward(segments)
 
     @staticmethod
     def decodes(segments: list[Segment]) -> list[int]:
         """Indices of the segments a decode graph can run: one token, an output position."""
         return [i for i, s in enumerate(segments) if len(s.tokens) == 1 and s.output]
-
-    @staticmethod
-    def merge(segments: list[Segment], dec_logits: torch.Tensor, rest_logits: torch.Tensor) -> torch.Tensor:
-        """Interleave the decodes' logits [D, V] and the other segments' [R, V] back into the
-        segments' order: [D + R, V]."""
-        dec = set(ModelRunner.decodes(segments))
-        order, d, r = [], 0, dec_logits.shape[0]
-        for i, s in enumerate(segments):
-            if i in dec:
-                order.append(d)
-                d += 1
-            elif s.output:
-                order.append(r)
-                r += 1
-        both = torch.cat([dec_logits, rest_logits])
-        return both if order == list(range(len(order))) else both[torch.tensor(order, device=both.device)]
 
     def eager_forward(self, segments: list[Segment]) -> torch.Tensor:
         return self.run(PagedStepCache(self.pool, self.model.config, segments))
