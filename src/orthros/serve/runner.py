@@ -1,10 +1,11 @@
 """The model runner: the model, its paged KV pool, the decode graphs and the warm-up.
 
 It runs a step's segments (`models.paged_cache.Segment`: tokens, start,
-blocks, whether an output position) as one forward and returns the logits
-at their output positions; which segments those are is the scheduler's
-business. On CUDA the decodes of a step run through captured graphs
-(`serve.graphs`), beside an eager forward for the step's chunks.
+blocks, whether an output position) and returns the logits at their output
+positions; which segments those are is the scheduler's business. On CUDA the
+decodes of a step run through captured graphs (`serve.graphs`), and a step
+that also holds prompt chunks runs them in a second, eager forward
+(`ModelRunner.forward_parts`).
 """
 
 from __future__ import annotations
