@@ -191,7 +191,7 @@ ARMS = {
     # and with a delta on the LM head (rank 8: 0.4M numbers): full weights move the tied embedding, which no
     # projection's LoRA reaches; continued pre-training on code is where LoRA is known to learn less
     **_recipe("lora+so", 1024, head=True),
-    # at 5.2M tokens rank 16 took 0.4-0.5 points off rank 8's 1.6-1.9% over full weights and the head's delta
+    # at 5.2M tokens rank 16 took 0.3-0.6 points off rank 8's 1.6-1.9% over full weights and the head's delta
     # nothing (docs/results.md): ranks 32 and 64 (9.9M / 19.6M numbers, 7% / 15% of the model)
     **_recipe("lora+so", 1024, rank=32), **_recipe("lora+so", 1024, rank=64),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
