@@ -453,13 +453,27 @@ def test_step_log_records_every_step(tmp_path):
     eng = Engine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=16, chunk_align=4,
                                      prefix_caching=False, step_log=str(log)))
     out = Collector()
-    for i, p in enumerate(prompts):
-        eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i))
+    ids = [eng.submit(p, SamplingParams(max_tokens=max_tokens[i]), out.sink(i)).id for i, p in enumerate(prompts)]
     ran = 0
     while eng.has_work():
         ran += eng.step()
     eng.stop()
     recs = [json.loads(line) for line in log.read_text().splitlines()]
+    # each prompt chunk names its request; each request's first token is sent by one step, after its chunks
+    assert all(len(r["prompts"]) == len(r["chunks"]) for r in recs)
+    assert sorted(i for r in recs for i in r["first"]) == sorted(ids)
+    for i, p in zip(ids, prompts):
+        assert sum(c[0] for r in recs for c, j in zip(r["chunks"], r["prompts"]) if j == i) == len(p)
+    from orthros.bench.serve import prompt_times
+
+    times = {x["request"]: x for x in prompt_times(recs)}
+    assert sorted(times) == sorted(ids)
+    for i in ids:
+        x = times[i]
+        steps = [r for r in recs if x["first_chunk_step"] <= r["step"] <= x["first_token_step"]]
+        assert x["chunk_steps"] == sum(i in r["prompts"] for r in steps) >= 1
+        assert x["chunk_steps"] + x["other_steps"] == len(steps)
+        assert x["engine_ttft_s"] >= x["chunk_s"] + x["other_s"] - 1e-3
     assert [r["step"] for r in recs] == list(range(1, eng.steps + 1))
     assert sum(r["decode"] + sum(c[0] for c in r["chunks"]) for r in recs) == ran
     assert sum(c[0] for r in recs for c in r["chunks"]) == sum(map(len, prompts))

@@ -268,7 +268,30 @@ def step_summary(path: str, top: int = 8) -> dict:
     ms = sorted(r["ms"] for r in recs)
     q = (lambda p: percentile(ms, p)) if ms else (lambda p: None)
     return dict(path=path, steps=len(recs), ms_p50=q(50), ms_p99=q(99), ms_max=q(100),
-                slowest=sorted(recs, key=lambda r: -r["ms"])[:top])
+                slowest=sorted(recs, key=lambda r: -r["ms"])[:top], prompts=prompt_times(recs))
+
+
+def prompt_times(recs: list[dict]) -> list[dict]:
+    """Where each prompt's time to its first token went, in the engine: from the start of the step
+    of its first chunk to the end of the step that sent its first token, the steps that ran its
+    chunks (their time whole, whatever ran beside) and the others in between (another prompt's
+    chunk, or its last token run as a decode). Requests served from the prefix cache alone, or
+    logged before ids were, are left out."""
+    out, seen = [], {}
+    for k, r in enumerate(recs):
+        for rid in r.get("prompts", ()):
+            seen.setdefault(rid, k)
+        for rid in r.get("first", ()):
+            if rid not in seen:
+                continue
+            k0 = seen.pop(rid)
+            mine = [x for x in recs[k0:k + 1] if rid in x.get("prompts", ())]
+            out.append(dict(request=rid, first_chunk_step=recs[k0]["step"], first_token_step=r["step"],
+                            engine_ttft_s=round(r["t"] + r["ms"] / 1e3 - recs[k0]["t"], 4),
+                            chunk_steps=len(mine), chunk_s=round(sum(x["ms"] for x in mine) / 1e3, 4),
+                            other_steps=k + 1 - k0 - len(mine),
+                            other_s=round(sum(x["ms"] for x in recs[k0:k + 1] if x not in mine) / 1e3, 4)))
+    return out
 
 
 def _die_with_parent() -> None:
@@ -457,6 +480,11 @@ def _keep_steps(steps: dict, key: str, srv: Server) -> None:
         print(f"{key}: {srv.steps['steps']} steps, p50 {_ms(srv.steps['ms_p50'])}, max {_ms(srv.steps['ms_max'])}; "
               "slowest: " + "; ".join(f"{r['ms']:.0f} ms ({r['decode']} decodes, chunks {r['chunks']})"
                                       for r in srv.steps["slowest"][:3]), flush=True)
+        long = sorted(srv.steps["prompts"], key=lambda x: -x["engine_ttft_s"])[:4]
+        if long:
+            print(f"{key}: slowest prompts to their first token, in the engine: " + "; ".join(
+                f"{x['engine_ttft_s']:.2f} s = {x['chunk_steps']} steps with its chunks {x['chunk_s']:.2f} s + "
+                f"{x['other_steps']} others {x['other_s']:.2f} s" for x in long), flush=True)
 
 
 def _ms(v) -> str:

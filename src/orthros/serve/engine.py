@@ -236,13 +236,16 @@ class Engine:
 
     def _log_step(self, chunks: list[ScheduledChunk], t0: float) -> None:
         """One line: decodes (one new token past the prompt) counted, prompt chunks as
-        [tokens, start, has the output position]."""
+        [tokens, start, has the output position] and their requests' ids (`prompts`), and the ids
+        of the requests whose first token the step sent (`first`)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         dec = [len(c.tokens) == 1 and c.output and c.start >= len(c.req.prompt) for c in chunks]
         rec = dict(step=self.steps, t=round(t0 - self._t_start, 6), ms=round((now - t0) * 1e3, 3), decode=sum(dec),
                    chunks=[[len(c.tokens), c.start, bool(c.output)] for c, d in zip(chunks, dec) if not d],
+                   prompts=[c.req.id for c, d in zip(chunks, dec) if not d],
+                   first=[c.req.id for c in chunks if c.output and c.req.num_output == 1],
                    graph=self.runner.used_graph, running=len(self.running), waiting=len(self.waiting))
         self._step_log.write(json.dumps(rec) + "\n")
 
