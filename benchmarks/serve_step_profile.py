@@ -97,13 +97,13 @@ def measure(attention: str, args) -> dict:
         times = {True: [], False: []}
         split, host = False, None
         while not long.finished:
-            eng.runner.split_mixed_steps = split  # (the runner reads its own copy of the setting)
+            eng.cfg.split_mixed_steps = split
             if split and host is None and len(times[True]) == 1:
                 host = res.setdefault("mixed_host", {})[budget] = host_profile(eng)  # one split step, by op
             else:
                 times[split].append(_timed_step(eng))
             split = not split
-        eng.runner.split_mixed_steps = True
+        eng.cfg.split_mixed_steps = True
         res["mixed"][budget] = {("split" if k else "one forward"): dict(steps=len(v) - 1, p50=_q(v[1:], 0.5),
                                                                       p90=_q(v[1:], 0.9), max=_q(v[1:], 1.0))
                                 for k, v in times.items()}

@@ -285,12 +285,13 @@ def prompt_times(recs: list[dict]) -> list[dict]:
             if rid not in seen:
                 continue
             k0 = seen.pop(rid)
-            mine = [x for x in recs[k0:k + 1] if rid in x.get("prompts", ())]
+            span = recs[k0:k + 1]
+            mine = [x["ms"] for x in span if rid in x.get("prompts", ())]
             out.append(dict(request=rid, first_chunk_step=recs[k0]["step"], first_token_step=r["step"],
                             engine_ttft_s=round(r["t"] + r["ms"] / 1e3 - recs[k0]["t"], 4),
-                            chunk_steps=len(mine), chunk_s=round(sum(x["ms"] for x in mine) / 1e3, 4),
-                            other_steps=k + 1 - k0 - len(mine),
-                            other_s=round(sum(x["ms"] for x in recs[k0:k + 1] if x not in mine) / 1e3, 4)))
+                            chunk_steps=len(mine), chunk_s=round(sum(mine) / 1e3, 4),
+                            other_steps=len(span) - len(mine),
+                            other_s=round((sum(x["ms"] for x in span) - sum(mine)) / 1e3, 4)))
     return out
 
 

@@ -198,14 +198,13 @@ class Engine:
         # its decodes' graph: their tokens whose choice needs no device are sent before the
         # chunks' forward is launched, so a stream's token (and the first token of a prompt whose
         # last token runs as a decode) does not wait for another prompt's chunk.
-        idx, logits = next(parts)
-        choice = greedy_choices(logits, [chunks[i].req.matcher for i in idx], self.masks)
-        rest = self._deliver(chunks, idx, logits, choice, host_only=True)
+        first = next(parts)
+        choice = self._choose(chunks, *first)
+        rest = self._deliver(chunks, *first, choice, host_only=True)
         second = next(parts, None)  # a split step: the chunks' forward, launched now
-        self._deliver(chunks, idx, logits, choice, rows=rest)
+        self._deliver(chunks, *first, choice, rows=rest)
         if second is not None:
-            idx, logits = second
-            self._deliver(chunks, idx, logits, greedy_choices(logits, [chunks[i].req.matcher for i in idx], self.masks))
+            self._deliver(chunks, *second, self._choose(chunks, *second))
         for c in chunks:
             if not c.output:  # (the output chunks advanced as their tokens were sent)
                 self.scheduler.advance(c)
@@ -215,6 +214,10 @@ class Engine:
         if self.metrics:
             self.metrics.on_step(self, n_tokens, len(chunks), time.perf_counter() - t0)
         return n_tokens
+
+    def _choose(self, chunks: list[ScheduledChunk], idx: list[int], logits: torch.Tensor) -> tuple:
+        """`greedy_choices` of the output chunks `chunks[idx[j]]` from their logits [len(idx), V]."""
+        return greedy_choices(logits, [chunks[i].req.matcher for i in idx], self.masks)
 
     def _deliver(self, chunks: list[ScheduledChunk], idx: list[int], logits: torch.Tensor, choice: tuple,
                  host_only: bool = False, rows: list[int] | None = None) -> list[int]:
@@ -241,10 +244,10 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        dec = [len(c.tokens) == 1 and c.output and c.start >= len(c.req.prompt) for c in chunks]
-        rec = dict(step=self.steps, t=round(t0 - self._t_start, 6), ms=round((now - t0) * 1e3, 3), decode=sum(dec),
-                   chunks=[[len(c.tokens), c.start, bool(c.output)] for c, d in zip(chunks, dec) if not d],
-                   prompts=[c.req.id for c, d in zip(chunks, dec) if not d],
+        prompt = [c for c in chunks if not (len(c.tokens) == 1 and c.output and c.start >= len(c.req.prompt))]
+        rec = dict(step=self.steps, t=round(t0 - self._t_start, 6), ms=round((now - t0) * 1e3, 3),
+                   decode=len(chunks) - len(prompt), chunks=[[len(c.tokens), c.start, bool(c.output)] for c in prompt],
+                   prompts=[c.req.id for c in prompt],
                    first=[c.req.id for c in chunks if c.output and c.req.num_output == 1],
                    graph=self.runner.used_graph, running=len(self.running), waiting=len(self.waiting))
         self._step_log.write(json.dumps(rec) + "\n")

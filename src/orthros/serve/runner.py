@@ -76,7 +76,7 @@ class ModelRunner:
             self.sync_twins()
         else:
             self.pool = PagedKVPool(mc, self.num_blocks + 1, cfg.block_size, self.device, self.dtype, cfg.kv_dtype)
-        self.split_mixed_steps = cfg.split_mixed_steps
+        self.cfg = cfg  # the engine's settings, read where used (a benchmark may change them between steps)
         self.used_graph = False  # whether the last `forward` replayed a graph (for the step log)
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
@@ -101,7 +101,7 @@ class ModelRunner:
         running streams would wait for beside every chunk; and a caller that reads the decodes'
         tokens before asking sends them a chunk's time earlier (`Engine.step`)."""
         self.used_graph = False
-        dec = self.decodes(segments) if self.graphs is not None and self.split_mixed_steps else []
+        dec = self.decodes(segments) if self.graphs is not None and self.cfg.split_mixed_steps else []
         if dec and len(dec) < len(segments) and self.graphs.fits([segments[i] for i in dec]):
             picked = set(dec)
             # the chunks' cache first: its host-to-device copies then run while the device is
