@@ -33,6 +33,7 @@ def test_shipped_configs_parse():
     ("train: {steps: 0}\n", "train.steps must be >= 1"),
     ("model: {attention: linear}\n", "model.attention"),
     ("- a\n- b\n", "mapping"),
+    ("optim: {lora_b_ratio: 0}\n", "optim.lora_b_ratio must be > 0"),
 ])
 def test_bad_config_file(tmp_path, text, match):
     f = tmp_path / "c.yaml"
@@ -66,3 +67,26 @@ def test_cli_reports_user_errors_in_one_line(tmp_path, capsys):
     assert main(["train", str(f)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown config key 'train.bogus'" in err[0]
+
+
+@pytest.mark.parametrize("ratio", [1.0, 16.0])
+def test_lora_plus_gives_the_b_factors_their_own_rate(ratio):
+    """optim.lora_b_ratio: the B factors at lora_lr x ratio (LoRA+); at 1, one LoRA group as before
+    (an optimizer state saved with one group resumes)."""
+    from orthros.models.adapter import make_trainable
+    from orthros.train.config import OptimArgs
+    from orthros.train.trainer import param_groups
+
+    from ..conftest import make_model
+
+    model = make_trainable(make_model(window=3), "lora+so", rank=2)
+    named = {id(p): n for n, p in model.named_parameters()}
+    groups = param_groups(model, OptimArgs(lr=1e-4, vector_lr=2e-3, lora_lr=1e-3, lora_b_ratio=ratio))
+    rates = {}
+    for g in groups:
+        for p in g["params"]:
+            kind = "A" if named[id(p)].endswith(".lora_A") else "B" if named[id(p)].endswith(".lora_B") else "other"
+            rates.setdefault(kind, set()).add(g["lr"])
+    assert rates["A"] == {1e-3} and rates["B"] == {1e-3 * ratio} and rates["other"] == {2e-3}
+    assert len(groups) == (2 if ratio == 1.0 else 3)
+    assert sum(len(g["params"]) for g in groups) == sum(p.requires_grad for p in model.parameters())

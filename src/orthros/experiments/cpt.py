@@ -175,7 +175,7 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
             compile_blocks(teacher)
     lr_vec = preset.lr if mode == "all" else preset.light_lr
     param_groups = optim_groups(model, OptimArgs(lr=preset.lr, weight_decay=preset.weight_decay, vector_lr=lr_vec,
-                                                 lora_lr=preset.lora_lr))
+                                                 lora_lr=preset.lora_lr, lora_b_ratio=preset.lora_b_ratio))
     for g in param_groups:
         g["peak"] = g["lr"]
     cuda = torch.device(device).type == "cuda"

@@ -100,6 +100,8 @@ class OptimArgs:
     """peak learning rate of the vectors (norms, biases, scale-offsets); default optim.lr"""
     lora_lr: float | None = None
     """peak learning rate of the LoRA factors; default optim.lr"""
+    lora_b_ratio: float = 1.0
+    """the LoRA B factors' learning rate is the A factors' times this (LoRA+, which suggests 2-16); 1 = one rate"""
 
 
 @dataclass
@@ -341,6 +343,7 @@ def validate(cfg: TrainConfig) -> None:
          f"{m.trainable!r} trains a delta on an existing model: set model.init_from")
     for key, v in (("optim.vector_lr", o.vector_lr), ("optim.lora_lr", o.lora_lr)):
         need(v is None or v > 0, key, f"must be > 0 or null, got {v}")
+    need(o.lora_b_ratio > 0, "optim.lora_b_ratio", f"must be > 0, got {o.lora_b_ratio}")
     for key, v in (("distill.kl", ds.kl), ("distill.ce", ds.ce), ("distill.align", ds.align)):
         need(v >= 0, key, f"must be >= 0, got {v}")
     need(ds.temperature > 0, "distill.temperature", f"must be > 0, got {ds.temperature}")

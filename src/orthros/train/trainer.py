@@ -125,12 +125,17 @@ def build_model(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None) -> Ort
 
 def param_groups(model, o) -> list[dict]:
     """Matrices and embeddings decay at optim.lr; vectors (norms, biases, SO) at optim.vector_lr
-    and LoRA factors at optim.lora_lr, without decay. Frozen parameters are left out."""
-    groups = {"decay": [], "vec": [], "lora": []}
+    and LoRA factors at optim.lora_lr, without decay; with optim.lora_b_ratio != 1 the B factors form a
+    group of their own at lora_lr times it (LoRA+). Frozen parameters are left out."""
+    ratio = getattr(o, "lora_b_ratio", 1.0)
+    groups = {"decay": [], "vec": [], "lora": [], "lora_b": []}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            groups["lora" if ".lora_" in name else ("decay" if p.dim() >= 2 else "vec")].append(p)
-    spec = {"decay": (o.lr, o.weight_decay), "vec": (o.vector_lr or o.lr, 0.0), "lora": (o.lora_lr or o.lr, 0.0)}
+            lora = "lora_b" if ratio != 1.0 and name.endswith(".lora_B") else "lora"
+            groups[lora if ".lora_" in name else ("decay" if p.dim() >= 2 else "vec")].append(p)
+    lora_lr = o.lora_lr or o.lr
+    spec = {"decay": (o.lr, o.weight_decay), "vec": (o.vector_lr or o.lr, 0.0), "lora": (lora_lr, 0.0),
+            "lora_b": (lora_lr * ratio, 0.0)}
     return [{"params": ps, "lr": spec[g][0], "weight_decay": spec[g][1]} for g, ps in groups.items() if ps]
 
 
