@@ -213,3 +213,34 @@ def test_a_job_out_of_memory_beside_others_runs_again_alone(tmp_path):
     with pytest.raises(JobsFailed):
         run_after(_oom_beside, {"always": ("always", d)}, {}, workers=2)
     assert len(list(d.glob("always-*"))) == 1
+
+
+class _Held:
+    """Stands in for a job's tensors."""
+
+
+def test_a_job_s_memory_is_given_back_when_it_ends(monkeypatch):
+    """A worker outlives its job: after each job, failed or not, what the job held is collected and the
+    device cache released (else a job run again alone would meet the memory an idle worker keeps)."""
+    import gc
+    import traceback
+    import weakref
+
+    from orthros.experiments import jobs
+
+    released, refs = [], []
+    monkeypatch.setattr(jobs, "release_device_memory", lambda: released.append(all(r() is None for r in refs)))
+
+    def job(fail):
+        held = _Held()  # referenced only by this frame (and, once it raises, its traceback)
+        refs.append(weakref.ref(held))
+        if fail:
+            raise MemoryError("out of memory")
+        return "ok"
+
+    assert jobs.run_job(job, False) == "ok"
+    with pytest.raises(MemoryError) as e:
+        jobs.run_job(job, True)
+    gc.collect()
+    assert released == [True, True] and refs[1]() is None
+    assert "raise MemoryError" in "".join(traceback.format_tb(e.value.__traceback__))  # the trace is kept

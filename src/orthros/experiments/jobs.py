@@ -8,6 +8,7 @@ seeded on its own, so its result does not depend on what runs beside it.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import sys
 import traceback
@@ -26,7 +27,7 @@ def run_jobs(fn, jobs: list[tuple], workers: int = 1) -> list:
         return [fn(*job) for job in jobs]
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in forked children
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as pool:
-        futures = [pool.submit(fn, *job) for job in jobs]
+        futures = [pool.submit(run_job, fn, *job) for job in jobs]
         for f in as_completed(futures):  # a failure is said when it happens, the others run on
             if f.exception() is not None:
                 i = futures.index(f)
@@ -46,6 +47,28 @@ class JobsFailed(RuntimeError):
         if skipped:
             lines.append(f"not run (they needed a failed job): {', '.join(skipped)}")
         super().__init__(f"{len(errors)} job(s) failed; {len(done)} finished\n  " + "\n  ".join(lines))
+
+
+def run_job(fn, *args):
+    """fn(*args) in a worker process, which then gives back the device memory the job cached. A worker
+    outlives its job, and PyTorch's allocator keeps what a job freed reserved for its process: without
+    this, a job run again alone after running out of memory (`run_after`) would meet the memory an idle
+    worker still holds. A failed job's frames are cleared first, so that its tensors are free to go."""
+    try:
+        return fn(*args)
+    except BaseException as e:
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        release_device_memory()
+
+
+def release_device_memory() -> None:
+    """Collect what is unreachable and hand this process's cached CUDA memory back to the device."""
+    gc.collect()
+    torch = sys.modules.get("torch")  # a job that never imported torch used no device
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _failed(name: str, err: BaseException) -> None:
@@ -107,10 +130,10 @@ def run_after(fn, jobs: dict, needs: dict, workers: int = 1) -> dict:
                 if held and not todo and not running:
                     n = held.pop(0)
                     retried.add(n)
-                    running[n] = pool.submit(fn, *jobs[n])
+                    running[n] = pool.submit(run_job, fn, *jobs[n])
                 elif not (running.keys() & retried):  # nothing starts beside a job run again alone
                     for n in todo[: workers - len(running)]:
-                        running[n] = pool.submit(fn, *jobs[n])
+                        running[n] = pool.submit(run_job, fn, *jobs[n])
                 if len(running) > 1:
                     shared.update(running)
                 if not running:
