@@ -186,3 +186,23 @@ def test_faults_scenario_every_check_holds(tmp_path):
         t = rows[v, "one token over --max-model-len"]
         assert t["held"] and t["status"] == 400 and str(t["input_tokens"] - 1) in t["message"]
     assert "× 503" in (tmp_path / "serve-faults.md").read_text()
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    """The JSON is written after every row: a server that dies at the second long case (here, a stand-in
+    for the scenario's rows) leaves the first row and the error on disk, and says where."""
+    from orthros.bench import serve
+
+    def rows(args, variant, *_):
+        yield dict(variant=variant, run="one int4 request", kv_dtype="int4", input=8192)
+        raise RuntimeError("the server went away")
+
+    monkeypatch.setattr(serve, "long_rows", rows)
+    with pytest.raises(RuntimeError, match="the server went away"):  # not a user's mistake: its traceback
+        main(["bench", "serve", "--scenario", "long", "--scale", "tiny", "--server", "inprocess",
+              "--variants", "orthros", "--out-dir", str(tmp_path), "--docs", "/dev/null"])
+    res = json.loads((tmp_path / "serve-long.json").read_text())
+    assert [r["run"] for r in res["rows"]] == ["one int4 request"]
+    assert res["error"] == "RuntimeError: the server went away"
+    assert f"the 1 row(s) measured before it stopped are in {tmp_path / 'serve-long.json'}" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.tmp"))

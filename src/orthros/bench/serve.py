@@ -396,7 +396,9 @@ def document_sessions(args, i: int, run: dict) -> tuple[list[list[int]], list[di
     return docs, sessions
 
 
-def measure(args) -> dict:
+def measure(args, on_row=None) -> dict:
+    """The scenario's results; `on_row(results so far)` after each row. A run cut short (an error, ^C)
+    after a row hands what it measured to `on_row` with the error under "error", then raises it."""
     from .common import environment
 
     args.window = args.window or SCALES[args.scale]["window"]
@@ -409,16 +411,37 @@ def measure(args) -> dict:
 
         args.step_log_dir = tempfile.mkdtemp(prefix="orthros-bench-steps-")
     rows, commands, steps = [], {}, {}
+
+    def results() -> dict:
+        return dict(scenario=args.scenario, scale=args.scale, model=SCALES[args.scale]["model"], window=args.window,
+                    kv_dtype=args.kv_dtype, env=env, servers=commands, **({"steps": steps} if steps else {}),
+                    command="orthros bench serve " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"]
+                                                                else sys.argv[1:]),
+                    rows=rows)
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(results())
+
+    try:
+        _measure_rows(args, commands, steps, add)
+    except BaseException as e:
+        if on_row is not None and rows:
+            on_row(dict(results(), error=f"{type(e).__name__}: {e}"))
+        raise
+    return results()
+
+
+def _measure_rows(args, commands: dict, steps: dict, add) -> None:
     variants = args.variants if not args.url else ["(server at --url)"]
     for variant in variants:
-        if args.scenario == "interference":
-            rows += _interference(args, variant, commands, steps)
-            continue
-        if args.scenario == "long":
-            rows += long_rows(args, variant, commands, steps, Server, _warmup, _vocab(args))
-            continue
-        if args.scenario == "faults":
-            rows += faults_rows(args, variant, commands, steps, Server, _warmup, _vocab(args))
+        scenario_rows = dict(interference=lambda: _interference(args, variant, commands, steps),
+                             long=lambda: long_rows(args, variant, commands, steps, Server, _warmup, _vocab(args)),
+                             faults=lambda: faults_rows(args, variant, commands, steps, Server, _warmup, _vocab(args)))
+        if args.scenario in scenario_rows:
+            for row in scenario_rows[args.scenario]():
+                add(row)
             continue
         with Server(args, variant, args.budget) as srv:
             commands[variant] = srv.command
@@ -437,22 +460,17 @@ def measure(args) -> dict:
                            concurrency=run["concurrency"], input=run["input"], output=run["output"],
                            budget=args.budget, **summarize(results, duration),
                            requests=[result_dict(r) for r in results])
-                rows.append(row)
+                add(row)
                 print(f"{variant:8s} {run['name']:>12s}: {row['completed']} ok, TTFT p50 {_ms(row['ttft']['p50'])}, "
                       f"ITL p50 {_ms(row['itl']['p50'])}, {row['output_throughput']:.1f} tok/s", flush=True)
         _keep_steps(steps, variant, srv)
-    return dict(scenario=args.scenario, scale=args.scale, model=SCALES[args.scale]["model"], window=args.window,
-                kv_dtype=args.kv_dtype, env=env, servers=commands, **({"steps": steps} if steps else {}),
-                command="orthros bench serve " + shlex.join(sys.argv[3:] if sys.argv[1:3] == ["bench", "serve"]
-                                                            else sys.argv[1:]),
-                rows=rows)
 
 
-def _interference(args, variant, commands, steps) -> list[dict]:
+def _interference(args, variant, commands, steps):
+    """The scenario's rows for one attention variant, one a token budget, each yielded once measured."""
     t = SCENARIOS["interference"]
     sc = SCALES[args.scale]
     div = sc["div_in"]
-    rows = []
     for budget in args.budgets or [max(1, b // sc["div_budget"]) for b in t["budgets"]]:
         with Server(args, variant, budget) as srv:
             commands[f"{variant} budget {budget}"] = srv.command
@@ -466,12 +484,11 @@ def _interference(args, variant, commands, steps) -> list[dict]:
                                                settle=0.2 if args.scale == "tiny" else 2.0))
             row = dict(variant=variant, run=f"budget {budget}", budget=budget, background=n_bg,
                        background_input=bg_in, long_input=long_in, **res)
-            rows.append(row)
             print(f"{variant:8s} budget {budget:>6d}: long TTFT {_ms(row['long_ttft_ms'])}, running ITL during "
                   f"prefill p50 {_ms(row['itl_during_prefill']['p50'])} p99 {_ms(row['itl_during_prefill']['p99'])}"
                   f" (before: p50 {_ms(row['itl_before']['p50'])})", flush=True)
         _keep_steps(steps, f"{variant} budget {budget}", srv)
-    return rows
+        yield row
 
 
 def _keep_steps(steps: dict, key: str, srv: Server) -> None:
@@ -643,10 +660,25 @@ def run(args):
             with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
                 json.dump(res, f, indent=1)
     else:
-        res = measure(args)
-        os.makedirs(args.out_dir, exist_ok=True)
-        with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+        path = os.path.join(args.out_dir, f"{name}.json")
+
+        kept = []
+
+        def save(res: dict) -> None:  # after every row: a run cut short keeps what it measured
+            os.makedirs(args.out_dir, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(res, f, indent=1)
+            os.replace(path + ".tmp", path)
+            kept[:] = [len(res["rows"])]
+
+        try:
+            res = measure(args, save)
+        except BaseException:
+            if kept:
+                print(f"bench serve: the {kept[0]} row(s) measured before it stopped are in {path} "
+                      f"(`--from-json {path}` makes their table and plot)", file=sys.stderr, flush=True)
+            raise
+        save(res)
     text = table(res)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:

@@ -124,7 +124,8 @@ def too_long(srv, model: str, vocab: int) -> dict:
                 message=msg[:300], response_ms=ms, held=held)
 
 
-def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int) -> list[dict]:
+def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int):
+    """The scenario's rows for one attention variant, each yielded as soon as its check is done."""
     from .serve import SCALES, _keep_steps, _scale_len
 
     sc = SCALES[args.scale]
@@ -133,7 +134,6 @@ def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, war
     # outlasts a few polls of /metrics on a busy CPU
     length, asked = (scale_len(DISCONNECT_INPUT, "in"), 16) if args.scale != "tiny" else (sc["max_model_len"] - 96, 64)
     extra = ["--max-num-seqs", str(BURST["max_num_seqs"]), "--max-queue", str(BURST["max_queue"])]
-    rows = []
     with server_cls(args, variant, args.budget, extra=extra) as srv:
         commands[variant] = srv.command
         warmup(args, srv, random.Random(args.seed), args.budget)
@@ -142,12 +142,11 @@ def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, war
                       lambda: burst(srv, srv.model, vocab, scale_len, args.seed)):
             row = dict(variant=variant, **check())
             row["failed"] = 0 if row["held"] else 1
-            rows.append(row)
             print(f"{variant:8s} {row['run']}: {'held' if row['held'] else 'DID NOT HOLD'} "
                   + ", ".join(f"{k} {row[k]}" for k in ("status", "served", "refused_503", "lost", "freed_after_s")
                               if k in row), flush=True)
+            yield row
     _keep_steps(steps, variant, srv)
-    return rows
 
 
 def faults_table(res: dict) -> str:

@@ -60,14 +60,14 @@ def _row(variant, run, kv_dtype, prompt_len, out, n, results, duration, gauges) 
                 requests=[result_dict(r) for r in results])
 
 
-def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int) -> list[dict]:
-    """The scenario's rows for one attention variant (servers started one after another)."""
+def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int):
+    """The scenario's rows for one attention variant (servers started one after another), each yielded
+    as soon as it is measured."""
     from .serve import SCALES, _keep_steps, _ms, _scale_len
 
     sc = SCALES[args.scale]
     div = sc["div_in"]
     out = max(1, OUTPUT // sc["div_out"])
-    rows = []
     cases = [parse_case(c) for c in (LONG_CASES if args.long_cases is None else args.long_cases)]
     capacity = CAPACITY_DTYPES if args.capacity_dtypes is None else args.capacity_dtypes
     bad = [kv for kv in capacity if kv not in KV_DTYPES]
@@ -89,10 +89,10 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             prompt = random_prompts([length], vocab, random.Random(f"{args.seed}/long {length}"))
             results, duration = asyncio.run(run_load(srv.url, srv.model, prompt, [out], concurrency=1))
             row = _row(variant, f"one {kv} request", kv, length, out, 1, results, duration, server_gauges(srv))
-            rows.append(row)
             print(f"{name}: TTFT {_ms(row['ttft']['p50'])}, decode {row['decode_tok_s'] or 0:.1f} tok/s, max model len "
                   f"{row['max_model_len']}" + (f", {row['errors']}" if row["errors"] else ""), flush=True)
         _keep_steps(steps, name, srv)
+        yield row
     for kv in capacity:
         length = _scale_len(CAPACITY_INPUT, div)
         name = f"{variant} {kv} x{length}"
@@ -107,12 +107,11 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             row = _row(variant, f"{n} concurrent (the pool holds {holds})", kv, length, out, n, results, duration,
                        server_gauges(srv))
             row["pool_holds"] = holds
-            rows.append(row)
             print(f"{name}: the pool holds {row['pool_holds']}, sent {n}: {row['completed']} ok, TTFT p50 "
                   f"{_ms(row['ttft']['p50'])} p99 {_ms(row['ttft']['p99'])}, {row['output_throughput']:.1f} tok/s "
                   f"out", flush=True)
         _keep_steps(steps, name, srv)
-    return rows
+        yield row
 
 
 def long_table(res: dict) -> str:
