@@ -660,9 +660,7 @@ def run(args):
             with open(os.path.join(args.out_dir, f"{name}.json"), "w") as f:
                 json.dump(res, f, indent=1)
     else:
-        path = os.path.join(args.out_dir, f"{name}.json")
-
-        kept = []
+        path, kept = os.path.join(args.out_dir, f"{name}.json"), []
 
         def save(res: dict) -> None:  # after every row: a run cut short keeps what it measured
             os.makedirs(args.out_dir, exist_ok=True)
