@@ -31,6 +31,7 @@ def trained(mode, seed=0):
 @pytest.mark.parametrize("mode", ["so-out", "so", "so+norms", "lora+so"])
 def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(mode, tmp_path):
     model, base, stats = trained(mode)
+    assert (stats["peak_memory_gib"] > 0) if DEVICE.type == "cuda" else stats["peak_memory_gib"] is None
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     assert names and all(("so_" in n) or ("norm" in n and mode != "so") or ("lora_" in n) for n in names)
     assert all(n.endswith(("so_alpha_out", "so_beta_out")) for n in names) == (mode == "so-out")

@@ -179,6 +179,8 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     for g in param_groups:
         g["peak"] = g["lr"]
     cuda = torch.device(device).type == "cuda"
+    if cuda:  # the arm's peak, reported: how many jobs of this preset a card holds
+        torch.cuda.reset_peak_memory_stats(device)
     opt = torch.optim.AdamW(param_groups, betas=(0.9, 0.95), **({"fused": True} if cuda else {}))
     weights = LossWeights(preset.ce, preset.kl, preset.temperature, preset.align, preset.align_on)
     answers = None  # the retrieval samples' answers, weighed answer_weight times a text token
@@ -257,7 +259,8 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     return model.eval(), {"steps": preset.steps, "tokens": preset.train_tokens, "seconds": time.time() - t0,
                           "loss_curve": curve, "synced": synced,
                           **({"part_curves": {k: v for k, v in part_curves.items() if v}} if teacher else {}),
-                          "trainable": sum(p.numel() for g in param_groups for p in g["params"])}
+                          "trainable": sum(p.numel() for g in param_groups for p in g["params"]),
+                          "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
 
 
 # ---------------------------------------------------------------- evaluation
