@@ -434,13 +434,14 @@ def measure(args, on_row=None) -> dict:
 
 
 def _measure_rows(args, commands: dict, steps: dict, add) -> None:
+    # the scenarios that start servers of their own, each yielding its rows for one variant
+    own_servers = dict(interference=lambda v: _interference(args, v, commands, steps),
+                       long=lambda v: long_rows(args, v, commands, steps, Server, _warmup, _vocab(args)),
+                       faults=lambda v: faults_rows(args, v, commands, steps, Server, _warmup, _vocab(args)))
     variants = args.variants if not args.url else ["(server at --url)"]
     for variant in variants:
-        scenario_rows = dict(interference=lambda: _interference(args, variant, commands, steps),
-                             long=lambda: long_rows(args, variant, commands, steps, Server, _warmup, _vocab(args)),
-                             faults=lambda: faults_rows(args, variant, commands, steps, Server, _warmup, _vocab(args)))
-        if args.scenario in scenario_rows:
-            for row in scenario_rows[args.scenario]():
+        if args.scenario in own_servers:
+            for row in own_servers[args.scenario](variant):
                 add(row)
             continue
         with Server(args, variant, args.budget) as srv:

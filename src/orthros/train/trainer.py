@@ -127,7 +127,7 @@ def param_groups(model, o) -> list[dict]:
     """Matrices and embeddings decay at optim.lr; vectors (norms, biases, SO) at optim.vector_lr
     and LoRA factors at optim.lora_lr, without decay; with optim.lora_b_ratio != 1 the B factors form a
     group of their own at lora_lr times it (LoRA+). Frozen parameters are left out."""
-    ratio = getattr(o, "lora_b_ratio", 1.0)
+    ratio = o.lora_b_ratio
     groups = {"decay": [], "vec": [], "lora": [], "lora_b": []}
     for name, p in model.named_parameters():
         if p.requires_grad:
