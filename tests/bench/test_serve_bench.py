@@ -110,18 +110,19 @@ def test_tiny_scale_runs_on_the_cpu_unless_told(monkeypatch):
 
     import torch
 
-    from orthros.bench.serve import _device, add_arguments
+    from orthros.bench.serve import add_arguments
+    from orthros.bench.serve_server import bench_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     p = argparse.ArgumentParser()
     add_arguments(p)
-    assert _device(p.parse_args(["--scale", "tiny"])) == "cpu"
-    assert _device(p.parse_args(["--scale", "gpu"])) == "cuda"
-    assert _device(p.parse_args(["--scale", "tiny", "--device", "cuda"])) == "cuda"
+    assert bench_device(p.parse_args(["--scale", "tiny"])) == "cpu"
+    assert bench_device(p.parse_args(["--scale", "gpu"])) == "cuda"
+    assert bench_device(p.parse_args(["--scale", "tiny", "--device", "cuda"])) == "cuda"
 
 
 def test_equal_tail_table_compares_throughput_at_no_higher_ttft_p99():
-    from orthros.bench.serve import equal_tail_table
+    from orthros.bench.serve_report import equal_tail_table
 
     def row(variant, rate, p99_s, req_s):
         return dict(variant=variant, run=f"rate {rate:g}/s", rate=rate, ttft={"p99": 1e3 * p99_s},

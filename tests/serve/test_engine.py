@@ -464,7 +464,7 @@ def test_step_log_records_every_step(tmp_path):
     assert sorted(i for r in recs for i in r["first"]) == sorted(ids)
     for i, p in zip(ids, prompts):
         assert sum(c[0] for r in recs for c, j in zip(r["chunks"], r["prompts"]) if j == i) == len(p)
-    from orthros.bench.serve import prompt_times
+    from orthros.bench.serve_server import prompt_times
 
     times = {x["request"]: x for x in prompt_times(recs)}
     assert sorted(times) == sorted(ids)

@@ -51,19 +51,17 @@ import math
 import os
 import random
 import shlex
-import subprocess
 import sys
-import time
 
-from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
-from .serve_faults import faults_plot, faults_rows, faults_table
-from .serve_long import CAPACITY_DTYPES, LONG_CASES, long_plot, long_rows, long_table
-from .serve_client import (lengths, percentile, random_prompts, result_dict, run_interference, run_load,
-                           run_sessions, summarize)
+from ..models.static_cache import KV_DTYPES
+from .serve_client import (lengths, random_prompts, result_dict, run_interference, run_load, run_sessions,
+                           summarize)
+from .serve_faults import faults_rows
+from .serve_long import CAPACITY_DTYPES, LONG_CASES, long_rows
+from .serve_report import fmt_ms, plot, table
+from .serve_server import K, SCALES, Server, bench_device, keep_steps, scale_len
 
 VARIANTS = ("orthros", "full")
-K = 1024
-
 # Lengths are written at the GPU scale; a scale divides prompts, outputs and budgets (min 1).
 SCENARIOS = {
     "paper": dict(runs=[dict(name="128K/128", input=128 * K, output=128, num=2, concurrency=2),
@@ -76,19 +74,6 @@ SCENARIOS = {
     "long": dict(cases=LONG_CASES, capacity=CAPACITY_DTYPES),  # bench/serve_long.py
     "faults": dict(),  # bench/serve_faults.py
 }
-SCALES = {
-    "gpu": dict(model="llama-3.1-8b", dtype="bf16", div_in=1, div_out=1, div_budget=1, max_model_len=129 * K + 1024,
-                block_size=16, window=128),
-    "tiny": dict(model="tiny", dtype="fp32", div_in=512, div_out=16, div_budget=128, max_model_len=1024,
-                 block_size=4, window=16),
-}
-
-
-def _scale_len(spec, div: int):
-    if isinstance(spec, int):
-        return spec if div == 1 else max(1, spec // div)
-    kind, lo, hi = spec
-    return (kind, _scale_len(lo, div), max(_scale_len(lo, div) + 1, _scale_len(hi, div)))
 
 
 def parse_rate(s: str) -> float:
@@ -141,176 +126,6 @@ def add_arguments(p):
                    help="only re-render the table and plot from saved JSON (several, e.g. one per variant: one table)")
 
 
-# ------------------------------------------------------------------ servers
-class Server:
-    """A server for one (attention, budget): started here, or the one at --url."""
-
-    def __init__(self, args, attention: str, budget: int, kv_dtype: str | None = None,
-                 max_model_len: int | str | None = None, name: str | None = None, extra: list[str] = ()):
-        self.args, self.attention, self.budget, self.extra = args, attention, budget, list(extra)
-        self.kv_dtype, self.max_model_len = kv_dtype or args.kv_dtype, max_model_len
-        self.name = name or f"{attention}-budget{budget}"
-        self.proc = self.thread_server = None
-        self.command = None
-        self.step_log = self.steps = None
-        self.log_tail = None  # a started subprocess server's last output lines
-
-    def __enter__(self):
-        a, sc = self.args, SCALES[self.args.scale]
-        if a.url:
-            self.url, self.model = a.url.rstrip("/"), a.model_name or _served_name(a.url)
-            return self
-        device = _device(a)
-        argv = ["--preset", sc["model"], "--attention", self.attention, "--window", str(a.window),
-                "--dtype", sc["dtype"], "--device", device,
-                "--max-model-len", str(self.max_model_len or sc["max_model_len"]),
-                "--max-num-batched-tokens", str(self.budget), "--kv-dtype", self.kv_dtype,
-                "--max-num-seqs", "64", "--max-queue", "4096"]
-        if self.kv_dtype not in LOWBIT_KV_DTYPES:  # a low-bit server picks the block size its key groups need
-            argv += ["--block-size", str(sc["block_size"])]
-        if a.layers:
-            argv += ["--layers", str(a.layers)]
-        argv += self.extra  # a scenario's own server settings (later flags win)
-        if a.step_log_dir:
-            os.makedirs(a.step_log_dir, exist_ok=True)
-            # the run's tag first: runs that share a directory (and a budget) keep their own logs
-            self.step_log = os.path.join(a.step_log_dir, f"{a.tag or 'serve-' + a.scenario}-{self.name}.jsonl")
-            if os.path.exists(self.step_log):
-                os.remove(self.step_log)  # this server's steps only
-            argv += ["--step-log", self.step_log]
-        if device == "cpu" or a.scale == "tiny":  # a tiny model needs little, and a shared GPU keeps the rest
-            argv += ["--kv-cache-gib", "0.25"]
-        self.model = sc["model"]
-        if a.server == "inprocess":
-            self._start_inprocess(argv)
-        else:
-            self._start_subprocess(argv)
-        return self
-
-    def _start_inprocess(self, argv):
-        import argparse
-
-        from ..serve import cli
-        from ..serve.launch import build_app, load_model, serve_in_thread
-
-        p = argparse.ArgumentParser()
-        cli.add_arguments(p)
-        ns = p.parse_args(argv)
-        model, tok, name = load_model(None, ns.preset, ns.device, ns.dtype, ns.attention, ns.window, ns.layers,
-                                      ns.max_model_len, seed=self.args.seed)
-        app, engine = build_app(model, tok, name, cli.engine_config(ns))
-        self.thread_server = serve_in_thread(app, engine)
-        self.url = self.thread_server.url
-        self.command = "in-process: orthros serve " + shlex.join(argv)
-
-    def _start_subprocess(self, argv):
-        from ..serve.launch import bind
-
-        sock = bind()
-        port = sock.getsockname()[1]
-        sock.close()
-        cmd = [sys.executable, "-m", "orthros", "serve", *argv, "--port", str(port)]
-        self.command = shlex.join(cmd[2:])
-        import tempfile
-
-        # a file, not a pipe: nobody reads the log while the load runs, and a full pipe blocks the server
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="orthros-serve-", suffix=".log")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        self.url = f"http://127.0.0.1:{port}/v1"
-        import httpx
-
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"the server exited ({self.proc.returncode}):\n{self.log.read()[-3000:]}")
-            try:
-                if httpx.get(self.url[:-3] + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 900:
-                self.proc.kill()
-                raise RuntimeError("the server did not come up in 15 minutes")
-            time.sleep(0.25)
-
-    def __exit__(self, *exc):
-        if self.thread_server is not None:
-            self.thread_server.stop()
-            import gc
-
-            gc.collect()
-        if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-            self.log.seek(0)
-            self.log_tail = self.log.read().splitlines()[-20:]
-            self.log.close()
-        if self.step_log and os.path.exists(self.step_log):
-            self.steps = step_summary(self.step_log)
-            if self.log_tail:  # a warning such as a failed graph capture shows there
-                self.steps["server_log_tail"] = self.log_tail
-
-
-def step_summary(path: str, top: int = 8) -> dict:
-    """A step log (`orthros serve --step-log`) in short: step-time quantiles and the slowest steps."""
-    recs = []
-    with open(path) as f:
-        for line in f:
-            try:
-                recs.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a killed server
-                pass
-    ms = sorted(r["ms"] for r in recs)
-    q = (lambda p: percentile(ms, p)) if ms else (lambda p: None)
-    return dict(path=path, steps=len(recs), ms_p50=q(50), ms_p99=q(99), ms_max=q(100),
-                slowest=sorted(recs, key=lambda r: -r["ms"])[:top], prompts=prompt_times(recs))
-
-
-def prompt_times(recs: list[dict]) -> list[dict]:
-    """Where each prompt's time to its first token went, in the engine: from the start of the step
-    of its first chunk to the end of the step that sent its first token, the steps that ran its
-    chunks (their time whole, whatever ran beside) and the others in between (another prompt's
-    chunk, or its last token run as a decode). Requests served from the prefix cache alone, or
-    logged before ids were, are left out."""
-    out, seen = [], {}
-    for k, r in enumerate(recs):
-        for rid in r.get("prompts", ()):
-            seen.setdefault(rid, k)
-        for rid in r.get("first", ()):
-            if rid not in seen:
-                continue
-            k0 = seen.pop(rid)
-            span = recs[k0:k + 1]
-            mine = [x["ms"] for x in span if rid in x.get("prompts", ())]
-            out.append(dict(request=rid, first_chunk_step=recs[k0]["step"], first_token_step=r["step"],
-                            engine_ttft_s=round(r["t"] + r["ms"] / 1e3 - recs[k0]["t"], 4),
-                            chunk_steps=len(mine), chunk_s=round(sum(mine) / 1e3, 4),
-                            other_steps=len(span) - len(mine),
-                            other_s=round((sum(x["ms"] for x in span) - sum(mine)) / 1e3, 4)))
-    return out
-
-
-def _die_with_parent() -> None:
-    """In the server's process, before exec: be sent SIGTERM when this process dies, however
-    it dies (a killed benchmark must not leave a server holding the GPU's memory)."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _served_name(url: str) -> str:
-    import httpx
-
-    return httpx.get(url.rstrip("/") + "/models", timeout=10).json()["data"][0]["id"]
-
-
 # ------------------------------------------------------------------ measure
 def _vocab(args) -> int:
     from ..models import OrthrosConfig
@@ -352,18 +167,10 @@ def _load_runs(args) -> list[dict]:
                 for r in (args.rates or [math.inf])]
         div_in = div_out = 1  # custom lengths are taken as given
     for r in runs:
-        r["input"], r["output"] = _scale_len(r["input"], div_in), _scale_len(r["output"], div_out)
+        r["input"], r["output"] = scale_len(r["input"], div_in), scale_len(r["output"], div_out)
         if "question" in r:
-            r["question"] = _scale_len(r["question"], div_in)
+            r["question"] = scale_len(r["question"], div_in)
     return runs
-
-
-def _device(args) -> str:
-    """--device, else CUDA where there is one, except for the tiny scale: a CPU smoke run (fp32
-    FlexAttention on CUDA would compile once per chunk shape)."""
-    import torch
-
-    return args.device or ("cuda" if torch.cuda.is_available() and args.scale != "tiny" else "cpu")
 
 
 def run_requests(args, i: int, run: dict) -> tuple[list[list[int]], list[int]]:
@@ -405,7 +212,7 @@ def measure(args, on_row=None) -> dict:
     args.budget = args.budget or max(1, 8192 // SCALES[args.scale]["div_budget"])
     import torch
 
-    env = environment(torch.device(_device(args)))
+    env = environment(torch.device(bench_device(args)))
     if args.url is None and args.step_log_dir is None:  # the engine's step times, beside the client's view
         import tempfile
 
@@ -462,9 +269,9 @@ def _measure_rows(args, commands: dict, steps: dict, add) -> None:
                            budget=args.budget, **summarize(results, duration),
                            requests=[result_dict(r) for r in results])
                 add(row)
-                print(f"{variant:8s} {run['name']:>12s}: {row['completed']} ok, TTFT p50 {_ms(row['ttft']['p50'])}, "
-                      f"ITL p50 {_ms(row['itl']['p50'])}, {row['output_throughput']:.1f} tok/s", flush=True)
-        _keep_steps(steps, variant, srv)
+                print(f"{variant:8s} {run['name']:>12s}: {row['completed']} ok, TTFT p50 {fmt_ms(row['ttft']['p50'])}, "
+                      f"ITL p50 {fmt_ms(row['itl']['p50'])}, {row['output_throughput']:.1f} tok/s", flush=True)
+        keep_steps(steps, variant, srv)
 
 
 def _interference(args, variant, commands, steps):
@@ -477,7 +284,8 @@ def _interference(args, variant, commands, steps):
             commands[f"{variant} budget {budget}"] = srv.command
             rng = random.Random(args.seed)
             _warmup(args, srv, rng, budget)
-            n_bg, bg_in, long_in = t["background"], _scale_len(t["background_input"], div), _scale_len(t["long_input"], div)
+            n_bg, bg_in = t["background"], scale_len(t["background_input"], div)
+            long_in = scale_len(t["long_input"], div)
             bg = random_prompts([bg_in] * n_bg, _vocab(args), rng)
             long = random_prompts([long_in], _vocab(args), rng)[0]
             bg_out = sc["max_model_len"] - bg_in - 1
@@ -485,155 +293,12 @@ def _interference(args, variant, commands, steps):
                                                settle=0.2 if args.scale == "tiny" else 2.0))
             row = dict(variant=variant, run=f"budget {budget}", budget=budget, background=n_bg,
                        background_input=bg_in, long_input=long_in, **res)
-            print(f"{variant:8s} budget {budget:>6d}: long TTFT {_ms(row['long_ttft_ms'])}, running ITL during "
-                  f"prefill p50 {_ms(row['itl_during_prefill']['p50'])} p99 {_ms(row['itl_during_prefill']['p99'])}"
-                  f" (before: p50 {_ms(row['itl_before']['p50'])})", flush=True)
-        _keep_steps(steps, f"{variant} budget {budget}", srv)
+            print(f"{variant:8s} budget {budget:>6d}: long TTFT {fmt_ms(row['long_ttft_ms'])}, running ITL during "
+                  f"prefill p50 {fmt_ms(row['itl_during_prefill']['p50'])} "
+                  f"p99 {fmt_ms(row['itl_during_prefill']['p99'])}"
+                  f" (before: p50 {fmt_ms(row['itl_before']['p50'])})", flush=True)
+        keep_steps(steps, f"{variant} budget {budget}", srv)
         yield row
-
-
-def _keep_steps(steps: dict, key: str, srv: Server) -> None:
-    """The server's step-log summary (--step-log-dir) into the results, its slowest steps printed."""
-    if srv.steps:
-        steps[key] = srv.steps
-        print(f"{key}: {srv.steps['steps']} steps, p50 {_ms(srv.steps['ms_p50'])}, max {_ms(srv.steps['ms_max'])}; "
-              "slowest: " + "; ".join(f"{r['ms']:.0f} ms ({r['decode']} decodes, chunks {r['chunks']})"
-                                      for r in srv.steps["slowest"][:3]), flush=True)
-        long = sorted(srv.steps["prompts"], key=lambda x: -x["engine_ttft_s"])[:4]
-        if long:
-            print(f"{key}: slowest prompts to their first token, in the engine: " + "; ".join(
-                f"{x['engine_ttft_s']:.2f} s = {x['chunk_steps']} steps with its chunks {x['chunk_s']:.2f} s + "
-                f"{x['other_steps']} others {x['other_s']:.2f} s" for x in long), flush=True)
-
-
-def _ms(v) -> str:
-    return "-" if v is None else (f"{v / 1e3:.2f} s" if v >= 1e4 else f"{v:.1f} ms")
-
-
-# ------------------------------------------------------------------ report
-def table(res: dict) -> str:
-    e = res["env"]
-    head = (f"`{res['command']}` — {res['model']} shape, window {res['window']}, KV {res['kv_dtype']}, "
-            f"{e['gpu']}, torch {e['torch']}, {e['date']} (scale `{res['scale']}`"
-            + (": a CPU smoke run, not a measurement" if res["scale"] == "tiny" else "") + ")\n\n")
-    if res["scenario"] == "interference":
-        lines = ["| attention | token budget | 128K-prompt TTFT | running ITL p50 during its prefill | p99 | max "
-                 "| ITL p50 before |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for r in res["rows"]:
-            d, b = r["itl_during_prefill"], r["itl_before"]
-            lines.append(f"| {r['variant']} | {r['budget']} | {_ms(r['long_ttft_ms'])} | {_ms(d['p50'])} | "
-                         f"{_ms(d['p99'])} | {_ms(d['max'])} | {_ms(b['p50'])} |")
-        return head + "\n".join(lines) + engine_table(res)
-    if res["scenario"] == "long":
-        return head + long_table(res) + engine_table(res)
-    if res["scenario"] == "faults":
-        return head + faults_table(res) + engine_table(res)
-    hits = res["scenario"] == "documents"  # the share of prompt tokens read from the prefix cache
-    lines = ["| attention | run | ok | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | ITL p99 "
-             "| E2EL p50 | E2EL p99 |" + (" prefix hits |" if hits else ""),
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if hits else "")]
-    for r in res["rows"]:
-        lines.append(f"| {r['variant']} | {r['run']} | {r['completed']}/{r['completed'] + r['failed']} | "
-                     f"{r['request_throughput']:.3f} | {r['output_throughput']:.1f} | {_ms(r['ttft']['p50'])} | "
-                     f"{_ms(r['ttft']['p99'])} | {_ms(r['tpot']['p50'])} | {_ms(r['itl']['p50'])} | "
-                     f"{_ms(r['itl']['p99'])} | {_ms(r['e2el']['p50'])} | {_ms(r['e2el']['p99'])} |"
-                     + (f" {100 * r.get('prefix_hit_rate', 0.0):.1f}% |" if hits else ""))
-    return head + "\n".join(lines) + equal_tail_table(res["rows"]) + engine_table(res)
-
-
-def engine_table(res: dict) -> str:
-    """The engine's own view beside the client's: each server's step times (its step log; every
-    step of its life, warm-up included), the slowest step and what it ran."""
-    steps = res.get("steps") or {}
-    if not steps:
-        return ""
-    lines = ["\n\nThe engine's view (`--step-log`: every step of each server, warm-up included):\n",
-             "| server | steps | step p50 | step p99 | step max | the slowest step ran |", "|---|---:|---:|---:|---:|---|"]
-    for key, st in steps.items():
-        slow = st.get("slowest") or [{}]
-        what = f"{slow[0].get('decode', 0)} decodes, chunks {slow[0].get('chunks', [])}" if slow[0] else "-"
-        lines.append(f"| {key} | {st['steps']} | {_ms(st['ms_p50'])} | {_ms(st['ms_p99'])} | {_ms(st['ms_max'])} "
-                     f"| {what} |")
-    return "\n".join(lines)
-
-
-def equal_tail_table(rows: list[dict], base: str = "full", other: str = "orthros") -> str:
-    """Throughput at equal tail latency: for each `base` run, the fastest `other` run whose TTFT
-    p99 is no higher, and the ratio of their request (and token) throughputs. Only runs of the
-    same prompt lengths (rated runs of one scenario) compare; empty if either variant is missing."""
-    rated = lambda v: sorted((r for r in rows if r["variant"] == v and r.get("rate") and r["ttft"]["p99"]),
-                             key=lambda r: r["rate"])
-    a, b = rated(base), rated(other)
-    if not a or not b or len({r.get("total_input_tokens") for r in a + b}) > 1:
-        return ""  # runs with different prompts (e.g. of an older benchmark) do not compare in req/s
-    lines = ["", "", f"At equal tail latency: for each {base} run, the {other} run with the highest request "
-             f"throughput whose TTFT p99 is no higher (runs at every rate carry the same prompt lengths).", "",
-             f"| {base} run | TTFT p99 | req/s | {other} run | TTFT p99 | req/s | req/s ratio | tokens/s ratio |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
-    for r in a:
-        ok = [x for x in b if x["ttft"]["p99"] <= r["ttft"]["p99"]]
-        if not ok:
-            lines.append(f"| {r['run']} | {_ms(r['ttft']['p99'])} | {r['request_throughput']:.3f} | none as low | "
-                         "| | | |")
-            continue
-        x = max(ok, key=lambda x: x["request_throughput"])
-        lines.append(f"| {r['run']} | {_ms(r['ttft']['p99'])} | {r['request_throughput']:.3f} | {x['run']} | "
-                     f"{_ms(x['ttft']['p99'])} | {x['request_throughput']:.3f} | "
-                     f"{x['request_throughput'] / r['request_throughput']:.2f}x | "
-                     f"{x['total_token_throughput'] / r['total_token_throughput']:.2f}x |")
-    return "\n".join(lines)
-
-
-def plot(res: dict, path: str) -> None:
-    from .common import save_figure, subplots
-
-    rows = res["rows"]
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    if res["scenario"] == "long":
-        fig, axes = subplots(2, 5.5, 4)
-        long_plot(res, (fig, axes))
-    elif res["scenario"] == "faults":
-        fig, (ax,) = subplots(1, 6, 4)
-        faults_plot(res, ax)
-    elif res["scenario"] == "interference":
-        fig, (ax,) = subplots(1, 5.5, 4)
-        for i, v in enumerate(variants):
-            rs = [r for r in rows if r["variant"] == v and r["itl_during_prefill"]["p99"] is not None]
-            x = [r["budget"] for r in rs]
-            ax.plot(x, [r["itl_during_prefill"]["p99"] for r in rs], "o-", color=f"C{i}", label=f"{v} p99")
-            ax.plot(x, [r["itl_during_prefill"]["p50"] for r in rs], "x--", color=f"C{i}", label=f"{v} p50")
-        ax.set_xscale("log", base=2)
-        ax.set(xlabel="token budget per step", ylabel="ITL of running streams (ms)",
-               title="decode latency while a long prompt prefills")
-    elif res["scenario"] in ("traffic", "documents") or len({r["run"] for r in rows}) > 2:
-        # Tail TTFT against throughput, in tokens / s (prompt + output) and requests / s (runs at
-        # every rate carry the same lengths, so the two agree), each point named by its run
-        fig, axes = subplots(2, 5.5, 4)
-        for key, label, ax in (("total_token_throughput", "tokens / s (prompt + output)", axes[0]),
-                               ("request_throughput", "completed requests / s", axes[1])):
-            for v in variants:
-                rs = [r for r in rows if r["variant"] == v and r["ttft"]["p99"] is not None and key in r]
-                ax.plot([r[key] for r in rs], [r["ttft"]["p99"] / 1e3 for r in rs], "o-", label=v)
-                for r in rs:
-                    ax.annotate(r["run"], (r[key], r["ttft"]["p99"] / 1e3), fontsize=7, xytext=(3, 3),
-                                textcoords="offset points")
-            ax.set(xlabel=label, ylabel="TTFT p99 (s)", title="throughput vs tail TTFT")
-    else:
-        fig, axes = subplots(2, 4.5, 4)
-        runs = list(dict.fromkeys(r["run"] for r in rows))
-        width = 0.8 / max(1, len(variants))
-        for ax, key, label in zip(axes, ("ttft", "e2el"), ("TTFT p50 (s)", "end-to-end p50 (s)")):
-            for j, v in enumerate(variants):
-                vals = [next((r[key]["p50"] or 0) / 1e3 for r in rows if r["variant"] == v and r["run"] == run)
-                        for run in runs]
-                ax.bar([i + j * width for i in range(len(runs))], vals, width, label=v)
-            ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(runs))], runs)
-            ax.set(ylabel=label, title=label.split(" (")[0])
-    for ax in fig.axes:
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    save_figure(fig, path)
 
 
 def run(args):

@@ -126,27 +126,27 @@ def too_long(srv, model: str, vocab: int) -> dict:
 
 def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int):
     """The scenario's rows for one attention variant, each yielded as soon as its check is done."""
-    from .serve import SCALES, _keep_steps, _scale_len
+    from .serve_server import SCALES, keep_steps, scale_len
 
     sc = SCALES[args.scale]
-    scale_len = lambda spec, kind: _scale_len(spec, sc["div_in"] if kind == "in" else sc["div_out"])  # noqa: E731
+    scaled = lambda spec, kind: scale_len(spec, sc["div_in"] if kind == "in" else sc["div_out"])  # noqa: E731
     # at the tiny scale a prompt near the longest length and a longer answer, so that the request
     # outlasts a few polls of /metrics on a busy CPU
-    length, asked = (scale_len(DISCONNECT_INPUT, "in"), 16) if args.scale != "tiny" else (sc["max_model_len"] - 96, 64)
+    length, asked = (scaled(DISCONNECT_INPUT, "in"), 16) if args.scale != "tiny" else (sc["max_model_len"] - 96, 64)
     extra = ["--max-num-seqs", str(BURST["max_num_seqs"]), "--max-queue", str(BURST["max_queue"])]
     with server_cls(args, variant, args.budget, extra=extra) as srv:
         commands[variant] = srv.command
         warmup(args, srv, random.Random(args.seed), args.budget)
         for check in (lambda: too_long(srv, srv.model, vocab),
                       lambda: disconnect(srv, srv.model, vocab, length, args.seed, asked),
-                      lambda: burst(srv, srv.model, vocab, scale_len, args.seed)):
+                      lambda: burst(srv, srv.model, vocab, scaled, args.seed)):
             row = dict(variant=variant, **check())
             row["failed"] = 0 if row["held"] else 1
             print(f"{variant:8s} {row['run']}: {'held' if row['held'] else 'DID NOT HOLD'} "
                   + ", ".join(f"{k} {row[k]}" for k in ("status", "served", "refused_503", "lost", "freed_after_s")
                               if k in row), flush=True)
             yield row
-    _keep_steps(steps, variant, srv)
+    keep_steps(steps, variant, srv)
 
 
 def faults_table(res: dict) -> str:

@@ -63,7 +63,8 @@ def _row(variant, run, kv_dtype, prompt_len, out, n, results, duration, gauges) 
 def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int):
     """The scenario's rows for one attention variant (servers started one after another), each yielded
     as soon as it is measured."""
-    from .serve import SCALES, _keep_steps, _ms, _scale_len
+    from .serve_server import SCALES, keep_steps, scale_len
+    from .serve_report import fmt_ms
 
     sc = SCALES[args.scale]
     div = sc["div_in"]
@@ -80,7 +81,7 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
         cases = [(kv, n) for kv, n in cases if kv not in LOWBIT_KV_DTYPES]
         capacity = [kv for kv in capacity if kv not in LOWBIT_KV_DTYPES]
     for kv, length in cases:
-        length = _scale_len(length, div)
+        length = scale_len(length, div)
         name = f"{variant} {kv} {length}"
         with server_cls(args, variant, args.budget, kv_dtype=kv, max_model_len="auto",
                         name=f"{variant}-{kv}-long") as srv:
@@ -89,12 +90,13 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
             prompt = random_prompts([length], vocab, random.Random(f"{args.seed}/long {length}"))
             results, duration = asyncio.run(run_load(srv.url, srv.model, prompt, [out], concurrency=1))
             row = _row(variant, f"one {kv} request", kv, length, out, 1, results, duration, server_gauges(srv))
-            print(f"{name}: TTFT {_ms(row['ttft']['p50'])}, decode {row['decode_tok_s'] or 0:.1f} tok/s, max model len "
+            print(f"{name}: TTFT {fmt_ms(row['ttft']['p50'])}, decode {row['decode_tok_s'] or 0:.1f} tok/s, "
+                  "max model len "
                   f"{row['max_model_len']}" + (f", {row['errors']}" if row["errors"] else ""), flush=True)
-        _keep_steps(steps, name, srv)
+        keep_steps(steps, name, srv)
         yield row
     for kv in capacity:
-        length = _scale_len(CAPACITY_INPUT, div)
+        length = scale_len(CAPACITY_INPUT, div)
         name = f"{variant} {kv} x{length}"
         with server_cls(args, variant, args.budget, kv_dtype=kv, name=f"{variant}-{kv}-capacity") as srv:
             commands[name] = srv.command
@@ -108,14 +110,15 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
                        server_gauges(srv))
             row["pool_holds"] = holds
             print(f"{name}: the pool holds {row['pool_holds']}, sent {n}: {row['completed']} ok, TTFT p50 "
-                  f"{_ms(row['ttft']['p50'])} p99 {_ms(row['ttft']['p99'])}, {row['output_throughput']:.1f} tok/s "
+                  f"{fmt_ms(row['ttft']['p50'])} p99 {fmt_ms(row['ttft']['p99'])}, "
+                  f"{row['output_throughput']:.1f} tok/s "
                   f"out", flush=True)
-        _keep_steps(steps, name, srv)
+        keep_steps(steps, name, srv)
         yield row
 
 
 def long_table(res: dict) -> str:
-    from .serve import _ms
+    from .serve_report import fmt_ms
 
     gib = lambda b: "-" if not b else f"{b / 2**30:.1f} GiB"  # (no peak memory on a CPU)
     lines = ["| attention | KV | run | prompt | ok | TTFT p50 | TTFT p99 | decode tok/s (each) | out tok/s (all) "
@@ -124,7 +127,7 @@ def long_table(res: dict) -> str:
     for r in res["rows"]:
         err = "; ".join(r["errors"])[:120] if r["errors"] else ""
         lines.append(f"| {r['variant']} | {r['kv_dtype']} | {r['run']} | {r['input']} | {r['completed']}/"
-                     f"{r['completed'] + r['failed']} | {_ms(r['ttft']['p50'])} | {_ms(r['ttft']['p99'])} | "
+                     f"{r['completed'] + r['failed']} | {fmt_ms(r['ttft']['p50'])} | {fmt_ms(r['ttft']['p99'])} | "
                      f"{'-' if r['decode_tok_s'] is None else format(r['decode_tok_s'], '.1f')} | "
                      f"{r['output_throughput']:.1f} | {r['max_model_len']} | {gib(r['kv_pool_bytes'])} | "
                      f"{gib(r['memory_peak_bytes'])} | {err} |")
