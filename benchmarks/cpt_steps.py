@@ -42,7 +42,7 @@ def timing_mask(spec, preset, n_rows: int) -> np.ndarray | None:
 def time_arm(arm: str, preset, device: str, steps: int, profile: int = 0) -> dict:
     """Seconds a step of `arm` (a distilled arm gets a random full-attention teacher of the
     same shape); with `profile` > 0, the CUDA kernels and host time of that many warm steps."""
-    from orthros.experiments.cpt import train_arm
+    from orthros.experiments.cpt_train import train_arm
     from orthros.experiments.cpt_arms import arm_preset
     from orthros.models import OrthrosConfig, OrthrosForCausalLM
 

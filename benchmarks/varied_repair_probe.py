@@ -46,7 +46,7 @@ def main(argv=None) -> None:
 
     from orthros.data.retrieval import retrieval_rows
     from orthros.demo import real
-    from orthros.experiments.cpt import train_arm
+    from orthros.experiments.cpt_train import train_arm
     from orthros.experiments.cpt_arms import PRESETS
     from orthros.experiments.cpt_data import train_stream
     from orthros.loading import load_model

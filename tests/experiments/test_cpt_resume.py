@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthros.experiments.cpt import train_arm
+from orthros.experiments.cpt_train import train_arm
 from orthros.experiments.cpt_arms import PRESETS
 from orthros.train.checkpoint import list_checkpoints
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from orthros.experiments.cpt import train_arm
+from orthros.experiments.cpt_train import train_arm
 from orthros.experiments.cpt_arms import ARMS, PRESETS, arm_preset
 from orthros.experiments.long_weights import long_context_weights, source_long_weights
 

@@ -10,8 +10,8 @@ import torch
 
 from orthros import OrthrosForCausalLM, cli
 from orthros.convert.tiny import make_tiny_checkpoint, tiny_tokenizer
-from orthros.experiments.cpt import train_arm
-from orthros.experiments.cpt_arms import PRESETS
+from orthros.experiments.cpt_arms import ARMS, PRESETS
+from orthros.experiments.cpt_train import train_arm
 from orthros.loading import load_model
 from orthros.models.adapter import apply_adapter, make_trainable, save_adapter
 
@@ -51,15 +51,13 @@ def test_only_the_mode_s_parameters_train_and_the_adapter_reproduces_the_model(m
 
 def test_lora_on_some_projections_wraps_only_those_and_the_adapter_reproduces_the_model(tmp_path):
     """A light arm's `lora_targets` (the `-attn` arms: attention only, the MLPs as the source's)."""
-    import orthros.experiments.cpt as cpt
-
     attn = ("q_proj", "k_proj", "v_proj", "o_proj")
     model = make_model(perturb_so=False)
     base = {k: v.clone() for k, v in model.state_dict().items()}
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
                             lora_targets=attn)
     rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
-    model, _ = cpt.train_arm(model, "lora+so", p, rows, str(DEVICE), "attn")
+    model, _ = train_arm(model, "lora+so", p, rows, str(DEVICE), "attn")
     wrapped = {n.rsplit(".", 2)[-2] for n, _ in model.named_parameters() if "lora_A" in n}
     assert wrapped == set(attn)
     x = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
@@ -72,13 +70,12 @@ def test_lora_on_some_projections_wraps_only_those_and_the_adapter_reproduces_th
         assert rel_err(apply_adapter(fresh, tmp_path / "a")(x).logits, want) < 1e-5
     with pytest.raises(ValueError, match="LoRA targets"):
         make_trainable(make_model(), "lora+so", targets=("q_proj", "mlp"))
-    assert cpt.ARMS["orthros-lora-sink-mix-aw-w512-attn"].recipe["lora_targets"] == attn
+    assert ARMS["orthros-lora-sink-mix-aw-w512-attn"].recipe["lora_targets"] == attn
 
 
 def test_lora_on_a_tied_lm_head_trains_its_own_delta_and_merges_untied(tmp_path):
     """The `-head` arms: LoRA on the LM head too. The tied input embedding stays the source's; the
     adapter, applied to a tied base, and the merged model both reproduce the trained model, untied."""
-    import orthros.experiments.cpt as cpt
     from orthros.models.adapter import HEAD, LORA_TARGETS, merged_state_dict
 
     model = make_model(perturb_so=False, tie_word_embeddings=True)
@@ -87,7 +84,7 @@ def test_lora_on_a_tied_lm_head_trains_its_own_delta_and_merges_untied(tmp_path)
     p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
                             lora_targets=(*LORA_TARGETS, HEAD))
     rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
-    model, _ = cpt.train_arm(model, "lora+so", p, rows, str(DEVICE), "head")
+    model, _ = train_arm(model, "lora+so", p, rows, str(DEVICE), "head")
     assert torch.equal(model.get_input_embeddings().weight, emb)
     names = {n for n, q in model.named_parameters() if q.requires_grad}
     assert {"lm_head.lora_A", "lm_head.lora_B"} <= names
@@ -108,7 +105,7 @@ def test_lora_on_a_tied_lm_head_trains_its_own_delta_and_merges_untied(tmp_path)
     merged.load_state_dict(state)
     with torch.no_grad():
         assert rel_err(merged(x).logits, want) < 1e-5
-    assert cpt.ARMS["orthros-lora-sink-mix-aw-w1024-head"].recipe["lora_targets"][-1] == HEAD
+    assert ARMS["orthros-lora-sink-mix-aw-w1024-head"].recipe["lora_targets"][-1] == HEAD
 
 
 def test_so_out_learns_the_output_queries_only():
