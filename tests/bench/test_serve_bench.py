@@ -35,6 +35,13 @@ def test_paper_scenario_both_attentions(tmp_path):
     assert set(res["steps"]) == {"orthros", "full"} and all(s["steps"] > 0 for s in res["steps"].values())
     table = (tmp_path / "serve-paper.md").read_text()
     assert "The engine's view" in table and "| orthros |" in table.split("The engine's view")[1]
+    # a run cut short before its last row (full attention's 127K / 1K) still makes its table and plot
+    (tmp_path / "cut.json").write_text(json.dumps(dict(res, rows=res["rows"][:-1], error="RuntimeError: gone")))
+    for made in ("serve-paper.md", "serve-paper.png"):
+        (tmp_path / made).unlink()
+    run(tmp_path, "paper", "--from-json", str(tmp_path / "cut.json"), "--tag", "serve-paper")
+    table = (tmp_path / "serve-paper.md").read_text()
+    assert "| full | 128K/128 |" in table and "| full | 127K/1K |" not in table
 
 
 def test_traffic_scenario_subprocess_server_and_merge(tmp_path):

@@ -126,8 +126,9 @@ def plot(res: dict, path: str) -> None:
         width = 0.8 / max(1, len(variants))
         for ax, key, label in zip(axes, ("ttft", "e2el"), ("TTFT p50 (s)", "end-to-end p50 (s)")):
             for j, v in enumerate(variants):
-                vals = [next((r[key]["p50"] or 0) / 1e3 for r in rows if r["variant"] == v and r["run"] == run)
-                        for run in runs]
+                # a run cut short may lack some (variant, run) cells: no bar there
+                vals = [next(((r[key]["p50"] or 0) / 1e3 for r in rows if r["variant"] == v and r["run"] == run),
+                             float("nan")) for run in runs]
                 ax.bar([i + j * width for i in range(len(runs))], vals, width, label=v)
             ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(runs))], runs)
             ax.set(ylabel=label, title=label.split(" (")[0])
