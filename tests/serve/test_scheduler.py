@@ -75,11 +75,31 @@ def test_budget_decodes_first_then_prompt_chunks_then_admissions():
 
 def test_chunks_cut_by_the_budget_are_aligned_and_their_lengths_enumerated():
     s = _scheduler(chunk_align=128)
-    cases = ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300), (1000, 100))
-    assert [s.chunk(left, budget) for left, budget in cases] == [8192, 7168, 100, 256, 100]
+    cases = ((10000, 8192), (10000, 8191), (100, 8191), (1000, 300), (1000, 100), (10000, 2044))
+    # beside decodes only: the budget they leave, to 128 (8,191 tokens run 8,064, not 7,168)
+    assert [s.chunk(left, budget) for left, budget in cases] == [8192, 8064, 100, 256, 100, 1920]
+    # beside another prompt's chunk: coarser, to a quarter of the rest's power of two
+    assert [s.chunk(left, budget, alone=False) for left, budget in cases] == [8192, 7168, 100, 256, 0, 1792]
     s = _scheduler(budget=300, max_num_seqs=8, chunk_align=128)
     assert s.chunk_lengths() == [256]  # whatever 0..8 decodes leave of 300 tokens
+    # the warm-up's lengths: the budget, and what up to 64 / 200 decodes leave of it
+    assert _scheduler(budget=8192, max_num_seqs=64, chunk_align=128).chunk_lengths() == [8064, 8192]
+    assert _scheduler(budget=8192, max_num_seqs=200, chunk_align=128).chunk_lengths() == [7936, 8064, 8192]
     assert _scheduler(budget=9, max_num_seqs=2).chunk_lengths() == [7, 8, 9]  # no alignment: every length
+
+
+def test_a_long_prompt_beside_a_decode_runs_in_as_few_steps_as_the_grain_allows():
+    """The paper setting in small: request a decodes while b, 16 budgets long, prefills. Each of b's
+    chunks is the budget less a's token, rounded to 16 (496 of 512): b needs 17 chunk steps (the
+    quarter-power rounding, 448 a step, took 19), and never more tokens than the budget."""
+    s = _scheduler(num_blocks=3000, budget=512, max_num_seqs=4, chunk_align=16, decode_last_token=True)
+    s.add(_req(0, range(5)))
+    _steps(s, 2)  # a's prompt, then its last token: a decodes from here on
+    s.add(_req(1, range(1000, 1000 + 16 * 512)))  # (no prefix shared with a's prompt)
+    plans = _steps(s, 17, budget=512)
+    assert all(p[0][:2] == (0, 1) for p in plans)  # a's decode in every step
+    assert [p[1][1] for p in plans] == [496] * 16 + [16 * 512 - 16 * 496 - 1]  # b's chunks; its last token next
+    assert plans[-1][1][2] + plans[-1][1][1] == 16 * 512 - 1
 
 
 def test_decode_last_prompt_token_leaves_the_last_token_to_a_decode():

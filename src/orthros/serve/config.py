@@ -28,9 +28,9 @@ class EngineConfig:
     # an H200 at the 8B shape), while the decode joins the captured graph. None: wherever
     # decode graphs run.
     decode_last_prompt_token: bool | None = None
-    # A prompt chunk cut short by the budget is rounded down to a multiple of this (and of a
-    # quarter of its power of two): compiled attention kernels then see few distinct chunk
-    # lengths. None: 128 on CUDA, 1 (no rounding) elsewhere.
+    # A prompt chunk cut short by the budget is rounded down to a multiple of this (beside another
+    # prompt's chunk, of a quarter of its power of two too): compiled attention kernels then see
+    # few distinct chunk lengths. None: 128 on CUDA, 1 (no rounding) elsewhere.
     chunk_align: int | None = None
     # A JSON-lines file with one record per step (what it ran, how long it took; the device is
     # synchronized at the end of each step to time it): to find which steps are slow.

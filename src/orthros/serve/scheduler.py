@@ -14,7 +14,11 @@ does:
        fewer than `max_num_seqs` run: their first chunk.
 
 With `chunk_align` > 1, a chunk cut by the budget is a multiple of it, so that every chunk of a
-prompt starts aligned (the compiled attention kernels are built for aligned starts). When what
+prompt starts aligned (the compiled attention kernels are built for aligned starts). A chunk that
+shares its step with decodes only is cut at that grain (the budget less a few decodes: 8,191 tokens
+become 8,064), so the lengths the warm-up compiles are the budget and one or two below it; a chunk
+beside another prompt's chunk is cut coarser, to a multiple of a quarter of the rest's power of two
+(those rests vary with the other prompt's length, and coarse cuts keep their lengths few). When what
 is left of the budget rounds down to nothing, a prompt gets that bare remainder only if no other
 prompt chunk runs in the step (so the first prompt always progresses); otherwise it waits a
 step. (A 1-token first chunk, left over beside another prompt's last chunk, used to start every
@@ -206,13 +210,14 @@ class Scheduler:
     # ---------------------------------------------------------- chunk sizes
     def chunk(self, left: int, budget: int, alone: bool = True) -> int:
         """Tokens of a prompt to run now: all that is left if the budget allows, else the budget
-        rounded down (see `EngineConfig.chunk_align`), or, if that rounds to 0, the bare budget
-        when the prompt is the step's only one (`alone`) and 0 (wait a step) when it is not; the
-        prompt's last token is left for a decode step (`EngineConfig.decode_last_prompt_token`)."""
+        rounded down (to `chunk_align` when the prompt is the step's only one, `alone`: only
+        decodes took the rest; beside another prompt's chunk, to a quarter of the budget's power of
+        two too), or, if that rounds to 0, the bare budget when `alone` and 0 (wait a step) when
+        not; the prompt's last token is left for a decode step (`EngineConfig.decode_last_prompt_token`)."""
         if left <= budget:
             return left - 1 if self.decode_last_token and left > 1 else left
         a = self.chunk_align
-        if a > 1:
+        if a > 1 and not alone:
             a = max(a, (1 << (budget.bit_length() - 1)) // 4 // a * a)
         return budget // a * a or (budget if alone else 0)
 
