@@ -71,6 +71,7 @@ class Server:
             argv += ["--block-size", str(sc["block_size"])]
         if a.layers:
             argv += ["--layers", str(a.layers)]
+        argv += shlex.split(a.server_args or "")
         argv += self.extra  # a scenario's own server settings (later flags win)
         if a.step_log_dir:
             os.makedirs(a.step_log_dir, exist_ok=True)
