@@ -77,6 +77,17 @@ def test_concurrent_greedy_equals_alone(attention, routing):
         assert got == ref, (i, got, ref)
 
 
+def _order_sink(eng, out: Collector, order: list):
+    """sink(i) for `Engine.submit`: collects into `out`, and appends (step, "token", i) to `order`
+    as each token goes out."""
+
+    def sink(i):
+        keep = out.sink(i)
+        return lambda ev: (order.append((eng.steps, "token", i)) if ev.token_id is not None else None, keep(ev))
+
+    return sink
+
+
 class _EagerGraphs:
     """Stands in for `serve.graphs.DecodeGraphs` on CPU: runs the decodes it is given eagerly
     (their own forward) and counts the steps it saw mixed with prompt chunks."""
@@ -208,9 +219,7 @@ def test_a_split_step_sends_its_decodes_tokens_before_it_launches_the_chunks():
     eng.runner.forward_parts = marked
     out = Collector()
 
-    def sink(i):
-        keep = out.sink(i)
-        return lambda ev: (order.append((eng.steps, "token", i)) if ev.token_id is not None else None, keep(ev))
+    sink = _order_sink(eng, out, order)
 
     prompts, _ = _workload(4)
     SAMPLED = 1
@@ -258,9 +267,7 @@ def test_overlapped_mixed_steps_launch_the_chunks_before_the_decodes_tokens_go_o
     eng.runner.run = marked
     out = Collector()
 
-    def sink(i):
-        keep = out.sink(i)
-        return lambda ev: (order.append((eng.steps, "token", i)) if ev.token_id is not None else None, keep(ev))
+    sink = _order_sink(eng, out, order)
 
     prompts, _ = _workload(4)
     for i, p in enumerate(prompts):
