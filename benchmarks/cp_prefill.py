@@ -45,7 +45,7 @@ import torch.distributed as dist
 from orthros import OrthrosConfig, OrthrosForCausalLM
 from orthros.generate import prefill
 from orthros.parallel import CPGroup, balanced_bounds, cp_decode_one_token, cp_prefill, init_from_env
-from orthros.models.model import MLP_CHUNK
+from orthros.models.block import MLP_CHUNK
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GiB = 2**30

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from orthros.models.model import OrthrosBlock
+from orthros.models.block import OrthrosBlock
 
 from ..conftest import DEVICE, llama_twin, make_model, rel_err
 

@@ -200,7 +200,7 @@ def test_mlp_in_row_chunks_changes_no_logit(attention, monkeypatch):
     with torch.no_grad():
         ref = model(ids).logits
         one = len(calls)
-        monkeypatch.setattr("orthros.models.model.MLP_CHUNK", 4)
+        monkeypatch.setattr("orthros.models.block.MLP_CHUNK", 4)
         got = model(ids).logits
     assert len(calls) - one > 2 * one  # 23 rows a group: 6 chunks each
     assert rel_err(got, ref) < TOL

@@ -39,7 +39,7 @@ shard's two streams never join into one group (a one-token shard would
 otherwise compute its last layer's base row, the only rank to ask for that
 layer's halo), and never share a GEMM (the output row's rounding would then
 depend on the shard's length). A long shard's MLP runs in row chunks
-(`models.model.MLP_CHUNK`), as in any long forward without autograd.
+(`models.block.MLP_CHUNK`), as in any long forward without autograd.
 
 Decoding continues on the sharded cache with the model's decode step: the new
 token's (base, output) pair is replicated on every rank and runs as one group;
