@@ -196,6 +196,29 @@ def test_chunks_padded_to_the_compiled_lengths_change_no_output():
         assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i])[0, len(p):].tolist(), i
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_only_the_warm_up_s_chunk_shapes_count_as_compiled(sinks):
+    """`ops.paged_read.compiled_shape` against the key counts `PagedStepCache` really gathers: the
+    shapes the warm-up builds (a chunk of a grid length at position 0, and one past the first window
+    and its sinks) are compiled; the same length starting inside the first window (after a short
+    prefix-cache hit) is not, and would otherwise compile a kernel in a serving step."""
+    from orthros.models.paged_cache import PagedStepCache, Segment
+    from orthros.ops.paged_read import compiled_shape
+
+    W = 6
+    model = make_model("orthros", window=W, initializer_range=0.3, sink_tokens=sinks)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=8, chunk_align=4))
+    eng.pool.compiled_chunks = grid = frozenset({8})
+    blocks = list(range(8))
+    warm = (0, W + sinks)  # `ModelRunner.compile_chunks`' starts
+    starts = sorted({*warm, 4, W, W - 1 + sinks, 12})
+    for start in starts:
+        (d,) = PagedStepCache(eng.pool, model.config, [Segment([1] * 8, start, blocks, False)])._dense
+        on = compiled_shape(grid, d.rows, d.slots.numel(), W, sinks)
+        assert on == (start in warm or start >= W - 1 + sinks), (start, d.rows, d.slots.numel())
+    assert compiled_shape(grid, 8, 8 + 100, None, sinks)  # full attention: the length alone
+
+
 def test_a_split_step_sends_its_decodes_tokens_before_it_launches_the_chunks():
     """In a mixed step split on graphs, the decodes' greedy tokens go out before the chunks'
     forward is launched (on a GPU they do not wait for another prompt's chunk); a sampled

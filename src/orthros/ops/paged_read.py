@@ -46,7 +46,7 @@ def paged_attend(q, kv: PagedKV, window, scale, backend, window_rows, base_rows:
             # the engine's chunk grid is padded onto it (`PagedStepCache`) or, past its longest
             # length, runs the blocked op, so no step ever waits for a compilation.
             grid = kv.compiled_chunks
-            off_grid = m % 128 if grid is None else m not in grid
+            off_grid = m % 128 if grid is None else not compiled_shape(grid, m, d.slots.numel(), window, kv.sinks)
             be = "chunked" if window is not None and q.is_cuda and off_grid else backend
             # q[0, r0:r1][None], not q[:, r0:r1]: its batch stride is then the chunk's own, not
             # the step's row count (compiled kernels guard on strides: every new mix of decodes
@@ -62,6 +62,15 @@ def paged_attend(q, kv: PagedKV, window, scale, backend, window_rows, base_rows:
     if kv.v_scale is not None:
         o = o * kv.v_scale.repeat_interleave(H // Hkv)[:, None].to(o.dtype)
     return o
+
+
+def compiled_shape(grid, m: int, keys: int, window: int | None, sinks: int) -> bool:
+    """Whether a windowed chunk of `m` query rows over `keys` keys has a shape the serving warm-up
+    compiled (`ModelRunner.compile_chunks`): a length of the grid, and the key count of a chunk that
+    starts its sequence (m keys) or starts past its first window and sinks (sinks + W - 1 + m). A
+    chunk starting inside the first window (after a short prefix-cache hit) has another count: it
+    runs the blocked op rather than compile a kernel in a serving step."""
+    return m in grid and (window is None or keys in (m, sinks + window - 1 + m))
 
 
 def _single(kv: PagedKV, q, single: PagedRows, window, scale, out=None):

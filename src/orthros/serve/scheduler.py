@@ -13,8 +13,9 @@ does:
        their whole prompt are free (after reusing cached prefix blocks) and
        fewer than `max_num_seqs` run: their first chunk.
 
-With `chunk_align` > 1, a chunk cut by the budget is a multiple of it, so that every chunk of a
-prompt starts aligned (the compiled attention kernels are built for aligned starts). A chunk that
+With `chunk_align` > 1, a chunk cut by the budget is a multiple of it: the compiled attention
+kernels are specialised to a chunk's length (and key count, `ops.paged_read.compiled_shape`), so
+few lengths mean few kernels, all built by the warm-up. A chunk that
 shares its step with decodes only is cut at that grain (the budget less a few decodes: 8,191 tokens
 become 8,064), so the lengths the warm-up compiles are the budget and one or two below it; a chunk
 beside another prompt's chunk is cut coarser, to a multiple of a quarter of the rest's power of two
