@@ -137,8 +137,8 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         main = torch.cuda.current_stream(self.device) if on_cuda else None
         if on_cuda:
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.device)
+            if self._side is None:  # high priority: the decodes' blocks go ahead of the chunks' where both wait
+                self._side = torch.cuda.Stream(self.device, priority=-1)
             self._side.wait_stream(main)  # the chunks' cache and the last step's writes are in place
         side = (lambda: torch.cuda.stream(self._side)) if on_cuda else contextlib.nullcontext
         with side():
