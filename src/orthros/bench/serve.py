@@ -54,11 +54,11 @@ import shlex
 import sys
 
 from ..models.static_cache import KV_DTYPES
-from .serve_client import (lengths, random_prompts, result_dict, run_interference, run_load, run_sessions,
-                           summarize)
+from .serve_client import (fmt_ms, lengths, random_prompts, result_dict, run_interference, run_load,
+                           run_sessions, summarize)
 from .serve_faults import faults_rows
 from .serve_long import CAPACITY_DTYPES, LONG_CASES, long_rows
-from .serve_report import fmt_ms, plot, table
+from .serve_report import plot, table
 from .serve_server import K, SCALES, Server, bench_device, keep_steps, scale_len
 
 VARIANTS = ("orthros", "full")

@@ -246,6 +246,11 @@ def stats_ms(values: list[float]) -> dict:
             "p99": 1e3 * percentile(v, 99), "max": 1e3 * v[-1], "n": len(v)}
 
 
+def fmt_ms(v) -> str:
+    """Milliseconds for a table: "-" for none, seconds from 10 s."""
+    return "-" if v is None else (f"{v / 1e3:.2f} s" if v >= 1e4 else f"{v:.1f} ms")
+
+
 def percentile(sorted_values: list[float], q: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     v = sorted_values

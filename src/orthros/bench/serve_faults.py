@@ -20,6 +20,7 @@ import time
 
 from .serve_client import (http_client, lengths, random_prompts, result_dict, scrape_metrics, stream_request,
                            summarize)
+from .serve_server import SCALES, keep_steps, scale_len
 
 K = 1024
 BURST = dict(num=64, input=("loguniform", 32 * K, 128 * K), output=64, max_num_seqs=4, max_queue=16)
@@ -126,8 +127,6 @@ def too_long(srv, model: str, vocab: int) -> dict:
 
 def faults_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int):
     """The scenario's rows for one attention variant, each yielded as soon as its check is done."""
-    from .serve_server import SCALES, keep_steps, scale_len
-
     sc = SCALES[args.scale]
     scaled = lambda spec, kind: scale_len(spec, sc["div_in"] if kind == "in" else sc["div_out"])  # noqa: E731
     # at the tiny scale a prompt near the longest length and a longer answer, so that the request

@@ -20,7 +20,8 @@ import math
 import random
 
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
-from .serve_client import random_prompts, result_dict, run_load, scrape_metrics, summarize
+from .serve_client import fmt_ms, random_prompts, result_dict, run_load, scrape_metrics, summarize
+from .serve_server import SCALES, keep_steps, scale_len
 
 K = 1024
 M = K * K
@@ -63,9 +64,6 @@ def _row(variant, run, kv_dtype, prompt_len, out, n, results, duration, gauges) 
 def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmup, vocab: int):
     """The scenario's rows for one attention variant (servers started one after another), each yielded
     as soon as it is measured."""
-    from .serve_server import SCALES, keep_steps, scale_len
-    from .serve_report import fmt_ms
-
     sc = SCALES[args.scale]
     div = sc["div_in"]
     out = max(1, OUTPUT // sc["div_out"])
@@ -118,7 +116,6 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
 
 
 def long_table(res: dict) -> str:
-    from .serve_report import fmt_ms
 
     gib = lambda b: "-" if not b else f"{b / 2**30:.1f} GiB"  # (no peak memory on a CPU)
     lines = ["| attention | KV | run | prompt | ok | TTFT p50 | TTFT p99 | decode tok/s (each) | out tok/s (all) "

@@ -3,12 +3,9 @@ at equal tail latency) and the plot of each scenario."""
 
 from __future__ import annotations
 
+from .serve_client import fmt_ms
 from .serve_faults import faults_plot, faults_table
 from .serve_long import long_plot, long_table
-
-
-def fmt_ms(v) -> str:
-    return "-" if v is None else (f"{v / 1e3:.2f} s" if v >= 1e4 else f"{v:.1f} ms")
 
 
 def table(res: dict) -> str:

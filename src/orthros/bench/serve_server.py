@@ -14,7 +14,7 @@ import time
 
 from ..models.static_cache import LOWBIT_KV_DTYPES
 from .serve_client import percentile
-from .serve_report import fmt_ms
+from .serve_client import fmt_ms
 
 K = 1024
 
@@ -25,7 +25,6 @@ SCALES = {
     "tiny": dict(model="tiny", dtype="fp32", div_in=512, div_out=16, div_budget=128, max_model_len=1024,
                  block_size=4, window=16),
 }
-
 
 
 def scale_len(spec, div: int):
