@@ -36,12 +36,14 @@ def test_paper_scenario_both_attentions(tmp_path):
     table = (tmp_path / "serve-paper.md").read_text()
     assert "The engine's view" in table and "| orthros |" in table.split("The engine's view")[1]
     # a run cut short before its last row (full attention's 127K / 1K) still makes its table and plot
-    (tmp_path / "cut.json").write_text(json.dumps(dict(res, rows=res["rows"][:-1], error="RuntimeError: gone")))
+    assert res["complete"] is True
+    (tmp_path / "cut.json").write_text(json.dumps(dict(res, rows=res["rows"][:-1], complete=False)))
     for made in ("serve-paper.md", "serve-paper.png"):
         (tmp_path / made).unlink()
     run(tmp_path, "paper", "--from-json", str(tmp_path / "cut.json"), "--tag", "serve-paper")
     table = (tmp_path / "serve-paper.md").read_text()
     assert "| full | 128K/128 |" in table and "| full | 127K/1K |" not in table
+    assert "**An incomplete run**: the 3 row(s) measured before it stopped." in table
 
 
 def test_traffic_scenario_subprocess_server_and_merge(tmp_path):
@@ -212,6 +214,6 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsy
               "--variants", "orthros", "--out-dir", str(tmp_path), "--docs", "/dev/null"])
     res = json.loads((tmp_path / "serve-long.json").read_text())
     assert [r["run"] for r in res["rows"]] == ["one int4 request"]
-    assert res["error"] == "RuntimeError: the server went away"
+    assert res["error"] == "RuntimeError: the server went away" and res["complete"] is False
     assert f"the 1 row(s) measured before it stopped are in {tmp_path / 'serve-long.json'}" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.tmp"))

@@ -321,6 +321,8 @@ def run(args):
             with open(path) as f:
                 runs.append(json.load(f))
         res = merge_runs(runs)
+        # a file written before its run ended says so (files of older runs carry no flag)
+        res["complete"] = all(r.get("complete", True) for r in runs)
         res["servers"] = {k: v for r in runs for k, v in r.get("servers", {}).items()}
         if any("steps" in r for r in runs):
             res["steps"] = {k: v for r in runs for k, v in r.get("steps", {}).items()}
@@ -331,10 +333,10 @@ def run(args):
     else:
         path, kept = os.path.join(args.out_dir, f"{name}.json"), []
 
-        def save(res: dict) -> None:  # after every row: a run cut short keeps what it measured
+        def save(res: dict, complete: bool = False) -> None:  # after every row: a run cut short keeps its rows
             os.makedirs(args.out_dir, exist_ok=True)
             with open(path + ".tmp", "w") as f:
-                json.dump(res, f, indent=1)
+                json.dump(dict(res, complete=complete), f, indent=1)
             os.replace(path + ".tmp", path)
             kept[:] = [len(res["rows"])]
 
@@ -345,7 +347,8 @@ def run(args):
                 print(f"bench serve: the {kept[0]} row(s) measured before it stopped are in {path} "
                       f"(`--from-json {path}` makes their table and plot)", file=sys.stderr, flush=True)
             raise
-        save(res)
+        save(res, complete=True)
+        res["complete"] = True
     text = table(res)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:

@@ -13,6 +13,9 @@ def table(res: dict) -> str:
     head = (f"`{res['command']}` — {res['model']} shape, window {res['window']}, KV {res['kv_dtype']}, "
             f"{e['gpu']}, torch {e['torch']}, {e['date']} (scale `{res['scale']}`"
             + (": a CPU smoke run, not a measurement" if res["scale"] == "tiny" else "") + ")\n\n")
+    if res.get("complete") is False:  # written before its run ended: a cut run, or one read back mid-run
+        head += (f"**An incomplete run**: the {len(res['rows'])} row(s) measured before it stopped"
+                 + (f" ({res['error']})" if res.get("error") else "") + ".\n\n")
     if res["scenario"] == "interference":
         lines = ["| attention | token budget | 128K-prompt TTFT | running ITL p50 during its prefill | p99 | max "
                  "| ITL p50 before |", "|---|---:|---:|---:|---:|---:|---:|"]
