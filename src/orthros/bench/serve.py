@@ -348,7 +348,6 @@ def run(args):
                       f"(`--from-json {path}` makes their table and plot)", file=sys.stderr, flush=True)
             raise
         save(res, complete=True)
-        res["complete"] = True
     text = table(res)
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:

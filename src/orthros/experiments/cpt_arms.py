@@ -226,8 +226,8 @@ ARMS = {
                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
 }
 
-RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_b_ratio", "lora_rank", "lora_targets", "warmup", "kl", "ce", "temperature", "align",
-                 "align_on", "align_frac", "freeze", "answer_weight", "long_weight_cap", "long_weight_answers")
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_b_ratio", "lora_rank", "lora_targets", "warmup", "kl", "ce",
+                 "temperature", "align", "align_on", "align_frac", "freeze", "answer_weight", "long_weight_cap", "long_weight_answers")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":

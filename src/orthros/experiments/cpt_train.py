@@ -122,7 +122,8 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
         for g in opt.param_groups:
             g["lr"] = g["peak"] * f
         x = torch.from_numpy(rows[step * B : (step + 1) * B].astype(np.int64)).to(device)
-        labels = x if mask is None else torch.where(torch.from_numpy(mask[step * B : (step + 1) * B]).to(device), x, -100)
+        rows_mask = None if mask is None else torch.from_numpy(mask[step * B : (step + 1) * B]).to(device)
+        labels = x if mask is None else torch.where(rows_mask, x, -100)
         n = int((labels[:, 1:] != -100).sum())
         w = None
         if answers is not None:

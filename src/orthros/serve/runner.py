@@ -105,16 +105,17 @@ class ModelRunner:
         tokens before asking sends them a chunk's time earlier (`Engine.step`)."""
         self.used_graph = False
         dec = self.decodes(segments) if self.graphs is not None and self.cfg.split_mixed_steps else []
-        if dec and len(dec) < len(segments) and self.graphs.fits([segments[i] for i in dec]):
+        decodes = [segments[i] for i in dec]
+        if dec and len(dec) < len(segments) and self.graphs.fits(decodes):
             picked = set(dec)
             # the chunks' cache first: its host-to-device copies then run while the device is
             # idle, not queued behind the graph (a pageable copy holds the host until it is done)
             cache = PagedStepCache(self.pool, self.model.config, [s for i, s in enumerate(segments) if i not in picked])
             rest = [i for i, s in enumerate(segments) if i not in picked and s.output]
-            if self.cfg.overlap_mixed_steps and self.overlappable([segments[i] for i in dec]):
-                yield from self._overlapped(dec, [segments[i] for i in dec], rest, cache)
+            if self.cfg.overlap_mixed_steps and self.overlappable(decodes):
+                yield from self._overlapped(dec, decodes, rest, cache)
                 return
-            out = self.graphs.run([segments[i] for i in dec])
+            out = self.graphs.run(decodes)
             if out is not None:
                 self.used_graph = True
                 yield dec, out
@@ -135,8 +136,8 @@ class ModelRunner:
         for the graph alone. Nothing is shared between the two: the decodes write their own
         requests' last blocks, the chunks read and write theirs. On a CPU (tests) one stream."""
         on_cuda = self.device.type == "cuda"
-        main = torch.cuda.current_stream(self.device) if on_cuda else None
         if on_cuda:
+            main = torch.cuda.current_stream(self.device)
             if self._side is None:  # high priority: the decodes' blocks go ahead of the chunks' where both wait
                 self._side = torch.cuda.Stream(self.device, priority=-1)
             self._side.wait_stream(main)  # the chunks' cache and the last step's writes are in place
