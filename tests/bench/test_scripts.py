@@ -161,3 +161,21 @@ def test_decode_op_count_says_what_a_bound_pair_adds_to_a_layer(tmp_path):
     full, bound = rows["full"]["per_layer"], rows["orthros-bound"]["per_layer"]
     assert full > 20 and full < bound <= full + 4, (full, bound)
     assert out.with_suffix(".md").read_text().count("\n") == 4
+
+
+def test_serve_chunk_profile_runs_every_token_through_each_path():
+    """benchmarks/serve_chunk_profile.py on the tiny preset: the engine and the chunked prefill each
+    run every prompt token once (the profiled chunk included), and each path has a time per 8K tokens."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    try:
+        import serve_chunk_profile as prof
+    finally:
+        sys.path.pop(0)
+    (res,) = prof.main(["--device", "cpu", "--preset", "tiny", "--long", "100", "--budget", "32", "--dtype", "fp32",
+                        "--kv-gib", "0.01", "--variants", "orthros", "--repeats", "1"])
+    for path in ("chunked", "engine"):
+        done = sum(s["tokens"] for s in res[path]["steps"]) + res[path]["profile"]["tokens"]
+        assert done == 100 and res[path]["profile"]["start"] >= 50, path
+    assert all(res[k]["ms_per_8k"] > 0 for k in ("one forward", "chunked", "engine"))

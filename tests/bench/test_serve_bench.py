@@ -48,8 +48,8 @@ def test_paper_scenario_both_attentions(tmp_path):
 
 def test_traffic_scenario_subprocess_server_and_merge(tmp_path):
     res = run(tmp_path, "traffic", "--variants", "orthros", "--rates", "20", "--num-prompts", "4", "--step-log-dir",
-              str(tmp_path / "steps"), "--server-args=--overlap-mixed-steps --max-queue 64")
-    assert "--overlap-mixed-steps --max-queue 64" in res["servers"]["orthros"]  # passed to the server
+              str(tmp_path / "steps"), "--server-args=--no-prefix-caching --max-queue 64")
+    assert "--no-prefix-caching --max-queue 64" in res["servers"]["orthros"]  # passed to the server
     assert any("orthros serve" in line for line in res["steps"]["orthros"]["server_log_tail"])  # its banner
     (row,) = res["rows"]
     assert row["completed"] == 4 and row["rate"] == 20 and "orthros serve --preset tiny" in res["servers"]["orthros"]

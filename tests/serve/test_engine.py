@@ -98,9 +98,6 @@ class _EagerGraphs:
     def fits(self, segments):
         return True
 
-    def captured(self, segments):
-        return True
-
     def run(self, segments):
         self.calls.append(len(segments))
         return self.runner.eager_forward(segments)
@@ -269,67 +266,6 @@ def test_a_split_step_sends_its_decodes_tokens_before_it_launches_the_chunks():
     alone.submit(prompts[SAMPLED], sampled, col.sink(0))
     alone.run_until_done()
     assert len(col.tokens(0)) == 6 and out.tokens(SAMPLED) == col.tokens(0)
-
-
-def test_overlapped_mixed_steps_launch_the_chunks_before_the_decodes_tokens_go_out():
-    """`overlap_mixed_steps`: a split step launches its chunks' forward right after the decodes'
-    graph (on a GPU the two run at once on two streams) and sends the decodes' tokens after that
-    launch; every output still equals its prompt alone. (The streams themselves: the CUDA test below.)"""
-    model = make_model("orthros", window=6, initializer_range=0.3)
-    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
-                                     chunk_align=4, cuda_graphs=False, decode_last_prompt_token=True,
-                                     overlap_mixed_steps=True))
-    eng.runner.graphs = _EagerGraphs(eng.runner)
-    order = []
-    run = eng.runner.run
-
-    def marked(cache):
-        order.append((eng.steps, "forward"))
-        return run(cache)
-
-    eng.runner.run = marked
-    out = Collector()
-
-    sink = _order_sink(eng, out, order)
-
-    prompts, _ = _workload(4)
-    for i, p in enumerate(prompts):
-        eng.submit(p, SamplingParams(max_tokens=6), sink(i))
-        eng.step()
-    eng.run_until_done()
-    assert eng.graphs.calls  # split steps ran
-    split = {e[0]: k for k, e in enumerate(order) if e[1] == "forward"}  # a split step's chunks' launch
-    tokens_beside = [(k, e) for k, e in enumerate(order) if e[1] == "token" and e[0] in split]
-    assert tokens_beside and all(k > split[e[0]] for k, e in tokens_beside)
-    for i, p in enumerate(prompts):
-        assert out.tokens(i) == generate(model, [p], max_new_tokens=6)[0, len(p):].tolist(), i
-
-
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="two CUDA streams (the order of the parts: the test above)")
-@pytest.mark.parametrize("attention", ["orthros", "full"])
-def test_overlapped_mixed_steps_equal_alone_on_cuda(attention):
-    """Decode graphs on a second stream beside the chunks' forward: the same greedy tokens as each
-    prompt alone, over many steps that mix the two."""
-    model = make_model(attention, window=6, initializer_range=0.3)
-    prompts, max_tokens = _workload(5)
-    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=9, max_num_seqs=6,
-                                     chunk_align=4, overlap_mixed_steps=True))
-    overlapped = []
-    real = eng.runner._overlapped
-
-    def counted(*a):
-        overlapped.append(1)
-        return real(*a)
-
-    eng.runner._overlapped = counted
-    out = Collector()
-    for i, p in enumerate(prompts):
-        eng.submit(p, SamplingParams(max_tokens=max_tokens[i] + 4), out.sink(i))
-        eng.step()
-    eng.run_until_done()
-    assert overlapped and eng.runner._side is not None
-    for i, p in enumerate(prompts):
-        assert out.tokens(i) == generate(model, [p], max_new_tokens=max_tokens[i] + 4)[0, len(p):].tolist(), i
 
 
 def test_chunks_cut_by_the_budget_are_aligned():

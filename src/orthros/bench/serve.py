@@ -119,7 +119,7 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="started servers' device (default: cuda if available)")
     p.add_argument("--server-args", default="", metavar="FLAGS",
                    help="more `orthros serve` flags for every started server, one string "
-                        "(e.g. --server-args=\"--overlap-mixed-steps\"); a scenario's own settings win")
+                        "(e.g. --server-args=\"--no-prefix-caching\"); a scenario's own settings win")
     p.add_argument("--out-dir", default="benchmarks/results/serve", help="where serve-<scenario>.json / .md go")
     p.add_argument("--plot-dir", default="benchmarks/results/serve", help="where serve-<scenario>.png goes")
     add_docs_argument(p, "docs/serving.md")

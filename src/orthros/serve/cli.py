@@ -42,9 +42,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "cache): ~3.5x (int4), ~4.5x (k4v2), ~6.4x (int2) the tokens of bf16 in the same memory (head size 128)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode-only steps eagerly on CUDA")
-    g.add_argument("--overlap-mixed-steps", action="store_true",
-                   help="CUDA: run a step's decodes (their captured graph) on a second stream beside its "
-                        "prompt chunks instead of before them")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="append one JSON line per engine step (what it ran, its time) to PATH")
 
@@ -67,7 +64,7 @@ def engine_config(args) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                         max_queue=args.max_queue, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
                         prefix_caching=not args.no_prefix_caching, cuda_graphs=not args.no_cuda_graphs,
-                        overlap_mixed_steps=args.overlap_mixed_steps, step_log=args.step_log)
+                        step_log=args.step_log)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,10 +22,6 @@ class EngineConfig:
     # With graphs: a step mixing decodes and prompt chunks replays the decodes' graph, then runs
     # the chunks eagerly (two forwards) instead of one eager forward over all of them
     split_mixed_steps: bool = True
-    # With split mixed steps on CUDA: the decodes' graph runs on a second stream beside the chunks'
-    # forward instead of before it (the decodes read memory while the chunks' GEMMs compute); their
-    # tokens go out once the graph is done, after the chunks' launch. bf16 / fp16 / fp8 pools.
-    overlap_mixed_steps: bool = False
     # A prompt's last token runs as a decode (the step after its last chunk, which then has no
     # output position and runs the base stream only): a chunk with an output position runs
     # both streams eagerly, ~2x the host's kernel launches of a base-only chunk (50-80 ms on

@@ -123,10 +123,6 @@ class DecodeGraphs:
         return (not self.disabled and len(segments) <= self.buckets[-1]
                 and all(len(s.blocks) <= self.max_blocks for s in segments))
 
-    def captured(self, segments: list[Segment]) -> bool:
-        """Whether `run` would replay a captured graph for these decodes (not capture one now)."""
-        return self.fits(segments) and next(x for x in self.buckets if x >= len(segments)) in self.graphs
-
     def run(self, segments: list[Segment]) -> torch.Tensor | None:
         """Logits [len(segments), V] of a decode-only step, or None (run it eagerly) if it
         does not fit a bucket or capturing failed."""

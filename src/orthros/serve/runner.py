@@ -10,7 +10,6 @@ that also holds prompt chunks runs them in a second, eager forward
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -81,7 +80,6 @@ class ModelRunner:
         self.cfg = cfg  # the engine's settings, read where used (a benchmark may change them between steps)
         self.used_graph = False  # whether the last `forward` replayed a graph (for the step log)
         self.graphs = None
-        self._side = None  # the second stream of overlapped mixed steps
         if cfg.cuda_graphs and self.device.type == "cuda":
             from .graphs import DecodeGraphs
 
@@ -112,9 +110,6 @@ class ModelRunner:
             # idle, not queued behind the graph (a pageable copy holds the host until it is done)
             cache = PagedStepCache(self.pool, self.model.config, [s for i, s in enumerate(segments) if i not in picked])
             rest = [i for i, s in enumerate(segments) if i not in picked and s.output]
-            if self.cfg.overlap_mixed_steps and self.overlappable(decodes):
-                yield from self._overlapped(dec, decodes, rest, cache)
-                return
             out = self.graphs.run(decodes)
             if out is not None:
                 self.used_graph = True
@@ -122,36 +117,6 @@ class ModelRunner:
                 yield rest, self.run(cache)
                 return
         yield [i for i, s in enumerate(segments) if s.output], self.forward(segments)
-
-    def overlappable(self, decodes: list[Segment]) -> bool:
-        """Whether a split step's decodes can run beside its chunks (`EngineConfig.overlap_mixed_steps`):
-        their graph already captured (a capture synchronizes the device), the pool not low-bit (its
-        bf16 twins are shared state of every forward)."""
-        return self.graphs.captured(decodes) and not isinstance(self.pool, PagedLowBitPool)
-
-    def _overlapped(self, dec: list[int], decodes: list[Segment], rest: list[int], cache: PagedStepCache):
-        """`forward_parts`'s split step with the decodes' graph on a second stream: the chunks'
-        forward is launched on this one right after the replay, so the device runs both at once.
-        The first part is yielded with the second stream current: the caller's token choice waits
-        for the graph alone. Nothing is shared between the two: the decodes write their own
-        requests' last blocks, the chunks read and write theirs. On a CPU (tests) one stream."""
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
-            main = torch.cuda.current_stream(self.device)
-            if self._side is None:  # high priority: the decodes' blocks go ahead of the chunks' where both wait
-                self._side = torch.cuda.Stream(self.device, priority=-1)
-            self._side.wait_stream(main)  # the chunks' cache and the last step's writes are in place
-        side = (lambda: torch.cuda.stream(self._side)) if on_cuda else contextlib.nullcontext
-        with side():
-            out = self.graphs.run(decodes)
-        chunks = self.run(cache)
-        self.used_graph = True
-        with side():
-            yield dec, out
-        if on_cuda:  # what the caller does next with the decodes' logits queues on this stream
-            main.wait_stream(self._side)
-            out.record_stream(main)
-        yield rest, chunks
 
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """The step's logits [N, V] at the segments' output positions, in their order, from one
