@@ -178,4 +178,4 @@ def test_serve_chunk_profile_runs_every_token_through_each_path():
     for path in ("chunked", "engine"):
         done = sum(s["tokens"] for s in res[path]["steps"]) + res[path]["profile"]["tokens"]
         assert done == 100 and res[path]["profile"]["start"] >= 50, path
-    assert all(res[k]["ms_per_8k"] > 0 for k in ("one forward", "chunked", "engine"))
+    assert all(res[k]["ms_per_8k"] > 0 and res[k]["whole_ms_per_8k"] > 0 for k in ("one forward", "chunked", "engine"))

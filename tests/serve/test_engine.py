@@ -516,6 +516,36 @@ def test_step_log_records_every_step(tmp_path):
         Engine(model, EngineConfig(block_size=4, num_blocks=8, step_log=str(tmp_path / "no" / "dir" / "x.jsonl")))
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA sync debug mode (a CPU step is done when it returns)")
+@pytest.mark.parametrize("attention", ["orthros", "full"])
+def test_a_prompt_chunk_step_does_not_synchronize_the_device(tmp_path, attention):
+    """A step of prompt chunks without an output position reads nothing back: it queues its forward
+    and returns, so the host prepares the next step while the device runs this one, with a step
+    log too. Fails on any synchronizing call in such a step (a pageable upload, an .item())."""
+    import json
+
+    model = make_model(attention, window=6)
+    log = tmp_path / "steps.jsonl"
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=64, max_num_batched_tokens=16, chunk_align=4,
+                                     prefix_caching=False, step_log=str(log)))
+    out = Collector()
+    prompt = [(7 * i) % 200 + 1 for i in range(70)]  # chunks at 0, 16, 32, 48, then the last 6 tokens
+    eng.submit(prompt, SamplingParams(max_tokens=3), out.sink(0))
+    eng.step()
+    eng.step()  # the first chunk of each key count: whatever they build, built
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert eng.step() == 16 and eng.step() == 16
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    eng.run_until_done()
+    eng.stop()
+    assert out.tokens(0) == generate(model, [prompt], max_new_tokens=3)[0, len(prompt):].tolist()
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, eng.steps + 1)) and all(r["ms"] > 0 for r in recs)
+
+
 def test_a_chunk_s_attention_inputs_do_not_depend_on_the_decodes_beside_it(monkeypatch):
     """A prompt chunk's attention gets the same shapes and strides whatever else runs in its step
     (compiled kernels are guarded on both: a stride that followed the step's row count made

@@ -123,6 +123,16 @@ _Dense = PagedChunk  # a prompt chunk's base rows (`ops.kv.PagedChunk`)
 _Single = PagedRows  # rows of one query each (`ops.kv.PagedRows`)
 
 
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without synchronizing it: on CUDA through pinned memory, copied
+    asynchronously (the host allocator keeps the pinned copy until the copy is done). A pageable
+    copy would wait for every kernel queued before it, so the next step's inputs could not be
+    prepared while this step's forward runs."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class PagedStepCache:
     """The cache of one forward over `segments` (see the module docstring).
 
@@ -175,28 +185,28 @@ class PagedStepCache:
                 if m > n:  # keys past the chunk's last one: no real query sees them (causal)
                     ks = torch.cat([ks, ks[-1:].expand(m - n)])
                 qs = (ns + s.start - a + torch.arange(m, device=dev))[None]
-                dense.append(_Dense(r0, r0 + n, ns + s.start - a, ks.to(dev), qs, torch.zeros_like(qs),
+                dense.append(_Dense(r0, r0 + n, ns + s.start - a, upload(ks, dev), qs, torch.zeros_like(qs),
                                     torch.zeros(1, ks.numel(), dtype=torch.long, device=dev)))
             if s.output:
                 out_single.append((len(out_idx), i, s.start + n - 1))
                 out_idx.append(r0 + n - 1)
-        self.input_ids = torch.tensor(tokens, dtype=torch.long, device=dev)[None]
-        self.slots = torch.cat(slots).to(dev)
-        self.table = table.to(dev)
+        self.input_ids = upload(torch.tensor(tokens, dtype=torch.long), dev)[None]
+        self.slots = upload(torch.cat(slots), dev)
+        self.table = upload(table, dev)
         self._dense = dense
         self._base_single = self._single(base_single)
         self._out_single = self._single(out_single)
         T, N = len(tokens), len(out_idx)
-        base_pos = torch.cat(pos).to(dev)[None]
-        base_doc = torch.tensor(doc, dtype=torch.long, device=dev)[None]
-        oi = torch.tensor(out_idx, dtype=torch.long, device=dev)[None]
+        base_pos = upload(torch.cat(pos), dev)[None]
+        base_doc = upload(torch.tensor(doc, dtype=torch.long), dev)[None]
+        oi = upload(torch.tensor(out_idx, dtype=torch.long), dev)[None]
         self.layout = Layout(
             base_slot=torch.arange(T, device=dev)[None], base_pos=base_pos, base_doc=base_doc,
             key_doc=base_doc, out_idx=oi, out_valid=torch.ones_like(oi, dtype=torch.bool),
             out_slot=oi.clone(), out_pos=base_pos.gather(1, oi), out_doc=base_doc.gather(1, oi),
             next_pos=base_pos[:, -1] + 1, last_doc=base_doc[:, -1], pairs=not dense and N == T)
         self.num_outputs = N
-        self._groups = tuple(torch.cat(groups, 1).to(dev)) if kg else None
+        self._groups = tuple(upload(torch.cat(groups, 1), dev)) if kg else None
         self._lowbit = None  # the low-bit pool's plan of this forward (made by its first layer)
 
     @classmethod
@@ -239,7 +249,8 @@ class PagedStepCache:
         rows = torch.tensor([r for r, _, _ in items], dtype=torch.long)
         seg = torch.tensor([i for _, i, _ in items], dtype=torch.long)
         pos = [p for _, _, p in items]
-        return _Single(rows.to(dev), self.table[seg.to(dev)], torch.tensor(pos, dtype=torch.long, device=dev),
+        return _Single(upload(rows, dev), self.table[upload(seg, dev)],
+                       upload(torch.tensor(pos, dtype=torch.long), dev),
                        max(pos, default=0) + 1)
 
     # ----------------------------------------------------------- the layers' API

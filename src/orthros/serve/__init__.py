@@ -7,6 +7,7 @@
     kv_blocks.py  block tables, reference counts, the exact prefix cache
     runner.py     the model and its KV pool: one forward per step, warm-up
     graphs.py     captured CUDA graphs of decode-only steps
+    step_log.py   --step-log: a JSON line per step, timed without synchronizing the device
     sampling.py   the next token from logits, stop conditions
     api.py        FastAPI endpoints, SSE streaming, OpenAI-style errors
     protocol.py   request schemas (pydantic) and response shapes

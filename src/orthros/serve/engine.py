@@ -18,7 +18,6 @@ the exception.
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 from typing import Callable
@@ -32,6 +31,7 @@ from .request import EngineDead, QueueFull, Request, SamplingParams, TokenEvent
 from .runner import ModelRunner
 from .sampling import GrammarMasks, finish_reason, greedy_choices, new_generator, sample_event
 from .scheduler import ScheduledChunk, Scheduler, check_limits
+from .step_log import StepLog
 
 # the request types lived here first: importable from here still
 __all__ = ["Engine", "EngineConfig", "EngineDead", "QueueFull", "Request", "SamplingParams", "TokenEvent"]
@@ -65,12 +65,7 @@ class Engine:
         self.error: BaseException | None = None
         self.steps = 0
         self._t_start = time.perf_counter()
-        self._step_log = None
-        if cfg.step_log:
-            try:
-                self._step_log = open(cfg.step_log, "a", buffering=1)  # line-buffered: a killed server loses no line
-            except OSError as e:
-                raise ValueError(f"cannot write the step log {cfg.step_log}: {e.strerror}") from None
+        self._step_log = StepLog(cfg.step_log, self.device, self._t_start) if cfg.step_log else None
 
     # the parts' state, read by metrics, the CLI and tests
     pool = property(lambda self: self.runner.pool)
@@ -188,8 +183,11 @@ class Engine:
             self._finish(r, "abort")
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self._step_log is not None:
+                self._step_log.flush(wait=True)  # idle: the last steps' lines
             return 0
         t0 = time.perf_counter()
+        mark = self._step_log.begin() if self._step_log is not None else None
         self.runner.sync_twins()
         parts = self.runner.forward_parts([Segment(c.tokens, c.start, c.req.table.blocks, c.output) for c in chunks])
         n_tokens = sum(len(c.tokens) for c in chunks)
@@ -210,7 +208,7 @@ class Engine:
                 self.scheduler.advance(c)
         self.steps += 1
         if self._step_log is not None:
-            self._log_step(chunks, t0)
+            self._log_step(chunks, mark)
         if self.metrics:
             self.metrics.on_step(self, n_tokens, len(chunks), time.perf_counter() - t0)
         return n_tokens
@@ -237,20 +235,17 @@ class Engine:
             self._emit(c.req, logits[j], greedy[j], now, masked.get(j))
         return left
 
-    def _log_step(self, chunks: list[ScheduledChunk], t0: float) -> None:
-        """One line: decodes (one new token past the prompt) counted, prompt chunks as
-        [tokens, start, has the output position] and their requests' ids (`prompts`), and the ids
-        of the requests whose first token the step sent (`first`)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
+    def _log_step(self, chunks: list[ScheduledChunk], mark) -> None:
+        """One line (`serve.step_log`, which adds the step's time): decodes (one new token past the
+        prompt) counted, prompt chunks as [tokens, start, has the output position] and their requests'
+        ids (`prompts`), and the ids of the requests whose first token the step sent (`first`)."""
         prompt = [c for c in chunks if not (len(c.tokens) == 1 and c.output and c.start >= len(c.req.prompt))]
-        rec = dict(step=self.steps, t=round(t0 - self._t_start, 6), ms=round((now - t0) * 1e3, 3),
-                   decode=len(chunks) - len(prompt), chunks=[[len(c.tokens), c.start, bool(c.output)] for c in prompt],
+        rec = dict(step=self.steps, decode=len(chunks) - len(prompt),
+                   chunks=[[len(c.tokens), c.start, bool(c.output)] for c in prompt],
                    prompts=[c.req.id for c in prompt],
                    first=[c.req.id for c in chunks if c.output and c.req.num_output == 1],
                    graph=self.runner.used_graph, running=len(self.running), waiting=len(self.waiting))
-        self._step_log.write(json.dumps(rec) + "\n")
+        self._step_log.end(rec, mark)
 
     def _finish(self, req: Request, reason: str, event: TokenEvent | None = None) -> None:
         self.scheduler.finish(req)

@@ -36,7 +36,8 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("orthros_request_queue_time_seconds", "Arrival to admission",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram("orthros_step_seconds", "One engine step (one forward)", buckets=LATENCY_BUCKETS,
+        self.step_time = Histogram("orthros_step_seconds", "One engine step on the host (a step that reads no "
+                                   "token back returns once its forward is queued)", buckets=LATENCY_BUCKETS,
                                    registry=r)
         self.step_tokens = Histogram("orthros_step_tokens", "Tokens run in one step", buckets=TOKEN_BUCKETS,
                                      registry=r)

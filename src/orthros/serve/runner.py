@@ -106,8 +106,8 @@ class ModelRunner:
         decodes = [segments[i] for i in dec]
         if dec and len(dec) < len(segments) and self.graphs.fits(decodes):
             picked = set(dec)
-            # the chunks' cache first: its host-to-device copies then run while the device is
-            # idle, not queued behind the graph (a pageable copy holds the host until it is done)
+            # the chunks' cache first: its inputs are built and queued for the device before the
+            # graph, so the host's work for the chunks is done before the decodes' tokens are read
             cache = PagedStepCache(self.pool, self.model.config, [s for i, s in enumerate(segments) if i not in picked])
             rest = [i for i, s in enumerate(segments) if i not in picked and s.output]
             out = self.graphs.run(decodes)
