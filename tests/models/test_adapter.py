@@ -108,6 +108,70 @@ def test_lora_on_a_tied_lm_head_trains_its_own_delta_and_merges_untied(tmp_path)
     assert ARMS["orthros-lora-sink-mix-aw-w1024-head"].recipe["lora_targets"][-1] == HEAD
 
 
+def test_dora_row_lengths_train_apart_and_the_adapter_reproduces_the_model(tmp_path):
+    """DoRA (`-dora` arms, `model.lora_dora`): the wrapped model starts as the model; a layer's
+    gradients are those of m * (W + B A s) / ||W + B A s|| with the norm held constant (the fp32
+    reference); the saved adapter (row lengths kept fp32 beside bf16 factors) applied to the base,
+    and the merged state dict, reproduce the trained model, which the factors alone do not."""
+    from safetensors.torch import load_file, save_file
+
+    from orthros.models.adapter import LoRALinear, merged_state_dict
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(12, 10, bias=True).to(DEVICE)
+    layer = LoRALinear(lin, rank=3, alpha=6.0, dora=True)
+    with torch.no_grad():
+        layer.lora_B.normal_()
+        layer.lora_magnitude.mul_(torch.linspace(0.5, 1.5, 10, device=DEVICE))
+    x = torch.randn(4, 12, device=DEVICE)
+    a, b, m = (t.detach().clone().requires_grad_() for t in (layer.lora_A, layer.lora_B, layer.lora_magnitude))
+    v = lin.weight + b @ a * 2.0
+    ref = x @ (v * (m / v.norm(dim=1).detach())[:, None]).T + lin.bias
+    (ref.square().sum()).backward()
+    layer(x).square().sum().backward()
+    assert rel_err(layer(x), ref) < 1e-5
+    for mine, want in ((layer.lora_A, a), (layer.lora_B, b), (layer.lora_magnitude, m)):
+        assert rel_err(mine.grad, want.grad) < 1e-5
+    assert rel_err(torch.nn.functional.linear(x, layer.merged_weight(), lin.bias), ref) < 1e-5
+
+    model = make_model(perturb_so=False)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    xs = torch.randint(0, model.config.vocab_size, (2, 40), device=DEVICE)
+    with torch.no_grad():
+        before = model(xs).logits
+        assert rel_err(make_trainable(model, "lora+so", rank=4, dora=True)(xs).logits, before) < 1e-6
+    model = make_model(perturb_so=False)
+    p = dataclasses.replace(PRESETS["smollm2-cpu-smoke"], seq_len=48, steps=3, light_lr=5e-2, lora_lr=5e-2,
+                            lora_rank=4, lora_dora=True)
+    rows = np.random.default_rng(0).integers(0, model.config.vocab_size, (6, 48)).astype(np.int32)
+    model, _ = train_arm(model, "lora+so", p, rows, str(DEVICE), "dora")
+    with torch.no_grad():
+        want = model(xs).logits
+    save_adapter(model, tmp_path / "a", {"mode": "lora+so"}, lora_dtype=torch.float32)
+    info = json.loads((tmp_path / "a" / "adapter.json").read_text())
+    assert info["lora"]["dora"] and info["lora"]["rank"] == 4
+    fresh = make_model(perturb_so=False)
+    fresh.load_state_dict(base)
+    with torch.no_grad():
+        assert rel_err(apply_adapter(fresh, tmp_path / "a")(xs).logits, want) < 1e-5
+    merged = make_model(perturb_so=False)
+    merged.load_state_dict(merged_state_dict(model))
+    with torch.no_grad():
+        assert rel_err(merged(xs).logits, want) < 1e-5
+    tensors = load_file(str(tmp_path / "a" / "adapter.safetensors"))
+    lengths = [k for k in tensors if k.endswith(".lora_magnitude")]
+    assert lengths and len(lengths) == sum(k.endswith(".lora_A") for k in tensors)
+    save_file({k: t for k, t in tensors.items() if k not in lengths}, str(tmp_path / "a" / "adapter.safetensors"))
+    fresh.load_state_dict(base)
+    with torch.no_grad():
+        assert rel_err(apply_adapter(fresh, tmp_path / "a")(xs).logits, want) > 1e-4  # the lengths trained
+    save_adapter(model, tmp_path / "b", {"mode": "lora+so"})  # bf16 factors, fp32 lengths
+    small = load_file(str(tmp_path / "b" / "adapter.safetensors"))
+    assert all(t.dtype == (torch.float32 if k.endswith("_magnitude") else torch.bfloat16)
+               for k, t in small.items() if ".lora_" in k)
+    assert ARMS["orthros-lora-sink-mix-aw-w1024-r16-dora"].recipe["lora_dora"]
+
+
 def test_so_out_learns_the_output_queries_only():
     """so-out trains the output stream's SO alone: every base-stream row (so every layer's K/V)
     is the untrained model's (to rounding: CUDA kernels may differ in the last bit from call to

@@ -51,31 +51,33 @@ def _kd(label, teacher, mode="all", **kw):
 
 
 def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False,
-            long: float = 0.0, long_text: bool = False, head: bool = False, lora_plus: float = 0.0) -> dict:
+            long: float = 0.0, long_text: bool = False, head: bool = False, lora_plus: float = 0.0,
+            dora: bool = False) -> dict:
     """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
     as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank, W_Q / W_K frozen or
     LoRA on the attention projections only (`attn`: the MLPs as the source's), and the far context's
     tokens weighed up to `long` times (long_weight_cap): every target's, or the text's only (`long_text`:
     the answers keep their x32); `head`: LoRA on the LM head too (a delta of the tied head's own);
-    `lora_plus`: the B factors learn this many times faster than the A factors (LoRA+)."""
+    `lora_plus`: the B factors learn this many times faster than the A factors (LoRA+); `dora`: the LoRA
+    weight-decomposed (DoRA: each output row's length trained apart from its direction)."""
     light = mode == "lora+so"
     name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
         + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "") \
         + ("-head" if head else "") + (f"-lce{long:g}" if long else "") + ("t" if long and long_text else "") \
-        + (f"-lp{lora_plus:g}" if lora_plus else "")
+        + (f"-lp{lora_plus:g}" if lora_plus else "") + ("-dora" if dora else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
              + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "")
              + (", LoRA on the LM head too" if head else "")
              + (f", far-context {'text' if long_text else 'tokens'} weighed up to x{long:g}" if long else "")
-             + (f", LoRA+ (B at x{lora_plus:g} the rate)" if lora_plus else ""))
+             + (f", LoRA+ (B at x{lora_plus:g} the rate)" if lora_plus else "") + (", DoRA" if dora else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
                   **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
                   **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}),
                   **(dict(lora_targets=(*LORA_TARGETS, HEAD)) if head else {}),
                   **(dict(long_weight_cap=long) if long else {}),
                   **(dict(long_weight_answers=False) if long and long_text else {}),
-                  **(dict(lora_b_ratio=lora_plus) if lora_plus else {}))
+                  **(dict(lora_b_ratio=lora_plus) if lora_plus else {}), **(dict(lora_dora=True) if dora else {}))
     return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
                       recipe=recipe)}
 
@@ -201,6 +203,9 @@ ARMS = {
     # rank or the rate? LoRA+ (the B factors learn 4x / 16x faster than the A factors, Hayou et al. 2024) at
     # rank 16: the numbers of -r16, so a gain over it is the optimiser's, not capacity's
     **_recipe("lora+so", 1024, rank=16, lora_plus=4), **_recipe("lora+so", 1024, rank=16, lora_plus=16),
+    # or the direction? DoRA at rank 16 (each row's length a vector of its own, 0.16M numbers more), which
+    # closes part of LoRA's gap to full fine-tuning at the same rank (Liu et al. 2024)
+    **_recipe("lora+so", 1024, rank=16, dora=True),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
@@ -226,8 +231,9 @@ ARMS = {
                               dict(attention="orthros", sink_tokens=SINK), "all", "source", mix=True, seed=1),
 }
 
-RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_b_ratio", "lora_rank", "lora_targets", "warmup", "kl", "ce",
-                 "temperature", "align", "align_on", "align_frac", "freeze", "answer_weight", "long_weight_cap", "long_weight_answers")
+RECIPE_FIELDS = ("lr", "light_lr", "lora_lr", "lora_b_ratio", "lora_rank", "lora_targets", "lora_dora", "warmup",
+                 "kl", "ce", "temperature", "align", "align_on", "align_frac", "freeze", "answer_weight",
+                 "long_weight_cap", "long_weight_answers")
 
 
 def arm_preset(arm: str, preset: "CPTPreset") -> "CPTPreset":
@@ -260,6 +266,8 @@ class CPTPreset:
     lora_rank: int = 8
     lora_targets: tuple = LORA_TARGETS
     """the projections a light arm's LoRA wraps (default all of them; `models.adapter.HEAD` adds the LM head)"""
+    lora_dora: bool = False
+    """a light arm's LoRA weight-decomposed (DoRA)"""
     warmup: int = 20
     weight_decay: float = 0.1
     gradient_checkpointing: bool = True

@@ -67,7 +67,7 @@ def train_arm(model, mode: str, preset: CPTPreset, rows: np.ndarray, device, des
     from ..train.distill import LossWeights, distill_loss, weighted_ce_loss
     from ..train.trainer import param_groups as optim_groups
 
-    model = make_trainable(model, mode, rank=preset.lora_rank, targets=preset.lora_targets)
+    model = make_trainable(model, mode, rank=preset.lora_rank, targets=preset.lora_targets, dora=preset.lora_dora)
     frozen = 0
     for n, p in model.named_parameters():
         if p.requires_grad and any(f in n for f in preset.freeze):

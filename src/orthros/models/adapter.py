@@ -61,9 +61,14 @@ class LoRALinear(nn.Module):
 
     Keeps the wrapped layer's `weight` / `bias` under their own names, so a state dict
     holds `q_proj.weight` beside `q_proj.lora_A` [r, in] and `q_proj.lora_B` [out, r]:
-    the names an adapter file uses. B starts at zero (the model is unchanged at step 0)."""
+    the names an adapter file uses. B starts at zero (the model is unchanged at step 0).
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+    `dora`: weight-decomposed LoRA (DoRA, Liu et al. 2024): V = W + B A * alpha / r and each output
+    row rescaled to a trained length, W' = m * V / ||V|| (`lora_magnitude` [out], fp32, starting
+    at ||W||'s rows). As in the paper, ||V|| is a constant to the backward pass (no gradient flows
+    through it), which keeps the step's memory that of LoRA's."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dora: bool = False):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -71,25 +76,49 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device))
         nn.init.kaiming_uniform_(self.lora_A, a=5 ** 0.5)  # as nn.Linear initialises a weight
+        self.lora_magnitude = nn.Parameter(base.weight.detach().float().norm(dim=1)) if dora else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
-        return y + F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+        delta = F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale
+        if self.lora_magnitude is None:
+            return F.linear(x, self.weight, self.bias) + delta
+        y = (F.linear(x, self.weight) + delta) * (self.lora_magnitude / self.row_norms()).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def row_norms(self) -> torch.Tensor:
+        """||W + B A * alpha / r|| of each output row [out], fp32 (DoRA's denominator)."""
+        return dora_rows(self.weight, self.lora_A, self.lora_B, self.scale).norm(dim=1)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
-        return self.weight + (self.lora_B.float() @ self.lora_A.float() * self.scale).to(self.weight.dtype)
+        return merge_delta(self.weight, self.lora_A, self.lora_B, self.scale, self.lora_magnitude)
+
+
+def dora_rows(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + B A * scale in fp32 (on W's device)."""
+    return w.float() + (b.float() @ a.float()).to(w.device) * scale
+
+
+def merge_delta(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                magnitude: torch.Tensor | None = None) -> torch.Tensor:
+    """The merged weight of W and its LoRA factors (with DoRA's row lengths where given), in W's dtype."""
+    v = dora_rows(w, a, b, scale)
+    if magnitude is not None:
+        v = v * (magnitude.float().to(v.device) / v.norm(dim=1))[:, None]
+    return v.to(w.dtype)
 
 
 def lora_modules(model) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, targets=LORA_TARGETS):
+def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, targets=LORA_TARGETS,
+                   dora: bool = False):
     """Freeze all but the `mode`'s parameters (in place; returns the model).
 
     "lora+so" wraps each projection named in `targets` (default every one, `LORA_TARGETS`) in a
-    `LoRALinear` first; the wrapped model's forward is the merged model's."""
+    `LoRALinear` first (`dora`: weight-decomposed); the wrapped model's forward is the merged model's."""
     if mode not in MODES:
         raise ValueError(f"trainable mode must be one of {', '.join(MODES)}, got {mode!r}")
     if not targets or set(targets) - set(LORA_KNOWN):
@@ -107,7 +136,7 @@ def make_trainable(model, mode: str, rank: int = 8, alpha: float | None = None, 
         for name, mod in list(model.named_modules()):
             for child, sub in list(mod.named_children()):
                 if child in targets and isinstance(sub, nn.Linear):
-                    setattr(mod, child, LoRALinear(sub, rank, alpha))
+                    setattr(mod, child, LoRALinear(sub, rank, alpha, dora))
     for name, p in model.named_parameters():
         if mode == "so-out":
             p.requires_grad_(name.rsplit(".", 1)[-1] in SO_OUT_NAMES)
@@ -123,8 +152,8 @@ def merged_state_dict(model, state: dict | None = None) -> dict:
     mods = lora_modules(model)
     for name, m in mods.items():
         a, b = state.pop(f"{name}.lora_A"), state.pop(f"{name}.lora_B")
-        w = state[f"{name}.weight"]
-        state[f"{name}.weight"] = w + (b.float() @ a.float() * m.scale).to(w.dtype)
+        state[f"{name}.weight"] = merge_delta(state[f"{name}.weight"], a, b, m.scale,
+                                              state.pop(f"{name}.lora_magnitude", None))
     if HEAD in mods:
         _untie(model.config)
     return state
@@ -156,6 +185,11 @@ def merge_lora(model):
     return model
 
 
+def _is_factor(name: str) -> bool:
+    """A LoRA factor (lora_A / lora_B), stored in the adapter's LoRA dtype; vectors stay fp32."""
+    return name.endswith((".lora_A", ".lora_B"))
+
+
 def adapter_tensors(model, lora_dtype=torch.float32, state: dict | None = None) -> dict:
     """The trainable delta as {name: tensor}: SO / norm vectors in fp32, LoRA factors in
     `lora_dtype`. `state`: full tensors (e.g. gathered from FSDP shards); default the model's."""
@@ -164,7 +198,7 @@ def adapter_tensors(model, lora_dtype=torch.float32, state: dict | None = None) 
     out = {}
     for name in sorted(trainable):
         t = state[name].detach()
-        out[name] = (t.to(lora_dtype) if ".lora_" in name else t.float()).cpu().contiguous()
+        out[name] = (t.to(lora_dtype) if _is_factor(name) else t.float()).cpu().contiguous()
     return out
 
 
@@ -172,8 +206,8 @@ def save_adapter(model, out: str | Path, meta: dict | None = None, lora_dtype=to
                  state: dict | None = None) -> Path:
     """Write the trained delta: adapter.safetensors (+ adapter.json), atomically.
 
-    SO / norm vectors are kept in fp32 (they are small); LoRA factors in `lora_dtype`
-    (bf16 halves the file; the merged weights are fp32 or bf16 anyway)."""
+    SO / norm vectors (and DoRA's row lengths) are kept in fp32 (they are small); LoRA factors in
+    `lora_dtype` (bf16 halves the file; the merged weights are fp32 or bf16 anyway)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = adapter_tensors(model, lora_dtype, state)
@@ -184,7 +218,8 @@ def save_adapter(model, out: str | Path, meta: dict | None = None, lora_dtype=to
     mods = lora_modules(model)
     if mods:
         m = next(iter(mods.values()))
-        info["lora"] = {"rank": m.rank, "alpha": m.alpha, "modules": sorted(mods)}
+        info["lora"] = {"rank": m.rank, "alpha": m.alpha, "modules": sorted(mods),
+                        **({"dora": True} if m.lora_magnitude is not None else {})}
     _write(out, tensors, info)
     return out
 
@@ -225,7 +260,7 @@ def recast_adapter(src: str | Path, dst: str | Path, lora_dtype=torch.bfloat16) 
     """Copy an adapter with its LoRA factors cast to `lora_dtype` (vectors stay as they are)."""
     src, dst = Path(src), Path(dst)
     tensors = load_file(str(src / "adapter.safetensors"))
-    tensors = {k: v.to(lora_dtype).contiguous() if ".lora_" in k else v for k, v in tensors.items()}
+    tensors = {k: v.to(lora_dtype).contiguous() if _is_factor(k) else v for k, v in tensors.items()}
     dst.mkdir(parents=True, exist_ok=True)
     _write(dst, tensors, json.loads((src / "adapter.json").read_text()))
     return dst
@@ -291,7 +326,8 @@ def adapter_mismatch(info: dict, window: int, sinks: int) -> str | None:
 
 @torch.no_grad()
 def apply_adapter(model, path: str | Path):
-    """Add a saved adapter to a base model in place (LoRA merged: W += B A * alpha / r). An adapter
+    """Add a saved adapter to a base model in place (LoRA merged: W += B A * alpha / r, with DoRA's row
+    lengths where the adapter has them). An adapter
     trained at another window or sink count than the model's is refused (`adapter_mismatch`)."""
     path = Path(path)
     f = path / "adapter.safetensors" if path.is_dir() else path
@@ -322,8 +358,8 @@ def apply_adapter(model, path: str | Path):
             b = tensors.get(f"{mod}.lora_B")
             if w is None or b is None:
                 raise ValueError(f"{f}: LoRA factors for {mod!r} do not fit this model")
-            w += (b.float() @ t.float() * scale).to(w.device, w.dtype)  # the file loads on the CPU
-        elif name.endswith(".lora_B"):
+            w.copy_(merge_delta(w, t, b, scale, tensors.get(f"{mod}.lora_magnitude")))  # the file is on the CPU
+        elif name.endswith((".lora_B", ".lora_magnitude")):
             continue
         else:
             p = params.get(name)

@@ -10,7 +10,6 @@ that also holds prompt chunks runs them in a second, eager forward
 
 from __future__ import annotations
 
-
 import torch
 
 from ..models.lowbit_cache import KEY_GROUP

@@ -52,6 +52,8 @@ class ModelArgs:
     lora_targets: list[str] | None = None
     """what LoRA wraps (trainable: lora+so): default every projection (q/k/v/o_proj, gate/up/down_proj);
     add lm_head for a delta of the LM head (a tied head is untied when merged)"""
+    lora_dora: bool = False
+    """weight-decomposed LoRA (DoRA): each output row's length trains as a vector of its own"""
 
 
 @dataclass

@@ -111,7 +111,7 @@ def build_model(cfg: TrainConfig, mc: OrthrosConfig, resume: Path | None) -> Ort
         model = load_model(m.init_from, dtype=torch.float32, config=mc, new_scale_offset=True)
         torch.manual_seed(cfg.train.seed)  # LoRA's A factors: the same on every process and every run
         model = make_trainable(model, m.trainable, rank=m.lora_rank, alpha=m.lora_alpha,
-                               targets=tuple(m.lora_targets or LORA_TARGETS))
+                               targets=tuple(m.lora_targets or LORA_TARGETS), dora=m.lora_dora)
         if resume is not None:
             load_trainable(model, resume / "adapter.safetensors")
         return model
