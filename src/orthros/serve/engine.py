@@ -17,6 +17,7 @@ the exception.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -66,6 +67,10 @@ class Engine:
         self.steps = 0
         self._t_start = time.perf_counter()
         self._step_log = StepLog(cfg.step_log, self.device, self._t_start) if cfg.step_log else None
+        # CUDA: the ends of the last steps queued. A step that reads no token back returns once its
+        # forward is queued, so the host prepares the next step while the device runs it; it waits
+        # before queuing a step two ahead of the one the device runs (`_queue_ahead`).
+        self._queued = collections.deque() if self.device.type == "cuda" else None
 
     # the parts' state, read by metrics, the CLI and tests
     pool = property(lambda self: self.runner.pool)
@@ -181,6 +186,7 @@ class Engine:
         """Schedule and run one forward; returns the number of tokens it ran."""
         for r in self.scheduler.pop_aborted():
             self._finish(r, "abort")
+        self._queue_ahead()
         chunks = self.scheduler.schedule()
         if not chunks:
             if self._step_log is not None:
@@ -207,11 +213,26 @@ class Engine:
             if not c.output:  # (the output chunks advanced as their tokens were sent)
                 self.scheduler.advance(c)
         self.steps += 1
+        if self._queued is not None:
+            self._queued.append(torch.cuda.Event())
+            self._queued[-1].record()
         if self._step_log is not None:
             self._log_step(chunks, mark)
         if self.metrics:
             self.metrics.on_step(self, n_tokens, len(chunks), time.perf_counter() - t0)
         return n_tokens
+
+    def _queue_ahead(self) -> None:
+        """Wait (polling, without a device synchronization) until at most one step is queued behind
+        the one the device runs: the host schedules no further ahead than the step it prepares."""
+        q = self._queued
+        while q and q[0].query():
+            q.popleft()
+        while q is not None and len(q) >= 2:
+            if q[0].query():
+                q.popleft()
+            else:
+                time.sleep(2e-4)
 
     def _choose(self, chunks: list[ScheduledChunk], idx: list[int], logits: torch.Tensor) -> tuple:
         """`greedy_choices` of the output chunks `chunks[idx[j]]` from their logits [len(idx), V]."""
