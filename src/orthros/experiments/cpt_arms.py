@@ -206,6 +206,8 @@ ARMS = {
     # or the direction? DoRA at rank 16 (each row's length a vector of its own, 0.16M numbers more), which
     # closes part of LoRA's gap to full fine-tuning at the same rank (Liu et al. 2024)
     **_recipe("lora+so", 1024, rank=16, dora=True),
+    # the largest rank whose adapter stays under the demo's 16 MB (7.3M bf16 numbers, 15.2 MB with the vectors)
+    **_recipe("lora+so", 1024, rank=24), **_recipe("lora+so", 1024, rank=24, dora=True),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
