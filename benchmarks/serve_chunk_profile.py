@@ -70,7 +70,6 @@ def engine_path(model, ids: list[int], args) -> dict:
             eng.step()
 
     wall = _timed(whole, eng.device)
-    del eng
     return dict(steps=steps, profile=profiled, whole_ms=round(wall, 3))
 
 
