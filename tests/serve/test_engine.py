@@ -546,6 +546,34 @@ def test_a_prompt_chunk_step_does_not_synchronize_the_device(tmp_path, attention
     assert [r["step"] for r in recs] == list(range(1, eng.steps + 1)) and all(r["ms"] > 0 for r in recs)
 
 
+def test_the_host_queues_no_step_two_ahead_of_the_device(monkeypatch):
+    """`Engine._queue_ahead` (CUDA: a step of prompt chunks returns once its forward is queued): before
+    scheduling, finished steps are dropped and, while two are still queued, it polls the older one's
+    end (sleeping between polls, no device synchronization) until it is done. Stand-in events."""
+    import collections
+
+    from orthros.serve import engine as engine_module
+
+    class Ev:
+        def __init__(self, busy: int):
+            self.busy = busy  # queries answered "not done" before "done"
+
+        def query(self):
+            self.busy -= 1
+            return self.busy < 0
+
+    eng = Engine(make_model("orthros"), EngineConfig(block_size=4, num_blocks=8))
+    naps = []
+    monkeypatch.setattr(engine_module.time, "sleep", naps.append)
+    older, newer = Ev(3), Ev(10 ** 6)
+    eng._queued = collections.deque([Ev(0), older, newer])  # one done, then two queued
+    eng._queue_ahead()
+    assert list(eng._queued) == [newer] and older.busy < 0 and len(naps) == 2
+    eng._queued = collections.deque([newer])
+    eng._queue_ahead()  # one step queued: the host goes on at once
+    assert list(eng._queued) == [newer] and len(naps) == 2
+
+
 def test_a_chunk_s_attention_inputs_do_not_depend_on_the_decodes_beside_it(monkeypatch):
     """A prompt chunk's attention gets the same shapes and strides whatever else runs in its step
     (compiled kernels are guarded on both: a stride that followed the step's row count made

@@ -88,14 +88,14 @@ class LoRALinear(nn.Module):
     @torch.no_grad()
     def row_norms(self) -> torch.Tensor:
         """||W + B A * alpha / r|| of each output row [out], fp32 (DoRA's denominator)."""
-        return dora_rows(self.weight, self.lora_A, self.lora_B, self.scale).norm(dim=1)
+        return lora_sum(self.weight, self.lora_A, self.lora_B, self.scale).norm(dim=1)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         return merge_delta(self.weight, self.lora_A, self.lora_B, self.scale, self.lora_magnitude)
 
 
-def dora_rows(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+def lora_sum(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W + B A * scale in fp32 (on W's device)."""
     return w.float() + (b.float() @ a.float()).to(w.device) * scale
 
@@ -103,7 +103,7 @@ def dora_rows(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -
 def merge_delta(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
                 magnitude: torch.Tensor | None = None) -> torch.Tensor:
     """The merged weight of W and its LoRA factors (with DoRA's row lengths where given), in W's dtype."""
-    v = dora_rows(w, a, b, scale)
+    v = lora_sum(w, a, b, scale)
     if magnitude is not None:
         v = v * (magnitude.float().to(v.device) / v.norm(dim=1))[:, None]
     return v.to(w.dtype)
