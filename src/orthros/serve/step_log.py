@@ -58,10 +58,10 @@ class StepLog:
         """Write the pending lines whose steps the device has finished (all of them if `wait`), in order."""
         while self.pending:
             rec, start, end = self.pending[0]
-            if wait:
+            if not end.query():
+                if not wait:
+                    return
                 end.synchronize()
-            elif not end.query():
-                return
             self.pending.popleft()
             self._write(rec, self.t_ref + self.ref.elapsed_time(start) / 1e3, start.elapsed_time(end))
 
