@@ -116,7 +116,6 @@ def long_rows(args, variant: str, commands: dict, steps: dict, server_cls, warmu
 
 
 def long_table(res: dict) -> str:
-
     gib = lambda b: "-" if not b else f"{b / 2**30:.1f} GiB"  # (no peak memory on a CPU)
     lines = ["| attention | KV | run | prompt | ok | TTFT p50 | TTFT p99 | decode tok/s (each) | out tok/s (all) "
              "| max model len | KV pool | peak memory | error |",

@@ -13,8 +13,7 @@ import sys
 import time
 
 from ..models.static_cache import LOWBIT_KV_DTYPES
-from .serve_client import percentile
-from .serve_client import fmt_ms
+from .serve_client import fmt_ms, percentile
 
 K = 1024
 

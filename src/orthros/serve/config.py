@@ -32,6 +32,6 @@ class EngineConfig:
     # prompt's chunk, of a quarter of its power of two too): compiled attention kernels then see
     # few distinct chunk lengths. None: 128 on CUDA, 1 (no rounding) elsewhere.
     chunk_align: int | None = None
-    # A JSON-lines file with one record per step (what it ran, how long it took; the device is
-    # synchronized at the end of each step to time it): to find which steps are slow.
+    # A JSON-lines file with one record per step (what it ran, how long it took: on CUDA timed by
+    # events, without synchronizing the device; `serve/step_log.py`): to find which steps are slow.
     step_log: str | None = None
