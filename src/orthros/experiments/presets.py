@@ -1,7 +1,7 @@
 """The recall experiment's architectures and presets (sizes, data mix, steps).
 
 Every architecture of one run gets exactly the preset's sizes; the presets
-are what `orthros experiment recall --preset NAME` runs (docs/results.md).
+are what `orthros experiment recall --preset NAME` runs (docs/recall.md).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ PRESETS = {
     # the same models and budget with passkey training at 128-512 tokens, 4096 tokens a step,
     # with the needle-copy labels, 560 steps: Orthros learns part of the passkey grid (seeds 0
     # and 1), the Transformer's passkey loss never leaves "a digit comes next" (0%, both seeds),
-    # and SWA misses MQAR (see docs/results.md for the recipes tried)
+    # and SWA misses MQAR (see docs/recall.md for the recipes tried)
     "cpu-passkey": Preset(steps=560, passkey_lengths=[128, 256, 512], passkey_batch=32),
     # the same with the passkey loss weighted 4x: the Transformer reaches 74% with seed 0 (Orthros
     # 53%, its MQAR lower, every perplexity ~30% higher); with seed 1 neither learns the passkey
