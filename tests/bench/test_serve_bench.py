@@ -217,3 +217,43 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsy
     assert res["error"] == "RuntimeError: the server went away" and res["complete"] is False
     assert f"the 1 row(s) measured before it stopped are in {tmp_path / 'serve-long.json'}" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_the_client_counts_tokens_without_asking_for_the_prompt_back():
+    """`stream_request` times each token from the usage every chunk reports, so the first chunk does
+    not carry the prompt's ids back (what `return_token_ids` adds to it: ~1 MB at 128K tokens, all
+    before the first token shows); asked for the ids (a chat resends its answer), it gets the same
+    tokens, and the same ones a request without streaming gets."""
+    import asyncio
+    import random
+
+    from orthros.bench.serve_client import http_client, stream_request
+    from orthros.serve.config import EngineConfig
+    from orthros.serve.launch import build_app, load_model, serve_in_thread
+
+    model, tok, name = load_model(None, "tiny", "cpu", "fp32", window=16, max_model_len=512)
+    app, eng = build_app(model, tok, name, EngineConfig(block_size=4, max_num_batched_tokens=64, kv_cache_gib=0.01))
+    srv = serve_in_thread(app, eng)
+    prompt = [random.Random(0).randrange(model.config.vocab_size) for _ in range(150)]
+    sent = []
+
+    async def go():
+        async with http_client(1) as client:
+            stream = client.stream
+            client.stream = lambda *a, **kw: (sent.append(kw["json"]), stream(*a, **kw))[1]
+            plain = await stream_request(client, srv.url, name, prompt, 6)
+            ids = await stream_request(client, srv.url, name, prompt, 6, token_ids=True)
+            whole = (await client.post(srv.url + "/completions", json=dict(
+                model=name, prompt=prompt, max_tokens=6, temperature=0.0, ignore_eos=True,
+                return_token_ids=True))).json()
+        return plain, ids, whole
+
+    try:
+        plain, ids, whole = asyncio.run(go())
+    finally:
+        srv.stop()
+    assert "return_token_ids" not in sent[0] and sent[1]["return_token_ids"] is True
+    for r in (plain, ids):
+        assert r.ok and r.error is None and r.tokens == 6 and len(r.chunk_times) == 6
+        assert 0 < r.ttft <= r.e2el and len(r.itl) == 5
+    assert plain.token_ids == [] and ids.token_ids == whole["choices"][0]["token_ids"] and len(ids.token_ids) == 6

@@ -88,12 +88,18 @@ def scrape_metrics(url: str) -> dict[str, float]:
 
 # ---------------------------------------------------------------- one request
 async def stream_request(client, url: str, model: str, prompt: list[int], max_tokens: int,
-                         res: Result | None = None) -> Result:
-    """One streaming completion; token counts from the chunks' token ids and the final usage.
-    `res` (optional) is filled in as the stream runs, so a caller can watch it."""
+                         res: Result | None = None, token_ids: bool = False) -> Result:
+    """One streaming completion. A chunk carries tokens where the usage it reports
+    (`continuous_usage_stats`) counts more than the last one did. `token_ids`: also keep the
+    generated ids (`return_token_ids`, whose first chunk then carries every prompt id as well:
+    about 1 MB at 128K tokens, which the server encodes and the client parses before the first
+    token shows, so only a caller that resends the answer asks for it). `res` (optional) is
+    filled in as the stream runs, so a caller can watch it."""
     res = res if res is not None else Result(len(prompt), max_tokens)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if token_ids:
+        body["return_token_ids"] = True
     res.start = time.perf_counter()
     try:
         async with client.stream("POST", url + "/completions", json=body, timeout=None) as resp:
@@ -110,15 +116,18 @@ async def stream_request(client, url: str, model: str, prompt: list[int], max_to
                 if "error" in obj:
                     res.error = obj["error"].get("message")
                     return res
-                if obj.get("choices") and obj["choices"][0].get("token_ids"):
+                usage = obj.get("usage")
+                # (a server that reports no usage per chunk: each chunk with a choice is a token's)
+                if obj.get("choices") and (usage["completion_tokens"] > res.tokens if usage else True):
                     now = time.perf_counter()
                     if res.ttft is None:
                         res.ttft = now - res.start
                     res.chunk_times.append(now)
-                    res.token_ids += obj["choices"][0]["token_ids"]
-                if obj.get("usage"):
-                    res.tokens = obj["usage"]["completion_tokens"]
-                    res.cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                    if token_ids:
+                        res.token_ids += obj["choices"][0].get("token_ids") or []
+                if usage:
+                    res.tokens = usage["completion_tokens"]
+                    res.cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         if res.chunk_times:
             res.e2el = res.chunk_times[-1] - res.start
             res.ok = res.tokens == max_tokens
@@ -172,7 +181,7 @@ async def run_sessions(url: str, model: str, docs: list[list[int]], sessions: li
             out, prompt = [], list(docs[s["doc"]])
             for turn, (question, n) in enumerate(s["turns"]):
                 prompt = prompt + list(question)
-                r = await stream_request(client, url, model, prompt, n)
+                r = await stream_request(client, url, model, prompt, n, token_ids=True)
                 r.session, r.turn = k, turn
                 out.append(r)
                 if not r.ok:
