@@ -179,3 +179,26 @@ def test_serve_chunk_profile_runs_every_token_through_each_path():
         done = sum(s["tokens"] for s in res[path]["steps"]) + res[path]["profile"]["tokens"]
         assert done == 100 and res[path]["profile"]["start"] >= 50, path
     assert all(res[k]["ms_per_8k"] > 0 and res[k]["whole_ms_per_8k"] > 0 for k in ("one forward", "chunked", "engine"))
+
+
+def test_serve_ttft_path_splits_a_requests_wait_in_order(tmp_path):
+    """benchmarks/serve_ttft_path.py at a few hundred tokens: each client mode's hand-overs come in
+    order (every part >= 0) and add up to the time to first token the client measured."""
+    import json
+    import sys
+
+    from orthros.serve import api
+
+    sys.path.insert(0, str(SCRIPTS[0].parent))
+    try:
+        import serve_ttft_path as path
+    finally:
+        sys.path.pop(0)
+    nxt = api.Job.next
+    rows = path.main(["--lengths", "300", "--reps", "1", "--budget", "64", "--out", str(tmp_path)])
+    assert api.Job.next is nxt  # the patch is undone
+    assert [r["mode"] for r in rows] == ["ids", "usage"]
+    for r in rows:
+        assert all(r[k] >= 0 for k in path.PARTS) and r["steps"] > 0
+        assert abs(sum(r[k] for k in path.PARTS) - r["ttft"]) < 1e-6
+    assert json.loads((tmp_path / "ttft-path.json").read_text())["rows"] == rows
