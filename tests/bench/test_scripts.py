@@ -202,3 +202,28 @@ def test_serve_ttft_path_splits_a_requests_wait_in_order(tmp_path):
         assert all(r[k] >= 0 for k in path.PARTS) and r["steps"] > 0
         assert abs(sum(r[k] for k in path.PARTS) - r["ttft"]) < 1e-6
     assert json.loads((tmp_path / "ttft-path.json").read_text())["rows"] == rows
+
+
+def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(tmp_path):
+    """benchmarks/gpu_plan.sh with a stand-in Python that only records its arguments: stages run in
+    the queue's order, `a+b` side by side, a stage added to the queue while it runs is run too, an
+    unknown stage is logged with a failing status, and each stage's command is the page's."""
+    import os
+    import subprocess
+
+    py = tmp_path / "py"
+    py.write_text("#!/bin/sh\necho \"$@\"\n[ \"$1\" = -m ] && [ \"$2\" = pytest ] && echo 'stage 2' >> \"$QUEUE\"\nexit 0\n")
+    py.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(py), "QUEUE": str(out / "queue"), "GPU_PLAN_TAG": "t"}
+    script = SCRIPTS[0].parent / "gpu_plan.sh"
+    subprocess.run(["bash", str(script), str(out), "servet", "paper+long=int4:1M", "bogus"], env=env, check=True,
+                   cwd=SCRIPTS[0].parents[1], timeout=60)
+    lines = [ln.split(" ", 1)[1] for ln in (out / "plan.txt").read_text().splitlines()]
+    assert lines == ["start servet", "end servet rc=0", "start paper+long=int4:1M", "end paper+long=int4:1M rc=0",
+                     "start bogus", "end bogus rc=2", "start stage", "end stage rc=2", "start 2", "end 2 rc=2",
+                     "plan done"]
+    assert "tests/serve" in (out / "servet.log").read_text()
+    assert "--scenario paper --variants orthros full" in (out / "paper.log").read_text()
+    long = (out / "long-int4-1M.log").read_text()
+    assert "--long-cases int4:1M --capacity-dtypes --out-dir" in long and "serve-long-int4-1M-t" in long

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU measurements behind the docs pages, run in a queue: each stage is one command of a page,
+# its output under OUT, its start and end (with the exit status) appended to OUT/plan.txt.
+#
+#   bash benchmarks/gpu_plan.sh OUT suite chunkprof paper screen        # runs them in order
+#   echo "paper suite2" > OUT/queue                                     # while it runs: the stages left
+#
+# The queue is read again before each stage, so rewriting OUT/queue (one stage a line, or several
+# on a line) reorders or changes what is left; `a+b+c` runs a, b and c side by side (a card large
+# enough for them together). Run from the repository root with `orthros` importable
+# (PYTHONPATH=src). GPU_PLAN_TAG (default: the date and the card) names the result files.
+set -u
+OUT=${1:?usage: gpu_plan.sh OUT STAGE...}
+shift
+mkdir -p "$OUT"
+echo "$*" | tr ' ' '\n' | grep -v '^$' > "$OUT/queue"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -q H200 && echo h200 || echo h100)
+TAG=${GPU_PLAN_TAG:-$(date -u +%F)-$CARD}
+PY=${PYTHON:-python3}
+# the whole suite beside other work takes fewer workers
+NW=${GPU_PLAN_WORKERS:-14}
+CPT="$PY -m orthros experiment cpt --preset smollm2-kd-h200-rqp-curve --steps 160 --device cuda"
+LORA=orthros-lora-sink-mix-aw-w1024
+
+log() { echo "$(date -u +%T) $*" >> "$OUT/plan.txt"; }
+
+stage() {
+  local n=${1//[^A-Za-z0-9._-]/-}  # the stage's name as a file name
+  case $1 in
+    suite | suite2)  # the whole suite (docs/notes/2026-12-restructure.md)
+      $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider tests > "$OUT/$n.log" 2>&1 ;;
+    servet)  # the serving tests alone
+      $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=15 -p no:cacheprovider tests/serve > "$OUT/$n.log" 2>&1 ;;
+    chunkprof)  # docs/serving.md: the served chunk against the model's own prefill
+      $PY benchmarks/serve_chunk_profile.py --out "$OUT/chunk-profile-$TAG.json" > "$OUT/$n.log" 2>&1 ;;
+    paper)  # docs/serving.md: 2 x 128K in, against full attention
+      mkdir -p "$OUT/serve" "$OUT/steps"
+      $PY -m orthros bench serve --scenario paper --variants orthros full --out-dir "$OUT/serve" \
+        --plot-dir "$OUT/serve" --step-log-dir "$OUT/steps" --tag "serve-paper-$TAG" > "$OUT/$n.log" 2>&1 ;;
+    faults)  # docs/serving.md: disconnects, over-capacity requests, a burst of 64 long requests
+      mkdir -p "$OUT/serve"
+      $PY -m orthros bench serve --scenario faults --out-dir "$OUT/serve" --plot-dir "$OUT/serve" \
+        --tag "serve-faults-$TAG" > "$OUT/$n.log" 2>&1 ;;
+    documents)  # docs/serving.md: chats about shared long documents
+      mkdir -p "$OUT/serve"
+      $PY -m orthros bench serve --scenario documents --out-dir "$OUT/serve" --plot-dir "$OUT/serve" \
+        --tag "serve-documents-$TAG" > "$OUT/$n.log" 2>&1 ;;
+    screen)  # docs/results.md: the light twin against its full-weight row, rank and DoRA
+      $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r16-dora $LORA-r24 $LORA-r32 --out "$OUT/runs/screen" \
+        > "$OUT/$n.log" 2>&1 ;;
+    screen2)
+      $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r24-dora $LORA-r16-lp4 --out "$OUT/runs/screen2" \
+        > "$OUT/$n.log" 2>&1 ;;
+    seed1)  # docs/results.md: the headline pair at a second seed
+      $PY -m orthros experiment cpt --preset smollm2-w512-52m --device cuda --jobs 2 \
+        --arms orthros-cpt-sink-mix-aw-w1024-s1 full-cpt-mix-aw-s1 --out "$OUT/runs/seed1" > "$OUT/$n.log" 2>&1 ;;
+    moe)  # docs/moe.md: quality at small scale
+      $PY -m orthros experiment recall --preset gpu --device cuda --jobs 3 \
+        --archs full-moe orthros-moe orthros-moe-bound --out "$OUT/runs/moe" > "$OUT/$n.log" 2>&1 ;;
+    long=*)  # docs/serving.md: one long request through HTTP, e.g. long=int4:1M (one case a stage)
+      mkdir -p "$OUT/serve"
+      $PY -m orthros bench serve --scenario long --long-cases "${1#long=}" --capacity-dtypes --out-dir "$OUT/serve" \
+        --plot-dir "$OUT/serve" --tag "serve-$n-$TAG" > "$OUT/$n.log" 2>&1 ;;
+    cap=*)  # docs/serving.md: how many 128K requests a KV dtype's pool holds, e.g. cap=int4
+      mkdir -p "$OUT/serve"
+      $PY -m orthros bench serve --scenario long --long-cases --capacity-dtypes "${1#cap=}" --out-dir "$OUT/serve" \
+        --plot-dir "$OUT/serve" --tag "serve-$n-$TAG" > "$OUT/$n.log" 2>&1 ;;
+    *+*)  # side by side
+      local pids=() s
+      for s in ${1//+/ }; do stage "$s" & pids+=($!); done
+      wait "${pids[@]}" ;;
+    *) echo "unknown stage: $1" >&2; return 2 ;;
+  esac
+}
+
+while next=$(head -1 "$OUT/queue" 2>/dev/null) && [ -n "$next" ]; do
+  sed -i 1d "$OUT/queue"
+  for s in $next; do
+    log "start $s"
+    stage "$s"
+    log "end $s rc=$?"
+  done
+done
+log "plan done"
