@@ -212,7 +212,8 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
     import subprocess
 
     py = tmp_path / "py"
-    py.write_text("#!/bin/sh\necho \"$@\"\n[ \"$1\" = -m ] && [ \"$2\" = pytest ] && echo 'stage 2' >> \"$QUEUE\"\nexit 0\n")
+    py.write_text('#!/bin/sh\necho "$@"\n'
+                  '[ "$1" = -m ] && [ "$2" = pytest ] && echo "stage 2" >> "$QUEUE"\nexit 0\n')  # a stage adds 2
     py.chmod(0o755)
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": str(py), "QUEUE": str(out / "queue"), "GPU_PLAN_TAG": "t"}
@@ -227,3 +228,16 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
     assert "--scenario paper --variants orthros full" in (out / "paper.log").read_text()
     long = (out / "long-int4-1M.log").read_text()
     assert "--long-cases int4:1M --capacity-dtypes --out-dir" in long and "serve-long-int4-1M-t" in long
+    # every arm and preset it names exists (a misspelt one would fail on the GPU, minutes into a run)
+    import re
+
+    from orthros.experiments.cpt_arms import ARMS, PRESETS
+
+    text = script.read_text().replace("$LORA", "orthros-lora-sink-mix-aw-w1024")
+    arms = {a for names in re.findall(r"--arms ((?:\S+ )+?)--out", text) for a in names.split()}
+    assert len(arms) == 7 and arms <= set(ARMS), arms - set(ARMS)
+    assert set(re.findall(r"experiment cpt --preset (\S+)", text)) <= set(PRESETS)
+    from orthros.experiments.presets import ARCHS
+
+    archs = {a for names in re.findall(r"--archs ((?:\S+ )+?)--out", text) for a in names.split()}
+    assert len(archs) == 3 and archs <= set(ARCHS), archs - set(ARCHS)
