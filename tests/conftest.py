@@ -89,11 +89,71 @@ def require_triton_interpreter():
 
 def run_triton_interpreted(*python_args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python *python_args` from the repo root with TRITON_INTERPRET=1 (the flag must precede
-    `import triton`, hence a subprocess): Triton kernels checked on the CPU."""
+    `import triton`, hence another process): Triton kernels checked on the CPU. A case module
+    (`-m tests.…`) runs in this worker's one interpreted Python (`tests/interpreted.py`), which
+    pays the imports once; anything else in a Python of its own."""
     require_triton_interpreter()
+    if python_args[0] == "-m" and python_args[1].startswith("tests."):
+        return _INTERPRETED.run(list(python_args), timeout)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     return subprocess.run([sys.executable, *python_args], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[1], timeout=timeout)
+                          cwd=ROOT, timeout=timeout)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Interpreted:
+    """The worker's interpreted Python: started on first use, started again after a case that
+    killed it or ran past its timeout."""
+
+    def __init__(self):
+        self.proc = None
+        self.log = None
+
+    def _start(self):
+        import tempfile
+
+        self.log = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.interpreted"], cwd=ROOT, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+
+    def run(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        import json
+        import select
+
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        start = self.log.seek(0, 2)
+        self.proc.stdin.write(json.dumps({"argv": argv}) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        self.log.seek(start)
+        stray = self.log.read()
+        if not ready:
+            self.close()
+            raise subprocess.TimeoutExpired(["python", *argv], timeout, stderr=stray)
+        if not line:  # the case ended the process
+            rc = self.proc.wait()
+            self.proc = None
+            return subprocess.CompletedProcess(argv, rc or 1, "", stray)
+        r = json.loads(line)
+        return subprocess.CompletedProcess(argv, r["rc"], r["stdout"], r["stderr"] + stray)
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+_INTERPRETED = _Interpreted()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _INTERPRETED.close()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

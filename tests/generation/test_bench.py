@@ -225,7 +225,8 @@ def test_bench_capacity_keeps_the_rows_of_a_stopped_run(tmp_path, monkeypatch):
 
     interrupt_at(monkeypatch, capacity, "try_length", 200)  # try_length(model, T, ...)
     assert main(["bench", "capacity", "--kv-dtypes", "int4:100,200", "--new", "4", "--warmup", "1", "--window", "8",
-                 "--chunk-size", "128", "--model", "tiny", "--out-dir", str(tmp_path), "--docs", "none"]) == 130
+                 "--chunk-size", "128", "--model", "tiny", "--out-dir", str(tmp_path), "--docs", "none",
+                 "--no-compile"]) == 130  # the compiled step is test_bench_capacity's
     part = json.loads((tmp_path / "capacity.partial.json").read_text())
     assert [(r["kv_dtype"], r["prompt"], r["status"]) for r in part["rows"]] == [("int4", 100, "ok")]
     assert main(["bench", "capacity", "--from-json", str(tmp_path / "capacity.partial.json"), "--out-dir",
