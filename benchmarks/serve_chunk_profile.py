@@ -24,6 +24,7 @@ the engine's excess here is what it pays over the prefill benchmark.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -50,8 +51,9 @@ def _timed(fn, device) -> float:
 
 def engine_path(model, ids: list[int], args) -> dict:
     """The prompt through the engine, step by step: each step's ms and tokens; one mid step profiled."""
-    eng = Engine(model, EngineConfig(block_size=16, kv_cache_gib=args.kv_gib, max_num_seqs=4, prefix_caching=False,
-                                     max_num_batched_tokens=args.budget, max_model_len=len(ids) + 64))
+    size = dict(kv_cache_gib=args.kv_gib) if args.kv_gib else dict(num_blocks=-(-(len(ids) + 64) // 16) + 1)
+    eng = Engine(model, EngineConfig(block_size=16, max_num_seqs=4, prefix_caching=False,
+                                     max_num_batched_tokens=args.budget, max_model_len=len(ids) + 64, **size))
     eng.warm_up()  # this budget's chunk lengths compiled, as a started server has them
     req = eng.submit(ids, SamplingParams(max_tokens=1, ignore_eos=True), lambda ev: None)
     steps, profiled, at = [], None, int(args.at * len(ids))
@@ -121,18 +123,24 @@ def measure(attention: str, args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, args.long), generator=g)
     res = dict(attention=attention, long=args.long, budget=args.budget)
-    res["one forward"] = one_forward(model, ids.to(dev), args)
-    res["chunked"] = chunked_path(model, ids.to(dev), args)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    # the engine first, its pool given back before the model's own caches are made
     res["engine"] = engine_path(model, ids[0].tolist(), args)
+    release(dev)
+    res["one forward"] = one_forward(model, ids.to(dev), args)
+    release(dev)
+    res["chunked"] = chunked_path(model, ids.to(dev), args)
     for k in ("one forward", "chunked", "engine"):
         res[k]["ms_per_8k"] = per_tokens(res[k]["steps"], args.budget // 2, skip_first=k != "one forward")
         res[k]["whole_ms_per_8k"] = res[k]["whole_ms"] / args.long * PER
     del model
+    release(dev)
+    return res
+
+
+def release(dev: torch.device) -> None:
+    gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return res
 
 
 def table(results: list[dict]) -> str:
@@ -164,7 +172,8 @@ def main(argv=None):
     p.add_argument("--at", type=float, default=0.5, help="where in the prompt the profiled chunk starts (fraction)")
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--kv-gib", type=float, default=24.0, help="the engine's KV pool")
+    p.add_argument("--kv-gib", type=float, default=None,
+                   help="the engine's KV pool (default: the blocks the prompt needs, so that an 80 GB card holds it)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs of the one forward (median)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per profile")
     p.add_argument("--variants", nargs="+", default=["orthros", "full"], choices=("orthros", "full", "swa"))

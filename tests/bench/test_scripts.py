@@ -174,7 +174,7 @@ def test_serve_chunk_profile_runs_every_token_through_each_path():
     finally:
         sys.path.pop(0)
     (res,) = prof.main(["--device", "cpu", "--preset", "tiny", "--long", "100", "--budget", "32", "--dtype", "fp32",
-                        "--kv-gib", "0.01", "--variants", "orthros", "--repeats", "1"])
+                        "--variants", "orthros", "--repeats", "1"])  # the pool: the blocks the prompt needs
     for path in ("chunked", "engine"):
         done = sum(s["tokens"] for s in res[path]["steps"]) + res[path]["profile"]["tokens"]
         assert done == 100 and res[path]["profile"]["start"] >= 50, path
