@@ -51,6 +51,9 @@ stage() {
     screen2)
       $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r24-dora $LORA-r16-lp4 --out "$OUT/runs/screen2" \
         > "$OUT/$n.log" 2>&1 ;;
+    screen3)  # the prose gap left at ranks 16-32: rank 64, and rank 24 at twice the LoRA rate
+      $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r64 $LORA-r24-lr2x --out "$OUT/runs/screen3" \
+        > "$OUT/$n.log" 2>&1 ;;
     seed1)  # docs/results.md: the headline pair at a second seed
       $PY -m orthros experiment cpt --preset smollm2-w512-52m --device cuda --jobs 2 \
         --arms orthros-cpt-sink-mix-aw-w1024-s1 full-cpt-mix-aw-s1 --out "$OUT/runs/seed1" > "$OUT/$n.log" 2>&1 ;;

@@ -235,7 +235,7 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
 
     text = script.read_text().replace("$LORA", "orthros-lora-sink-mix-aw-w1024")
     arms = {a for names in re.findall(r"--arms ((?:\S+ )+?)--out", text) for a in names.split()}
-    assert len(arms) == 7 and arms <= set(ARMS), arms - set(ARMS)
+    assert len(arms) == 9 and arms <= set(ARMS), arms - set(ARMS)
     assert set(re.findall(r"experiment cpt --preset (\S+)", text)) <= set(PRESETS)
     from orthros.experiments.presets import ARCHS
 
