@@ -29,6 +29,11 @@ stage() {
   case $1 in
     suite | suite2)  # the whole suite (docs/notes/2026-12-restructure.md)
       $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider tests > "$OUT/$n.log" 2>&1 ;;
+    ops | rest)  # the suite in two parts, one pass together: tests/ops (the kernels, the longest to compile
+      # on a fresh machine; no real model needed) and the rest (the real model's tests among them)
+      local dirs; [ "$1" = ops ] && dirs=(tests/ops) || dirs=(tests --ignore=tests/ops)
+      $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider "${dirs[@]}" \
+        > "$OUT/$n.log" 2>&1 ;;
     servet)  # the serving tests alone
       $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=15 -p no:cacheprovider tests/serve > "$OUT/$n.log" 2>&1 ;;
     chunkprof)  # docs/serving.md: the served chunk against the model's own prefill

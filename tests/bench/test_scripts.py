@@ -225,6 +225,10 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
                      "start bogus", "end bogus rc=2", "start stage", "end stage rc=2", "start 2", "end 2 rc=2",
                      "plan done"]
     assert "tests/serve" in (out / "servet.log").read_text()
+    subprocess.run(["bash", str(script), str(out / "parts"), "ops", "rest"], env=env, check=True,
+                   cwd=SCRIPTS[0].parents[1], timeout=60)
+    assert (out / "parts" / "ops.log").read_text().split()[-1] == "tests/ops"
+    assert (out / "parts" / "rest.log").read_text().split()[-2:] == ["tests", "--ignore=tests/ops"]
     assert "--scenario paper --variants orthros full" in (out / "paper.log").read_text()
     long = (out / "long-int4-1M.log").read_text()
     assert "--long-cases int4:1M --capacity-dtypes --out-dir" in long and "serve-long-int4-1M-t" in long
