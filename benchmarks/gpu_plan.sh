@@ -19,65 +19,58 @@ TAG=${GPU_PLAN_TAG:-$(date -u +%F)-$CARD}
 PY=${PYTHON:-python3}
 # the whole suite beside other work takes fewer workers
 NW=${GPU_PLAN_WORKERS:-14}
-CPT="$PY -m orthros experiment cpt --preset smollm2-kd-h200-rqp-curve --steps 160 --device cuda"
+CPT="$PY -m orthros experiment cpt --preset smollm2-kd-h200-rqp-curve --steps 160 --device cuda --jobs ${GPU_PLAN_JOBS:-1}"
 LORA=orthros-lora-sink-mix-aw-w1024
 
 log() { echo "$(date -u +%T) $*" >> "$OUT/plan.txt"; }
+tests() { $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider "$@"; }
+serve() { $PY -m orthros bench serve "$@" --out-dir "$OUT/serve" --plot-dir "$OUT/serve"; }
+mkdir -p "$OUT/serve" "$OUT/steps" "$OUT/runs"
 
-stage() {
-  local n=${1//[^A-Za-z0-9._-]/-}  # the stage's name as a file name
+run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
+  local n=${1//[^A-Za-z0-9._-]/-}
   case $1 in
-    suite | suite2)  # the whole suite (docs/notes/2026-12-restructure.md)
-      $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider tests > "$OUT/$n.log" 2>&1 ;;
-    ops | rest)  # the suite in two parts, one pass together: tests/ops (the kernels, the longest to compile
-      # on a fresh machine; no real model needed) and the rest (the real model's tests among them)
-      local dirs; [ "$1" = ops ] && dirs=(tests/ops) || dirs=(tests --ignore=tests/ops)
-      $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider "${dirs[@]}" \
-        > "$OUT/$n.log" 2>&1 ;;
-    servet)  # the serving tests alone
-      $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=15 -p no:cacheprovider tests/serve > "$OUT/$n.log" 2>&1 ;;
+    suite | suite2) tests tests ;;  # the whole suite (docs/notes/2026-12-restructure.md)
+    # the suite in two parts, one pass together: tests/ops (the kernels, the longest to compile on a fresh
+    # machine; no real model needed) and the rest (the real model's tests among them)
+    ops) tests tests/ops ;;
+    rest) tests tests --ignore=tests/ops ;;
+    servet) tests tests/serve ;;  # the serving tests alone
     chunkprof)  # docs/serving.md: the served chunk against the model's own prefill
-      $PY benchmarks/serve_chunk_profile.py --out "$OUT/chunk-profile-$TAG.json" > "$OUT/$n.log" 2>&1 ;;
+      $PY benchmarks/serve_chunk_profile.py --out "$OUT/chunk-profile-$TAG.json" ;;
     paper)  # docs/serving.md: 2 x 128K in, against full attention
-      mkdir -p "$OUT/serve" "$OUT/steps"
-      $PY -m orthros bench serve --scenario paper --variants orthros full --out-dir "$OUT/serve" \
-        --plot-dir "$OUT/serve" --step-log-dir "$OUT/steps" --tag "serve-paper-$TAG" > "$OUT/$n.log" 2>&1 ;;
+      serve --scenario paper --variants orthros full --step-log-dir "$OUT/steps" --tag "serve-paper-$TAG" ;;
     faults)  # docs/serving.md: disconnects, over-capacity requests, a burst of 64 long requests
-      mkdir -p "$OUT/serve"
-      $PY -m orthros bench serve --scenario faults --out-dir "$OUT/serve" --plot-dir "$OUT/serve" \
-        --tag "serve-faults-$TAG" > "$OUT/$n.log" 2>&1 ;;
+      serve --scenario faults --tag "serve-faults-$TAG" ;;
     documents)  # docs/serving.md: chats about shared long documents
-      mkdir -p "$OUT/serve"
-      $PY -m orthros bench serve --scenario documents --out-dir "$OUT/serve" --plot-dir "$OUT/serve" \
-        --tag "serve-documents-$TAG" > "$OUT/$n.log" 2>&1 ;;
+      serve --scenario documents --tag "serve-documents-$TAG" ;;
+    long=*)  # docs/serving.md: one long request through HTTP, e.g. long=int4:1M (one case a stage)
+      serve --scenario long --tag "serve-$n-$TAG" --long-cases "${1#long=}" --capacity-dtypes ;;
+    cap=*)  # docs/serving.md: how many 128K requests a KV dtype's pool holds, e.g. cap=int4
+      serve --scenario long --tag "serve-$n-$TAG" --long-cases --capacity-dtypes "${1#cap=}" ;;
     screen)  # docs/results.md: the light twin against its full-weight row, rank and DoRA
-      $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r16-dora $LORA-r24 $LORA-r32 --out "$OUT/runs/screen" \
-        > "$OUT/$n.log" 2>&1 ;;
+      $CPT --arms $LORA-r16-dora $LORA-r24 $LORA-r32 --out "$OUT/runs/$n" ;;
     screen2)
-      $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r24-dora $LORA-r16-lp4 --out "$OUT/runs/screen2" \
-        > "$OUT/$n.log" 2>&1 ;;
+      $CPT --arms $LORA-r24-dora $LORA-r16-lp4 --out "$OUT/runs/$n" ;;
     screen3)  # the prose gap left at ranks 16-32: rank 64, and rank 24 at twice the LoRA rate
-      $CPT --jobs "${GPU_PLAN_JOBS:-1}" --arms $LORA-r64 $LORA-r24-lr2x --out "$OUT/runs/screen3" \
-        > "$OUT/$n.log" 2>&1 ;;
+      $CPT --arms $LORA-r64 $LORA-r24-lr2x --out "$OUT/runs/$n" ;;
     seed1)  # docs/results.md: the headline pair at a second seed
       $PY -m orthros experiment cpt --preset smollm2-w512-52m --device cuda --jobs 2 \
-        --arms orthros-cpt-sink-mix-aw-w1024-s1 full-cpt-mix-aw-s1 --out "$OUT/runs/seed1" > "$OUT/$n.log" 2>&1 ;;
+        --arms orthros-cpt-sink-mix-aw-w1024-s1 full-cpt-mix-aw-s1 --out "$OUT/runs/$n" ;;
     moe)  # docs/moe.md: quality at small scale
       $PY -m orthros experiment recall --preset gpu --device cuda --jobs 3 \
-        --archs full-moe orthros-moe orthros-moe-bound --out "$OUT/runs/moe" > "$OUT/$n.log" 2>&1 ;;
-    long=*)  # docs/serving.md: one long request through HTTP, e.g. long=int4:1M (one case a stage)
-      mkdir -p "$OUT/serve"
-      $PY -m orthros bench serve --scenario long --long-cases "${1#long=}" --capacity-dtypes --out-dir "$OUT/serve" \
-        --plot-dir "$OUT/serve" --tag "serve-$n-$TAG" > "$OUT/$n.log" 2>&1 ;;
-    cap=*)  # docs/serving.md: how many 128K requests a KV dtype's pool holds, e.g. cap=int4
-      mkdir -p "$OUT/serve"
-      $PY -m orthros bench serve --scenario long --long-cases --capacity-dtypes "${1#cap=}" --out-dir "$OUT/serve" \
-        --plot-dir "$OUT/serve" --tag "serve-$n-$TAG" > "$OUT/$n.log" 2>&1 ;;
+        --archs full-moe orthros-moe orthros-moe-bound --out "$OUT/runs/$n" ;;
+    *) echo "unknown stage: $1"; return 2 ;;
+  esac > "$OUT/$n.log" 2>&1
+}
+
+stage() {
+  case $1 in
     *+*)  # side by side
       local pids=() s
-      for s in ${1//+/ }; do stage "$s" & pids+=($!); done
+      for s in ${1//+/ }; do run "$s" & pids+=($!); done
       wait "${pids[@]}" ;;
-    *) echo "unknown stage: $1" >&2; return 2 ;;
+    *) run "$1" ;;
   esac
 }
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from orthros.bench.common import environment
 from orthros.bench.prefill import parse_len
 
 PARTS = ("send -> server", "intake", "to first step", "steps", "delivery")
@@ -138,8 +138,7 @@ def main(argv=None) -> list[dict]:
     finally:
         srv.stop()
         undo()
-    env = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    env = environment(torch.device("cpu"))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = "python benchmarks/serve_ttft_path.py " + " ".join(argv if argv is not None else sys.argv[1:])

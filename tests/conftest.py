@@ -9,6 +9,7 @@ import torch
 from orthros import OrthrosConfig, OrthrosForCausalLM
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ROOT = Path(__file__).resolve().parents[1]
 
 # Under `pytest -n N` each worker gets its share of the cores, and so do the processes a test
 # starts (CLIs, servers, Inductor's compile workers): N workers each running one thread per core
@@ -98,9 +99,6 @@ def run_triton_interpreted(*python_args: str, timeout: int = 600) -> subprocess.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     return subprocess.run([sys.executable, *python_args], env=env, capture_output=True, text=True,
                           cwd=ROOT, timeout=timeout)
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Interpreted:
