@@ -40,6 +40,9 @@ run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
       $PY benchmarks/serve_chunk_profile.py --out "$OUT/chunk-profile-$TAG.json" ;;
     paper)  # docs/serving.md: 2 x 128K in, against full attention
       serve --scenario paper --variants orthros full --step-log-dir "$OUT/steps" --tag "serve-paper-$TAG" ;;
+    paper16k)  # the same at a 16,384-token budget for both servers (one prompt's chunks beside the decodes)
+      serve --scenario paper --variants orthros full --budget 16384 --step-log-dir "$OUT/steps" \
+        --tag "serve-paper-b16384-$TAG" ;;
     faults)  # docs/serving.md: disconnects, over-capacity requests, a burst of 64 long requests
       serve --scenario faults --tag "serve-faults-$TAG" ;;
     documents)  # docs/serving.md: chats about shared long documents
