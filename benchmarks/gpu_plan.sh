@@ -25,7 +25,7 @@ LORA=orthros-lora-sink-mix-aw-w1024
 log() { echo "$(date -u +%T) $*" >> "$OUT/plan.txt"; }
 tests() { $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider "$@"; }
 serve() { $PY -m orthros bench serve "$@" --out-dir "$OUT/serve" --plot-dir "$OUT/serve"; }
-mkdir -p "$OUT/serve" "$OUT/steps" "$OUT/runs"
+mkdir -p "$OUT/serve" "$OUT/steps" "$OUT/runs" "$OUT/moe"
 
 run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
   local n=${1//[^A-Za-z0-9._-]/-}
@@ -60,6 +60,9 @@ run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
     seed1)  # docs/results.md: the headline pair at a second seed
       $PY -m orthros experiment cpt --preset smollm2-w512-52m --device cuda --jobs 2 \
         --arms orthros-cpt-sink-mix-aw-w1024-s1 full-cpt-mix-aw-s1 --out "$OUT/runs/$n" ;;
+    moedec)  # docs/moe.md: decode at 32K, 12 layers of the qwen3-30b-a3b shape, batches 1-64
+      $PY -m orthros bench decode --model qwen3-30b-a3b --variants full orthros-bound orthros orthros-base \
+        --contexts 32K --batches 1 8 32 64 --layers 12 --steps 50 --out-dir "$OUT/moe" --tag "decode-32k-12layers-$TAG" ;;
     moe)  # docs/moe.md: quality at small scale
       $PY -m orthros experiment recall --preset gpu --device cuda --jobs 3 \
         --archs full-moe orthros-moe orthros-moe-bound --out "$OUT/runs/$n" ;;
