@@ -444,6 +444,25 @@ def test_chunk_warm_up_leaves_no_trace(kv_dtype):
     assert out.tokens(0) == ref
 
 
+def test_eager_forwards_keep_no_autograd_graph_outside_inference_mode():
+    """The runner's eager forwards run without autograd however they are called: the warm-up
+    called by a script outside `Engine.start` (benchmarks/serve_chunk_profile.py) kept every
+    layer's activations of an 8,192-token chunk and ran out of memory on an 80 GB card."""
+    model = make_model("orthros", window=6, initializer_range=0.3)
+    eng = Engine(model, EngineConfig(block_size=4, num_blocks=96, max_num_batched_tokens=300, max_num_seqs=8,
+                                     chunk_align=128))
+    grad = []
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda *_: grad.append(torch.is_grad_enabled()))
+    try:
+        assert torch.is_grad_enabled()
+        eng.runner.compile_chunks(eng.blocks, eng.chunk_lengths())
+        eng.runner.warm_mixed_step(eng.blocks)
+        eng.warm_up()  # on CUDA, the same two; elsewhere nothing
+    finally:
+        hook.remove()
+    assert len(grad) >= 3 and not any(grad), grad
+
+
 def test_static_block_table_copies_only_what_changed_and_stays_exact():
     """The captured step's block table is refilled incrementally (appended blocks only): after
     rows grow, change hands to shorter or longer lists, and turn into padding, it equals the

@@ -137,8 +137,10 @@ class ModelRunner:
     def eager_forward(self, segments: list[Segment]) -> torch.Tensor:
         return self.run(PagedStepCache(self.pool, self.model.config, segments))
 
+    @torch.inference_mode()
     def run(self, cache: PagedStepCache) -> torch.Tensor:
-        """One eager forward through `cache`: logits [N, V] (fp32) at its output positions."""
+        """One eager forward through `cache`: logits [N, V] (fp32) at its output positions (no
+        autograd, whoever calls: the warm-up may run outside `Engine.start`)."""
         m = self.model
         h = m.model.forward_streams(m.model.embed_tokens(cache.input_ids), cache.layout, cache)
         return m.lm_head(h)[0].float()
