@@ -57,6 +57,8 @@ run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
       $CPT --arms $LORA-r24-dora $LORA-r16-lp4 --out "$OUT/runs/$n" ;;
     screen3)  # the prose gap left at ranks 16-32: rank 64, and rank 24 at twice the LoRA rate
       $CPT --arms $LORA-r64 $LORA-r24-lr2x --out "$OUT/runs/$n" ;;
+    screen4)  # the light twin distilled from its full-weight twin (trained first, in the same run)
+      $CPT --arms orthros-cpt-sink-mix-aw-w1024 $LORA-r24-kd-full --out "$OUT/runs/$n" ;;
     seed1)  # docs/results.md: the headline pair at a second seed
       $PY -m orthros experiment cpt --preset smollm2-w512-52m --device cuda --jobs 2 \
         --arms orthros-cpt-sink-mix-aw-w1024-s1 full-cpt-mix-aw-s1 --out "$OUT/runs/$n" ;;

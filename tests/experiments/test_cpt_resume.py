@@ -118,6 +118,12 @@ def test_the_window_arms_carry_their_window_seed_rank_and_frozen_projections():
     p = arm_preset("orthros-lora-sink-mix-aw-w512-r16", base)
     assert (ARMS["orthros-lora-sink-mix-aw-w512-r16"].mode, p.lora_rank, p.answer_weight) == ("lora+so", 16, 32.0)
     assert arm_preset("orthros-lora-sink-mix-aw-w512", base).lora_rank == 8
+    # the light twin distilled from its full-weight twin: that arm trains first in the same run, at its window
+    kd = ARMS["orthros-lora-sink-mix-aw-w1024-r24-kd-full"]
+    teacher = ARMS[kd.teacher]
+    assert (kd.mode, kd.window, teacher.mode, teacher.window) == ("lora+so", 1024, "all", 1024)
+    assert arm_preset("orthros-lora-sink-mix-aw-w1024-r24-kd-full", base).lora_rank == 24
+    assert all(a.teacher in (None, "source") or a.teacher in ARMS for a in ARMS.values())
 
 
 def test_a_sharpened_start_scales_the_output_queries_of_the_later_layers_only(tmp_path):

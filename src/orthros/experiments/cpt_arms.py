@@ -55,7 +55,7 @@ LORA_LR = 1e-3  # the light arms' LoRA learning rate (CPTPreset.lora_lr)
 
 def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = False, attn: bool = False,
             long: float = 0.0, long_text: bool = False, head: bool = False, lora_plus: float = 0.0,
-            dora: bool = False, lora_lr_x: float = 0.0) -> dict:
+            dora: bool = False, lora_lr_x: float = 0.0, teacher: str | None = None) -> dict:
     """{name: arm} of the retrieval recipe (sinks, retrieval data, answers x32) at full weights ("all") or
     as a light twin ("lora+so"), at a window, with the variant's seed, LoRA rank, W_Q / W_K frozen or
     LoRA on the attention projections only (`attn`: the MLPs as the source's), and the far context's
@@ -63,20 +63,22 @@ def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = Fa
     the answers keep their x32); `head`: LoRA on the LM head too (a delta of the tied head's own);
     `lora_plus`: the B factors learn this many times faster than the A factors (LoRA+); `dora`: the LoRA
     weight-decomposed (DoRA: each output row's length trained apart from its direction); `lora_lr_x`: the
-    LoRA factors' learning rate this many times CPTPreset's."""
+    LoRA factors' learning rate this many times CPTPreset's; `teacher`: distilled from that arm (KL on every
+    position, the answers' weight kept; the preset's K/V alignment first), which the run trains first."""
     light = mode == "lora+so"
     name = f"orthros-{'lora' if light else 'cpt'}-sink-mix-aw-w{window}" + (f"-s{seed}" if seed else "") \
         + (f"-r{rank}" if rank != 8 else "") + ("-fqk" if fqk else "") + ("-attn" if attn else "") \
         + ("-head" if head else "") + (f"-lce{long:g}" if long else "") + ("t" if long and long_text else "") \
         + (f"-lp{lora_plus:g}" if lora_plus else "") + ("-dora" if dora else "") \
-        + (f"-lr{lora_lr_x:g}x" if lora_lr_x else "")
+        + (f"-lr{lora_lr_x:g}x" if lora_lr_x else "") + ("-kd-" + _TEACHERS[teacher][0] if teacher else "")
     label = (f"Orthros + {SINK} sinks + {'light CPT (LoRA + SO)' if light else 'CPT'} with retrieval data, "
              f"answers x32, W={window}" + (f", seed {seed}" if seed else "") + (f", rank {rank}" if rank != 8 else "")
              + (", W_Q / W_K frozen" if fqk else "") + (", LoRA on attention only" if attn else "")
              + (", LoRA on the LM head too" if head else "")
              + (f", far-context {'text' if long_text else 'tokens'} weighed up to x{long:g}" if long else "")
              + (f", LoRA+ (B at x{lora_plus:g} the rate)" if lora_plus else "") + (", DoRA" if dora else "")
-             + (f", LoRA at x{lora_lr_x:g} the rate" if lora_lr_x else ""))
+             + (f", LoRA at x{lora_lr_x:g} the rate" if lora_lr_x else "")
+             + (f", distilled from {_TEACHERS[teacher][1]}" if teacher else ""))
     recipe = dict(answer_weight=32.0, **(dict(lora_rank=rank) if rank != 8 else {}),
                   **(dict(freeze=("q_proj", "k_proj")) if fqk else {}),
                   **(dict(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj")) if attn else {}),
@@ -85,8 +87,12 @@ def _recipe(mode: str, window: int, seed: int = 0, rank: int = 8, fqk: bool = Fa
                   **(dict(long_weight_answers=False) if long and long_text else {}),
                   **(dict(lora_b_ratio=lora_plus) if lora_plus else {}), **(dict(lora_dora=True) if dora else {}),
                   **(dict(lora_lr=LORA_LR * lora_lr_x) if lora_lr_x else {}))
-    return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, mix=True, window=window, seed=seed,
-                      recipe=recipe)}
+    return {name: Arm(label, dict(attention="orthros", sink_tokens=SINK), mode, teacher, mix=True, window=window,
+                      seed=seed, recipe=recipe)}
+
+
+# the teachers a recipe arm may name: how its name and its label call them
+_TEACHERS = {"orthros-cpt-sink-mix-aw-w1024": ("full", "its full-weight twin")}
 
 
 ARMS = {
@@ -218,6 +224,9 @@ ARMS = {
     # rank 16 to 32 and DoRA left prose at 8K +1.55% over full weights, the gap largest just past the window
     # (docs/results.md); LoRA+ x4 cost prose. The factors' one rate, doubled: under-trained at 160 steps?
     **_recipe("lora+so", 1024, rank=24, lora_lr_x=2),
+    # rank 64 (+1.9%) and twice the rate (+2.6%) widened the prose gap. The full-weight twin as the teacher:
+    # its logits on every position carry what the factors miss past the window, which its labels alone do not
+    **_recipe("lora+so", 1024, rank=24, teacher="orthros-cpt-sink-mix-aw-w1024"),
     "orthros-cpt-sink-mix-aw-s1": Arm(f"Orthros + {SINK} sinks + CPT with retrieval data, answers x32, seed 1",
                                       dict(attention="orthros", sink_tokens=SINK), "all", mix=True, seed=1,
                                       recipe=dict(answer_weight=32.0)),
