@@ -232,6 +232,23 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
     assert "--scenario paper --variants orthros full" in (out / "paper.log").read_text()
     long = (out / "long-int4-1M.log").read_text()
     assert "--long-cases int4:1M --capacity-dtypes --out-dir" in long and "serve-long-int4-1M-t" in long
+    # every `orthros bench` stage's command parses with the CLI's own parser (a bad flag would fail on the GPU)
+    import argparse
+    import shlex
+
+    from orthros.bench.cli import add_arguments
+
+    stages = ["paper", "paper16k", "faults", "documents", "long=int2:4M", "cap=int4", "moedec"]
+    subprocess.run(["bash", str(script), str(out / "bench"), *stages], env=env, check=True,
+                   cwd=SCRIPTS[0].parents[1], timeout=60)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for stage in stages:
+        argv = shlex.split((out / "bench" / f"{stage.replace('=', '-').replace(':', '-')}.log").read_text())
+        assert argv[:3] == ["-m", "orthros", "bench"], (stage, argv)
+        parsed = parser.parse_args(argv[3:])
+        assert parsed.out_dir.startswith(str(out / "bench")), stage
+    assert parser.parse_args(shlex.split((out / "bench" / "paper16k.log").read_text())[3:]).budget == 16384
     # every arm and preset it names exists (a misspelt one would fail on the GPU, minutes into a run)
     import re
 
@@ -239,7 +256,7 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
 
     text = script.read_text().replace("$LORA", "orthros-lora-sink-mix-aw-w1024")
     arms = {a for names in re.findall(r"--arms ((?:\S+ )+?)--out", text) for a in names.split()}
-    assert len(arms) == 9 and arms <= set(ARMS), arms - set(ARMS)
+    assert len(arms) == 11 and arms <= set(ARMS), arms - set(ARMS)
     assert set(re.findall(r"experiment cpt --preset (\S+)", text)) <= set(PRESETS)
     from orthros.experiments.presets import ARCHS
 
