@@ -171,6 +171,16 @@ def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
     assert "KV_DTYPE:LENGTH" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [["--budget", "0"], ["--budget", "-5"],
+                                   ["--scenario", "interference", "--budgets", "2048", "0"]])
+def test_a_token_budget_below_one_is_a_clear_error_before_a_server_starts(tmp_path, capsys, flags):
+    """--budget 0 ran with the default budget; a negative one started a server that refused it and
+    ended in a traceback."""
+    assert main(["bench", "serve", "--scale", "tiny", "--variants", "orthros", "--out-dir", str(tmp_path),
+                 *flags]) == 2
+    assert "budget" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
 def test_long_scenario_without_capacity_and_full_attention_without_low_bit(tmp_path, capsys):
     res = run(tmp_path, "long", "--server", "inprocess", "--long-cases", "int4:1M", "fp8:1M", "--capacity-dtypes")
     assert [(r["variant"], r["kv_dtype"], r["completed"]) for r in res["rows"]] == [

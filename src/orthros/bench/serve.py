@@ -308,6 +308,9 @@ def run(args):
     from .common import splice_marks
 
     name = args.tag or f"serve-{args.scenario}"
+    bad = [b for b in ([args.budget] if args.budget is not None else []) + (args.budgets or []) if b < 1]
+    if bad:
+        raise ValueError(f"a token budget must be at least 1 token, got {bad[0]} (--budget / --budgets)")
     if args.scenario in ("interference", "long", "faults") and args.url:
         raise ValueError(f"{args.scenario} starts servers of its own (per token budget or KV dtype): it cannot "
                          "use --url")
