@@ -171,14 +171,18 @@ def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
     assert "KV_DTYPE:LENGTH" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags", [["--budget", "0"], ["--budget", "-5"],
-                                   ["--scenario", "interference", "--budgets", "2048", "0"]])
-def test_a_token_budget_below_one_is_a_clear_error_before_a_server_starts(tmp_path, capsys, flags):
-    """--budget 0 ran with the default budget; a negative one started a server that refused it and
-    ended in a traceback."""
+@pytest.mark.parametrize("flags", [["--budget", "0"], ["--budget", "-5"], ["--concurrency", "0"],
+                                   ["--scenario", "interference", "--budgets", "0", "2048"],
+                                   ["--scenario", "custom", "--num-prompts", "0"], ["--warmup", "-1"],
+                                   ["--scenario", "custom", "--output-range", "0", "8"]])
+def test_a_count_below_its_least_is_a_clear_error_before_a_server_starts(tmp_path, capsys, flags):
+    """--budget 0, --concurrency 0 and --num-prompts 0 ran with the scenario's defaults; a negative
+    budget started a server that refused it and ended in a traceback."""
     assert main(["bench", "serve", "--scale", "tiny", "--variants", "orthros", "--out-dir", str(tmp_path),
                  *flags]) == 2
-    assert "budget" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    err = capsys.readouterr().err
+    flag = next(f for f in flags if f.startswith("--") and f != "--scenario")
+    assert f"{flag} must be at least" in err and not list(tmp_path.iterdir()), err
 
 
 def test_long_scenario_without_capacity_and_full_attention_without_low_bit(tmp_path, capsys):

@@ -304,13 +304,25 @@ def _interference(args, variant, commands, steps):
         yield row
 
 
+# counts a run takes from its flags, and the least each may be (0 or a negative one would otherwise be
+# taken as "the scenario's default", or start a server that refuses it)
+COUNTS = {"budget": 1, "budgets": 1, "concurrency": 1, "num_prompts": 1, "input_len": 1, "input_range": 1,
+          "output_len": 1, "output_range": 1, "window": 1, "layers": 1, "warmup": 0}
+
+
+def check_counts(args) -> None:
+    for name, least in COUNTS.items():
+        v = getattr(args, name)
+        for x in v if isinstance(v, list) else [] if v is None else [v]:
+            if x < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {x}")
+
+
 def run(args):
     from .common import splice_marks
 
     name = args.tag or f"serve-{args.scenario}"
-    bad = [b for b in ([args.budget] if args.budget is not None else []) + (args.budgets or []) if b < 1]
-    if bad:
-        raise ValueError(f"a token budget must be at least 1 token, got {bad[0]} (--budget / --budgets)")
+    check_counts(args)
     if args.scenario in ("interference", "long", "faults") and args.url:
         raise ValueError(f"{args.scenario} starts servers of its own (per token budget or KV dtype): it cannot "
                          "use --url")
