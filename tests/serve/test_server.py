@@ -493,3 +493,19 @@ def test_serve_command_errors_are_one_line(tmp_path, capsys):
     assert "not a model directory" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "model directory or --preset" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [(["--port", "99999"], "--port"), (["--port", "-1"], "--port"),
+                                         (["--block-size", "0"], "--block-size"),
+                                         (["--num-blocks", "0"], "--num-blocks"), (["--window", "0"], "--window"),
+                                         (["--layers", "0"], "--layers"), (["--max-num-seqs", "0"], "--max-num-seqs")])
+def test_serve_flags_out_of_range_are_one_line_errors(capsys, flags, said):
+    """A port past 65535 ended in an OverflowError from the socket; --block-size 0 served with the
+    default block size: each is now the parser's error, before a model is built."""
+    from orthros.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--preset", "tiny", "--device", "cpu", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said in err and "Traceback" not in err, err
