@@ -85,3 +85,20 @@ def is_oom(err: BaseException) -> bool:
     """Whether an exception says a device ran out of memory (torch.OutOfMemoryError, also after it
     crossed a process boundary, or its message)."""
     return type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower()
+
+
+def count_arg(least: int, most: int | None = None):
+    """An argparse type for a count a flag takes: a whole number in [least, most], else the parser's
+    one-line error (`argument --port: must be >= 0 and <= 65535, got 99999`)."""
+    import argparse
+
+    def parse(s: str) -> int:
+        try:
+            n = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a whole number, not {s!r}") from None
+        if n < least or (most is not None and n > most):
+            raise argparse.ArgumentTypeError(f"must be >= {least}" + (f" and <= {most}" if most is not None else "")
+                                             + f", got {n}")
+        return n
+    return parse

@@ -232,6 +232,11 @@ CASES = [
     ("experiment-unknown-arch", ["experiment", "recall", "--archs", "mamba", "--device", "cpu"], ["mamba"]),
     ("experiment-steps-0", ["experiment", "recall", "--steps", "0", "--device", "cpu"], ["--steps", ">= 1"]),
     ("experiment-jobs-0", ["experiment", "recall", "--jobs", "0", "--device", "cpu"], ["--jobs", ">= 1"]),
+    # cpt trained arms for 0 steps and reported them; --jobs 0 was said after the rows were prepared
+    ("experiment-cpt-steps-0", ["experiment", "cpt", "--steps", "160", "0", "--arms", "source", "--device", "cpu"],
+     ["--steps", ">= 1", "got 0"]),
+    ("experiment-cpt-jobs-0", ["experiment", "cpt", "--jobs", "0", "--arms", "source", "--device", "cpu"],
+     ["--jobs", ">= 1", "got 0"]),
     ("experiment-out-is-file", ["experiment", "recall", "--out", f"{W}/afile", "--device", "cpu"],
      ["{w}/afile", "--out must be a directory"]),
     # ---------------------------------------------------------------- demo

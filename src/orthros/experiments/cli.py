@@ -86,7 +86,7 @@ def run_cpt_command(args) -> int:
     from .cpt_arms import ARMS, DEFAULT_ARMS, PRESETS
     from .jobs import JobsFailed
 
-    from ..errors import check_output_dir
+    from ..errors import UserError, check_output_dir
 
     if getattr(args, "list_arms", False):  # (callers that build their own namespace have none)
         w = max(map(len, ARMS))
@@ -107,6 +107,10 @@ def run_cpt_command(args) -> int:
         print(res["table"])
         print(f"\nsaved {out}/" + ", ".join(res["files"]))
         return 0
+    for flag, values in (("--steps", args.steps or []), ("--jobs", [args.jobs]),
+                         ("--lm-eval-limit", [] if args.lm_eval_limit is None else [args.lm_eval_limit])):
+        if any(v < 1 for v in values):  # told before the rows are prepared
+            raise UserError(f"{flag} must be >= 1, got {min(values)}")
     arms = args.archs or list(getattr(PRESETS.get(preset), "arms", ()) or DEFAULT_ARMS)
     check_names(preset, arms)  # a misspelt name is told before the source is looked for
     source = args.source or smollm2_gguf()

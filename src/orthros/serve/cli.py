@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from ..errors import count_arg
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .config import EngineConfig
 
@@ -23,16 +24,16 @@ LOWBIT_BLOCK_SIZE = 64  # a low-bit pool's blocks hold whole key groups (`models
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=_count(1), default=None,
+    g.add_argument("--block-size", type=count_arg(1), default=None,
                    help="tokens per KV block (default 16; with a low-bit --kv-dtype 64, whole key groups)")
-    g.add_argument("--num-blocks", type=_count(1), default=None,
+    g.add_argument("--num-blocks", type=count_arg(1), default=None,
                    help="KV blocks in the pool (default: from --kv-cache-gib)")
     g.add_argument("--kv-cache-gib", type=float, default=None,
                    help="KV cache memory (default: CUDA 90%% of what is free after loading, CPU 1 GiB)")
-    g.add_argument("--max-num-batched-tokens", type=_count(1), default=2048,
+    g.add_argument("--max-num-batched-tokens", type=count_arg(1), default=2048,
                    help="token budget of one step (decodes first, then prompt chunks)")
-    g.add_argument("--max-num-seqs", type=_count(1), default=64, help="requests running at once")
-    g.add_argument("--max-queue", type=_count(0), default=256, help="waiting requests before 503")
+    g.add_argument("--max-num-seqs", type=count_arg(1), default=64, help="requests running at once")
+    g.add_argument("--max-queue", type=count_arg(0), default=256, help="waiting requests before 503")
     g.add_argument("--max-model-len", type=_model_len, default=None,
                    help="prompt + output limit: tokens, or 'auto' for what the KV pool holds "
                         "(default: the model's max_position_embeddings)")
@@ -45,20 +46,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true", help="run decode-only steps eagerly on CUDA")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="append one JSON line per engine step (what it ran, its time) to PATH")
-
-
-def _count(least: int, most: int | None = None):
-    """An argparse type: a whole number in [least, most]."""
-    def parse(s: str) -> int:
-        try:
-            n = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"a whole number, not {s!r}") from None
-        if n < least or (most is not None and n > most):
-            raise argparse.ArgumentTypeError(f"must be >= {least}" + (f" and <= {most}" if most is not None else "")
-                                             + f", got {n}")
-        return n
-    return parse
 
 
 def _model_len(s: str) -> int | str:
@@ -86,8 +73,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--preset", default=None, help="serve a named config with random weights instead of MODEL_DIR")
     g.add_argument("--attention", default=None, choices=("orthros", "full", "swa"), help="override the model's")
-    g.add_argument("--window", type=_count(1), default=None, help="override the sliding window")
-    g.add_argument("--layers", type=_count(1), default=None, help="preset only: number of layers")
+    g.add_argument("--window", type=count_arg(1), default=None, help="override the sliding window")
+    g.add_argument("--layers", type=count_arg(1), default=None, help="preset only: number of layers")
     g.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="weights (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -97,7 +84,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="model directory (config.json, weights, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_count(0, 65535), default=8000, help="0: a free port")
+    p.add_argument("--port", type=count_arg(0, 65535), default=8000, help="0: a free port")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json"),
                    help="how tool calls are read from chat answers (default: the format the chat template shows)")
     p.add_argument("--api-key", default=os.environ.get("ORTHROS_API_KEY"),
