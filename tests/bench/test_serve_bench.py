@@ -171,6 +171,15 @@ def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
     assert "KV_DTYPE:LENGTH" in capsys.readouterr().err
 
 
+def test_the_plot_goes_beside_the_json_unless_told(tmp_path, monkeypatch):
+    """With --out-dir and no --plot-dir the plot went to benchmarks/results/serve, over the committed
+    plot of the GPU run, wherever the JSON went."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "serve", "--scale", "tiny", "--variants", "orthros", "--server", "inprocess",
+                 "--out-dir", "elsewhere"]) == 0
+    assert (tmp_path / "elsewhere" / "serve-paper.png").is_file() and not (tmp_path / "benchmarks").exists()
+
+
 @pytest.mark.parametrize("flags", [["--budget", "0"], ["--budget", "-5"], ["--concurrency", "0"],
                                    ["--scenario", "interference", "--budgets", "0", "2048"],
                                    ["--scenario", "custom", "--num-prompts", "0"], ["--warmup", "-1"],

@@ -121,7 +121,7 @@ def add_arguments(p):
                    help="more `orthros serve` flags for every started server, one string "
                         "(e.g. --server-args=\"--no-prefix-caching\"); a scenario's own settings win")
     p.add_argument("--out-dir", default="benchmarks/results/serve", help="where serve-<scenario>.json / .md go")
-    p.add_argument("--plot-dir", default="benchmarks/results/serve", help="where serve-<scenario>.png goes")
+    p.add_argument("--plot-dir", default=None, help="where serve-<scenario>.png goes (default: --out-dir)")
     add_docs_argument(p, "docs/serving.md")
     p.add_argument("--tag", default=None, help="output files <tag>.json / .md / .png and the table's marks "
                    "(default: serve-<scenario>)")
@@ -367,8 +367,9 @@ def run(args):
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"{name}.md"), "w") as f:
         f.write(text + "\n")
-    os.makedirs(args.plot_dir, exist_ok=True)
-    plot(res, os.path.join(args.plot_dir, f"{name}.png"))
+    plot_dir = args.plot_dir or args.out_dir
+    os.makedirs(plot_dir, exist_ok=True)
+    plot(res, os.path.join(plot_dir, f"{name}.png"))
     print(text)
     if splice_marks(args.docs, text, (f"<!-- {name}-table:begin -->", f"<!-- {name}-table:end -->")):
         print(f"table written into {args.docs}")
