@@ -38,6 +38,10 @@ run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
     servet) tests tests/serve ;;  # the serving tests alone
     chunkprof)  # docs/serving.md: the served chunk against the model's own prefill
       $PY benchmarks/serve_chunk_profile.py --out "$OUT/chunk-profile-$TAG.json" ;;
+    mixed8k)  # docs/serving.md: the paper setting's mixed step (a 128K stream's decode beside an 8,192-token
+      # chunk of a second 128K prompt) as one eager forward against the decode's graph + the chunk's forward
+      $PY benchmarks/serve_step_profile.py --streams 1 --context 126976 --long 131072 --budgets 8192 \
+        --variants orthros full --kv-gib 48 --steps 10 --out "$OUT/step-profile-mixed-8192-$TAG.json" ;;
     paper)  # docs/serving.md: 2 x 128K in, against full attention
       serve --scenario paper --variants orthros full --step-log-dir "$OUT/steps" --tag "serve-paper-$TAG" ;;
     paper16k)  # the same at a 16,384-token budget for both servers (one prompt's chunks beside the decodes)
