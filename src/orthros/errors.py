@@ -13,6 +13,7 @@ shows the traceback of a user error too (for developers).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -87,18 +88,25 @@ def is_oom(err: BaseException) -> bool:
     return type(err).__name__ == "OutOfMemoryError" or "out of memory" in str(err).lower()
 
 
+class CountError(UserError, argparse.ArgumentTypeError):
+    """A count out of its range: the parser's one-line error for a flag's value, a UserError where the
+    value is read later (a length inside `bench serve --long-cases`)."""
+
+
+def check_count(n: int, least: int, most: int | None = None) -> int:
+    """n if it lies in [least, most], else CountError (`must be >= 0 and <= 65535, got 99999`)."""
+    if n < least or (most is not None and n > most):
+        raise CountError(f"must be >= {least}" + (f" and <= {most}" if most is not None else "") + f", got {n}")
+    return n
+
+
 def count_arg(least: int, most: int | None = None):
     """An argparse type for a count a flag takes: a whole number in [least, most], else the parser's
     one-line error (`argument --port: must be >= 0 and <= 65535, got 99999`)."""
-    import argparse
-
     def parse(s: str) -> int:
         try:
             n = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"a whole number, not {s!r}") from None
-        if n < least or (most is not None and n > most):
-            raise argparse.ArgumentTypeError(f"must be >= {least}" + (f" and <= {most}" if most is not None else "")
-                                             + f", got {n}")
-        return n
+        return check_count(n, least, most)
     return parse

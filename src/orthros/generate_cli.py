@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .data.tokenizer import load_tokenizer
-from .errors import UserError
+from .errors import UserError, count_arg
 from .generate import generate
 from .models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .loading import check_model_dir, load_model, resolve_device
@@ -25,12 +25,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template; print the answer only")
     p.add_argument("--adapter", default=None, help="a light-CPT adapter directory to apply first (adapter.json)")
-    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--max-new-tokens", type=count_arg(0), default=100)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-k", type=count_arg(1), default=40)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--prefill-chunk-size", type=int, default=None)
+    p.add_argument("--prefill-chunk-size", type=count_arg(1), default=None)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV cache's storage: anything but auto runs the fast path (a static cache; int4 / int2 / "
                         "k4v2: Orthros models, bf16 for the window and 4 sink tokens, low-bit beyond)")
@@ -39,16 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args) -> None:
     """Range checks before anything is loaded."""
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.temperature >= 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError(f"--top-k must be >= 1, got {args.top_k}")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must lie in (0, 1], got {args.top_p}")
-    if args.prefill_chunk_size is not None and args.prefill_chunk_size < 1:
-        raise UserError(f"--prefill-chunk-size must be >= 1, got {args.prefill_chunk_size}")
     if not args.prompt:
         raise UserError("--prompt is empty")
 

@@ -165,10 +165,12 @@ def test_long_scenario_low_bit_servers_size_themselves(tmp_path):
     assert "int2" in (tmp_path / "serve-long.md").read_text()
 
 
-def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys):
-    assert main(["bench", "serve", "--scenario", "long", "--scale", "tiny", "--long-cases", "int3:1M",
+@pytest.mark.parametrize("case, said", [("int3:1M", "KV_DTYPE:LENGTH"),
+                                        ("int4:0", "--long-cases int4:0: must be >= 1, got 0")])
+def test_long_scenario_bad_case_is_a_clear_error(tmp_path, capsys, case, said):
+    assert main(["bench", "serve", "--scenario", "long", "--scale", "tiny", "--long-cases", case,
                  "--out-dir", str(tmp_path), "--docs", "/dev/null"]) != 0
-    assert "KV_DTYPE:LENGTH" in capsys.readouterr().err
+    assert said in capsys.readouterr().err
 
 
 def test_the_plot_goes_beside_the_json_unless_told(tmp_path, monkeypatch):
@@ -180,18 +182,23 @@ def test_the_plot_goes_beside_the_json_unless_told(tmp_path, monkeypatch):
     assert (tmp_path / "elsewhere" / "serve-paper.png").is_file() and not (tmp_path / "benchmarks").exists()
 
 
-@pytest.mark.parametrize("flags", [["--budget", "0"], ["--budget", "-5"], ["--concurrency", "0"],
-                                   ["--scenario", "interference", "--budgets", "0", "2048"],
-                                   ["--scenario", "custom", "--num-prompts", "0"], ["--warmup", "-1"],
-                                   ["--scenario", "custom", "--output-range", "0", "8"]])
-def test_a_count_below_its_least_is_a_clear_error_before_a_server_starts(tmp_path, capsys, flags):
+@pytest.mark.parametrize("flags, said", [
+    (["--budget", "0"], "--budget: must be >= 1, got 0"), (["--budget", "-5"], "--budget: must be >= 1, got -5"),
+    (["--concurrency", "0"], "--concurrency: must be >= 1, got 0"),
+    (["--scenario", "interference", "--budgets", "2048", "0"], "--budgets: must be >= 1, got 0"),
+    (["--scenario", "custom", "--num-prompts", "0"], "--num-prompts: must be >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup: must be >= 0, got -1"),
+    (["--scenario", "custom", "--output-range", "0", "8"], "--output-range: must be >= 1, got 0"),
+    (["--scenario", "custom", "--input-len", "0K"], "--input-len: must be >= 1, got 0")])
+def test_a_count_below_its_least_is_a_clear_error_before_a_server_starts(tmp_path, capsys, flags, said):
     """--budget 0, --concurrency 0 and --num-prompts 0 ran with the scenario's defaults; a negative
     budget started a server that refused it and ended in a traceback."""
-    assert main(["bench", "serve", "--scale", "tiny", "--variants", "orthros", "--out-dir", str(tmp_path),
-                 *flags]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--scale", "tiny", "--variants", "orthros", "--out-dir", str(tmp_path), *flags])
     err = capsys.readouterr().err
-    flag = next(f for f in flags if f.startswith("--") and f != "--scenario")
-    assert f"{flag} must be at least" in err and not list(tmp_path.iterdir()), err
+    assert e.value.code == 2, err
+    assert err.splitlines()[-1] == f"orthros bench serve: error: argument {said}", err
+    assert not list(tmp_path.iterdir()), "a refused run wrote files"
 
 
 def test_long_scenario_without_capacity_and_full_attention_without_low_bit(tmp_path, capsys):

@@ -4,6 +4,8 @@ Each case runs `orthros.cli.main(argv)` in process and checks: exit code 2,
 stderr exactly one line `orthros CMD: error: ...` naming the file and the
 problem, no traceback, nothing in the input tree changed or created (hashed
 before and after), and no pickle ever unpickled (inputs.MARKER never appears).
+A count below its least is the parser's error instead: its usage, then one
+line `orthros CMD: error: argument --FLAG: must be >= N, got X`, exit code 2.
 """
 
 from __future__ import annotations
@@ -81,12 +83,9 @@ CASES = [
     ("gen-damaged-tokenizer", gen("badtok"), ["{w}/badtok/tokenizer.json", "not valid JSON"]),
     ("gen-tokenizer-beyond-vocab", gen("bigtok"), ["{w}/bigtok", "outside the model's vocabulary",
                                                    "vocab_size=256"]),
-    ("gen-max-new-tokens-negative", gen("byte", "--max-new-tokens", "-1"), ["--max-new-tokens", ">= 0"]),
     ("gen-temperature-negative", gen("byte", "--temperature", "-0.5"), ["--temperature", ">= 0"]),
     ("gen-top-p-above-1", gen("byte", "--top-p", "1.5"), ["--top-p", "(0, 1]"]),
     ("gen-top-p-0", gen("byte", "--top-p", "0"), ["--top-p", "(0, 1]"]),
-    ("gen-top-k-0", gen("byte", "--top-k", "0"), ["--top-k", ">= 1"]),
-    ("gen-chunk-0", gen("byte", "--prefill-chunk-size", "0"), ["--prefill-chunk-size", ">= 1"]),
     ("gen-empty-prompt", gen("byte", prompt=""), ["--prompt", "empty"]),
     ("gen-prompt-beyond-context", gen("byte", prompt="x" * 100),
      ["{w}/byte/config.json", "prompt (100 tokens)", "max_position_embeddings=64"]),
@@ -190,8 +189,6 @@ CASES = [
      ["{w}/binary.txt", "not UTF-8 text"]),
     ("eval-empty-ppl-data", ev("byte", "--task", "ppl", "--ppl-data", f"{W}/empty.txt"),
      ["{w}/empty.txt", "is empty"]),
-    ("eval-batch-size-0", ev("byte", "--batch-size", "0"), ["--batch-size", ">= 1"]),
-    ("eval-length-0", ev("byte", "--mqar-lengths", "0"), ["--mqar-lengths", ">= 1"]),
     ("eval-depth-above-1", ev("byte", "--task", "passkey", "--passkey-depths", "1.5"), ["--passkey-depths",
                                                                                         "[0, 1]"]),
     ("eval-unknown-task", ev("byte", "--task", "mmlu"), ["--task", "mmlu"]),
@@ -223,34 +220,62 @@ CASES = [
      ["{w}/pickle_pt/model.pt", PICKLE]),
     ("bench-out-dir-is-file", ["bench", "prefill", "--models", "tiny", "--out-dir", f"{W}/afile"],
      ["{w}/afile", "--out-dir must be a directory"]),
-    ("bench-window-0", ["bench", "prefill", "--models", "tiny", "--window", "0", "--device", "cpu"],
-     ["--window", ">= 1"]),
     ("bench-bad-device", ["bench", "decode", "--model", "tiny", "--device", "tpu0"], ["--device", "not a device"]),
     # ---------------------------------------------------------- experiment
     ("experiment-unknown-preset", ["experiment", "recall", "--preset", "huge", "--device", "cpu"],
      ["unknown preset 'huge'"]),
     ("experiment-unknown-arch", ["experiment", "recall", "--archs", "mamba", "--device", "cpu"], ["mamba"]),
-    ("experiment-steps-0", ["experiment", "recall", "--steps", "0", "--device", "cpu"], ["--steps", ">= 1"]),
-    ("experiment-jobs-0", ["experiment", "recall", "--jobs", "0", "--device", "cpu"], ["--jobs", ">= 1"]),
-    # cpt trained arms for 0 steps and reported them; --jobs 0 was said after the rows were prepared
-    ("experiment-cpt-steps-0", ["experiment", "cpt", "--steps", "160", "0", "--arms", "source", "--device", "cpu"],
-     ["--steps", ">= 1", "got 0"]),
-    ("experiment-cpt-jobs-0", ["experiment", "cpt", "--jobs", "0", "--arms", "source", "--device", "cpu"],
-     ["--jobs", ">= 1", "got 0"]),
     ("experiment-out-is-file", ["experiment", "recall", "--out", f"{W}/afile", "--device", "cpu"],
      ["{w}/afile", "--out must be a directory"]),
     # ---------------------------------------------------------------- demo
-    ("demo-window-0", ["demo", "--window", "0"], ["--window", ">= 1"]),
-    ("demo-max-new-tokens-negative", ["demo", "--max-new-tokens", "-1"], ["--max-new-tokens", ">= 0"]),
     ("demo-fact-depth-past-the-end", ["demo", "--fact-depths", "0.5", "1.5"], ["--fact-depths", "[0, 1]"]),
     ("demo-out-is-file", ["demo", "--out", f"{W}/afile"], ["{w}/afile", "--out must be a directory"]),
     ("demo-not-an-adapter", ["demo", "--adapter", f"{W}/nodata"], ["{w}/nodata", "not an adapter directory"]),
-    ("demo-sink-tokens-negative", ["demo", "--sink-tokens", "-1"], ["--sink-tokens", ">= 0"]),
-    ("demo-recall-window-0", ["demo", "--recall", "--window", "0"], ["--window", ">= 1"]),
-    ("demo-recall-max-new-tokens-negative", ["demo", "--recall", "--max-new-tokens", "-1"],
-     ["--max-new-tokens", ">= 0"]),
     ("demo-recall-mqar-length-too-short", ["demo", "--recall", "--mqar-lengths", "8"], ["--mqar-lengths 8", "seq_len"]),
     ("demo-recall-out-is-file", ["demo", "--recall", "--out", f"{W}/afile"], ["{w}/afile", "--out must be a directory"]),
+]
+
+# a count a flag takes, below its least: the parser's error (errors.count_arg), the line after its usage
+COUNT_CASES = [
+    ("gen-max-new-tokens-negative", gen("byte", "--max-new-tokens", "-1"),
+     "orthros generate: error: argument --max-new-tokens: must be >= 0, got -1"),
+    ("gen-top-k-0", gen("byte", "--top-k", "0"), "orthros generate: error: argument --top-k: must be >= 1, got 0"),
+    ("gen-chunk-0", gen("byte", "--prefill-chunk-size", "0"),
+     "orthros generate: error: argument --prefill-chunk-size: must be >= 1, got 0"),
+    ("eval-batch-size-0", ev("byte", "--batch-size", "0"),
+     "orthros eval: error: argument --batch-size: must be >= 1, got 0"),
+    ("eval-length-0", ev("byte", "--mqar-lengths", "64", "0"),
+     "orthros eval: error: argument --mqar-lengths: must be >= 1, got 0"),
+    ("eval-ppl-seq-len-1", ev("byte", "--task", "ppl", "--ppl-seq-len", "1"),
+     "orthros eval: error: argument --ppl-seq-len: must be >= 2, got 1"),
+    ("harness-negative-fewshot", harness("bpe", "--num-fewshot", "-1"),
+     "orthros eval-harness: error: argument --num-fewshot: must be >= 0, got -1"),
+    ("bench-window-0", ["bench", "prefill", "--models", "tiny", "--window", "0", "--device", "cpu"],
+     "orthros bench prefill: error: argument --window: must be >= 1, got 0"),
+    ("bench-length-0", ["bench", "prefill", "--models", "tiny", "--lengths", "8K", "0", "--device", "cpu"],
+     "orthros bench prefill: error: argument --lengths: must be >= 1, got 0"),
+    ("bench-timed-steps-1", ["bench", "e2e", "--model", "tiny", "--max-timed-steps", "1", "--device", "cpu"],
+     "orthros bench e2e: error: argument --max-timed-steps: must be >= 2, got 1"),
+    ("experiment-steps-0", ["experiment", "recall", "--steps", "0", "--device", "cpu"],
+     "orthros experiment: error: argument --steps: must be >= 1, got 0"),
+    ("experiment-jobs-0", ["experiment", "recall", "--jobs", "0", "--device", "cpu"],
+     "orthros experiment: error: argument --jobs: must be >= 1, got 0"),
+    # cpt trained arms for 0 steps and reported them; --jobs 0 was said after the rows were prepared
+    ("experiment-cpt-steps-0", ["experiment", "cpt", "--steps", "160", "0", "--arms", "source", "--device", "cpu"],
+     "orthros experiment: error: argument --steps: must be >= 1, got 0"),
+    ("experiment-cpt-jobs-0", ["experiment", "cpt", "--jobs", "0", "--arms", "source", "--device", "cpu"],
+     "orthros experiment: error: argument --jobs: must be >= 1, got 0"),
+    ("demo-window-0", ["demo", "--window", "0"], "orthros demo: error: argument --window: must be >= 1, got 0"),
+    ("demo-max-new-tokens-negative", ["demo", "--max-new-tokens", "-1"],
+     "orthros demo: error: argument --max-new-tokens: must be >= 0, got -1"),
+    ("demo-sink-tokens-negative", ["demo", "--sink-tokens", "-1"],
+     "orthros demo: error: argument --sink-tokens: must be >= 0, got -1"),
+    ("demo-recall-window-0", ["demo", "--recall", "--window", "0"],
+     "orthros demo: error: argument --window: must be >= 1, got 0"),
+    ("demo-recall-max-new-tokens-negative", ["demo", "--recall", "--max-new-tokens", "-1"],
+     "orthros demo: error: argument --max-new-tokens: must be >= 0, got -1"),
+    ("demo-recall-seq-len-16", ["demo", "--recall", "--seq-len", "16"],
+     "orthros demo: error: argument --seq-len: must be >= 32, got 16"),
 ]
 
 
@@ -279,6 +304,25 @@ def test_bad_input_is_one_clear_line(world, argv, expect, capfd, monkeypatch):
     assert out == ""
     assert not (world / MARKER).exists(), "a pickle was unpickled"
     assert tree_digest(world) == before, "a failed command changed its inputs or left files behind"
+
+
+@pytest.mark.parametrize("argv, said", [pytest.param(a, e, id=i) for i, a, e in COUNT_CASES])
+def test_a_count_below_its_least_is_the_parsers_error(world, argv, said, capfd, monkeypatch):
+    """argparse's usage and one line naming the flag, exit code 2 (SystemExit), before anything is
+    read, run or written."""
+    monkeypatch.chdir(world / "cwd")
+    monkeypatch.delenv("ORTHROS_DEBUG", raising=False)
+    argv = [a.replace(W, str(world)) for a in argv]
+    before = tree_digest(world)
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capfd.readouterr()
+    lines = err.splitlines()
+    assert e.value.code == 2, err
+    assert lines[0].startswith("usage: ") and lines[-1] == said, err
+    assert "Traceback" not in err and out == ""
+    assert tree_digest(world) == before, "a refused command changed its inputs or left files behind"
 
 
 def test_every_subcommand_is_swept():

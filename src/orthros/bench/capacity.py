@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from ..errors import count_arg
 from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..generate import prefill as run_prefill
 from ..models import OrthrosConfig
@@ -38,9 +39,10 @@ def add_arguments(p):
                         "DTYPE:L1,L2,... (else --lengths)")
     p.add_argument("--lengths", nargs="+", type=parse_len, default=[parse_len(x) for x in ("1M", "2M", "3M", "4M")],
                    help="prompt lengths tried in ascending order (stops at the first that does not fit)")
-    p.add_argument("--new", type=int, default=32, help="tokens generated after the prompt (the first from prefill)")
-    p.add_argument("--warmup", type=int, default=3, help="decode steps that compile / capture (untimed)")
-    p.add_argument("--window", type=int, default=128, help="Orthros window size")
+    p.add_argument("--new", type=count_arg(1), default=32,
+                   help="tokens generated after the prompt (the first from prefill)")
+    p.add_argument("--warmup", type=count_arg(0), default=3, help="decode steps that compile / capture (untimed)")
+    p.add_argument("--window", type=count_arg(1), default=128, help="Orthros window size")
     p.add_argument("--chunk-size", type=parse_len, default=None, help="prefill chunk (default: auto_chunk_size)")
     p.add_argument("--bandwidth", type=float, default=None,
                    help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read and "
@@ -194,8 +196,6 @@ def plot(result, path):
 
 def run(args):
     def measure_checked():
-        if args.window < 1 or args.new < 1 or args.warmup < 0:
-            raise ValueError("--window and --new must be >= 1, --warmup >= 0")
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
         return measure(args)
 

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from ..errors import count_arg
 from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_step, new_static_cache
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
@@ -46,11 +47,11 @@ VARIANTS = ("orthros", "full", "orthros-bound", "orthros-base")
 def add_arguments(p):
     p.add_argument("--model", default="llama-3.1-8b", help="config name (shape)")
     p.add_argument("--contexts", nargs="+", type=parse_len, default=[parse_len(x) for x in ("4K", "32K", "128K")])
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--batches", nargs="+", type=count_arg(1), default=[1, 2])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["orthros", "full"])
-    p.add_argument("--window", type=int, default=128, help="Orthros window size")
-    p.add_argument("--steps", type=int, default=100, help="timed decode steps per row")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, graph capture)")
+    p.add_argument("--window", type=count_arg(1), default=128, help="Orthros window size")
+    p.add_argument("--steps", type=count_arg(1), default=100, help="timed decode steps per row")
+    p.add_argument("--warmup", type=count_arg(0), default=5, help="untimed steps first (compilation, graph capture)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     p.add_argument("--bandwidth", type=float, default=None,
@@ -451,8 +452,6 @@ def plot(result, path):
 
 def run(args):
     def measure_checked():
-        if args.window < 1 or args.steps < 1 or args.warmup < 0 or min(args.batches) < 1:
-            raise ValueError("--window, --steps and --batches must be >= 1, --warmup >= 0")
         if args.kv_dtype in LOWBIT_KV_DTYPES and "full" in args.variants:
             raise ValueError(f"--kv-dtype {args.kv_dtype} is an Orthros cache (a full model's queries read every "
                              "key in bf16): add --variants orthros")

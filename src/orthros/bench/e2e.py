@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+from ..errors import count_arg
 from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_fast, fast_decode_step,
                         new_static_cache, prefill)
 from ..models import OrthrosConfig
@@ -54,14 +55,14 @@ def add_arguments(p):
     p.add_argument("--model", default="llama-3.1-8b", help="config name (shape)")
     p.add_argument("--settings", nargs="+", type=parse_setting,
                    default=[parse_setting(s) for s in ("128K/128", "127K/1K", "120K/8K")], help="PROMPT/NEW pairs")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=count_arg(1), default=2)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--window", type=int, default=128, help="Orthros window size")
+    p.add_argument("--window", type=count_arg(1), default=128, help="Orthros window size")
     p.add_argument("--chunk-size", type=parse_len, default=None,
                    help="prefill chunk (default: 128K)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
-    p.add_argument("--warmup", type=int, default=3, help="decode steps that compile / capture (untimed)")
-    p.add_argument("--max-timed-steps", type=int, default=1024, help="longer outputs are timed at both ends")
+    p.add_argument("--warmup", type=count_arg(0), default=3, help="decode steps that compile / capture (untimed)")
+    p.add_argument("--max-timed-steps", type=count_arg(2), default=1024, help="longer outputs are timed at both ends")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -305,10 +306,6 @@ def plot(result, path):
 
 def run(args):
     def measure_checked():
-        if args.window < 1 or args.batch < 1 or args.warmup < 0 or args.max_timed_steps < 2:
-            raise ValueError("--window and --batch must be >= 1, --warmup >= 0, --max-timed-steps >= 2")
-        if any(n < 1 for _, n in args.settings):
-            raise ValueError("each setting needs at least one new token")
         OrthrosConfig.from_name(args.model)  # a clear error for unknown names before any work
         if args.kv_dtype in LOWBIT_KV_DTYPES and "full" in args.variants and not args.agreement:
             raise ValueError(f"--kv-dtype {args.kv_dtype} is an Orthros cache (a full model's queries read every "

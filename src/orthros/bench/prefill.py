@@ -23,6 +23,7 @@ import sys
 
 import torch
 
+from ..errors import check_count, count_arg
 from ..generate import prefill
 from ..models import OrthrosConfig
 from .common import (DTYPES, add_docs_argument, attention_removed, build_hf_peer, build_model, environment, free_memory,
@@ -38,16 +39,14 @@ def parse_len(s: str) -> int:
         n = int(float(s[:-1] if mult > 1 else s) * mult)
     except ValueError:
         raise ValueError(f"not a length: {s!r} (use e.g. 8192, 32K, 1M)") from None
-    if n < 1:
-        raise ValueError(f"lengths must be >= 1, got {s!r}")
-    return n
+    return check_count(n, 1)
 
 
 def add_arguments(p):
     p.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], help="config names (shapes)")
     p.add_argument("--lengths", nargs="+", type=parse_len, default=[parse_len(x) for x in ("8K", "32K", "128K", "256K", "512K")])
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    p.add_argument("--window", type=int, default=128, help="Orthros window size")
+    p.add_argument("--window", type=count_arg(1), default=128, help="Orthros window size")
     p.add_argument("--chunk-size", type=parse_len, default=parse_len("128K"), help="prefill chunk for orthros/floor")
     p.add_argument("--full-chunk-from", type=parse_len, default=parse_len("512K"),
                    help="full attention prefills prompts this long or longer in --chunk-size chunks")
@@ -268,8 +267,6 @@ def plot(result, path):
 
 def run(args):
     def measure_checked():
-        if args.window < 1:
-            raise ValueError(f"--window must be >= 1, got {args.window}")
         for m in args.models:
             OrthrosConfig.from_name(m)  # a clear error for unknown names before any work
         return measure(args)

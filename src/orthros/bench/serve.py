@@ -81,6 +81,9 @@ def parse_rate(s: str) -> float:
 
 
 def add_arguments(p):
+    """Counts are refused below 1 (--warmup: 0) by the parser: 0 would be taken as "the scenario's default",
+    a negative one start a server that refuses it."""
+    from ..errors import count_arg
     from .common import add_docs_argument
     from .prefill import parse_len
 
@@ -91,8 +94,9 @@ def add_arguments(p):
     p.add_argument("--model-name", default=None, help="the model name the --url server serves")
     p.add_argument("--server", choices=("subprocess", "inprocess"), default="subprocess",
                    help="how started servers run (inprocess shares this process and its GIL)")
-    p.add_argument("--window", type=int, default=None, help="Orthros window size (default: 128; tiny scale 16)")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
+    p.add_argument("--window", type=count_arg(1), default=None,
+                   help="Orthros window size (default: 128; tiny scale 16)")
+    p.add_argument("--layers", type=count_arg(1), default=None, help="override the layer count (smoke runs)")
     p.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                    help="the started servers' KV storage (int4 / int2 / k4v2: Orthros only; long sets its own)")
     p.add_argument("--long-cases", nargs="*", default=None, metavar="KV:LEN",
@@ -100,18 +104,18 @@ def add_arguments(p):
     p.add_argument("--capacity-dtypes", nargs="*", default=None, metavar="KV",
                    help=f"long: KV dtypes whose pools are filled with 128K requests (default "
                         f"{' '.join(CAPACITY_DTYPES)}; none: skip)")
-    p.add_argument("--budget", type=int, default=None,
+    p.add_argument("--budget", type=count_arg(1), default=None,
                    help="max_num_batched_tokens, not interference (default: 8192; tiny scale 64)")
-    p.add_argument("--budgets", nargs="+", type=int, default=None, help="interference: token budgets")
+    p.add_argument("--budgets", nargs="+", type=count_arg(1), default=None, help="interference: token budgets")
     p.add_argument("--rates", nargs="+", type=parse_rate, default=None,
                    help="Poisson arrival rates (req/s, documents: chats/s; inf)")
-    p.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests a run (documents: chats)")
+    p.add_argument("--concurrency", type=count_arg(1), default=None, help="at most this many requests in flight")
+    p.add_argument("--num-prompts", type=count_arg(1), default=None, help="requests a run (documents: chats)")
     p.add_argument("--input-len", type=parse_len, default=None, help="custom: prompt length (fixed)")
     p.add_argument("--input-range", type=parse_len, nargs=2, default=None, help="custom: log-uniform prompt lengths")
-    p.add_argument("--output-len", type=int, default=None, help="custom: output length (fixed)")
-    p.add_argument("--output-range", type=int, nargs=2, default=None, help="custom: uniform output lengths")
-    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds per server (compilation)")
+    p.add_argument("--output-len", type=count_arg(1), default=None, help="custom: output length (fixed)")
+    p.add_argument("--output-range", type=count_arg(1), nargs=2, default=None, help="custom: uniform output lengths")
+    p.add_argument("--warmup", type=count_arg(0), default=1, help="untimed warm-up rounds per server (compilation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-log-dir", default=None,
                    help="each started server logs its engine steps to DIR/<tag>-<attention>-budget<N>.jsonl "
@@ -304,25 +308,10 @@ def _interference(args, variant, commands, steps):
         yield row
 
 
-# counts a run takes from its flags, and the least each may be (0 or a negative one would otherwise be
-# taken as "the scenario's default", or start a server that refuses it)
-COUNTS = {"budget": 1, "budgets": 1, "concurrency": 1, "num_prompts": 1, "input_len": 1, "input_range": 1,
-          "output_len": 1, "output_range": 1, "window": 1, "layers": 1, "warmup": 0}
-
-
-def check_counts(args) -> None:
-    for name, least in COUNTS.items():
-        v = getattr(args, name)
-        for x in v if isinstance(v, list) else [] if v is None else [v]:
-            if x < least:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least {least}, got {x}")
-
-
 def run(args):
     from .common import splice_marks
 
     name = args.tag or f"serve-{args.scenario}"
-    check_counts(args)
     if args.scenario in ("interference", "long", "faults") and args.url:
         raise ValueError(f"{args.scenario} starts servers of its own (per token budget or KV dtype): it cannot "
                          "use --url")

@@ -39,7 +39,10 @@ def parse_case(s: str) -> tuple[str, int]:
     if not sep or dtype not in KV_DTYPES:
         raise ValueError(f"a --long-cases case is KV_DTYPE:LENGTH with KV_DTYPE one of {', '.join(KV_DTYPES)} "
                          f"(e.g. int4:2M), got {s!r}")
-    return dtype, parse_len(length)
+    try:
+        return dtype, parse_len(length)
+    except ValueError as e:  # read after parsing: the flag is named here
+        raise ValueError(f"--long-cases {s}: {e}") from None
 
 
 def server_gauges(srv) -> dict:

@@ -21,17 +21,23 @@ import sys
 
 import torch
 
+from ..errors import check_count, count_arg
 from ..models import OrthrosConfig
 from .common import DTYPES, build_model, environment, free_memory, is_oom, sync
 from .prefill import parse_len
 
 
+def seq_len(s: str) -> int:
+    """A length (8192, 8K) of at least 2 tokens: a row trains each token on those before it."""
+    return check_count(parse_len(s), 2)
+
+
 def add_arguments(p):
     p.add_argument("--config", default="1.3b", help="config name")
-    p.add_argument("--seq-len", type=parse_len, default=8192)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seq-len", type=seq_len, default=8192)
+    p.add_argument("--batch-size", type=count_arg(1), default=1)
+    p.add_argument("--steps", type=count_arg(1), default=10, help="timed steps")
+    p.add_argument("--warmup", type=count_arg(0), default=3)
     p.add_argument("--variants", nargs="+", choices=("orthros", "full"), default=["orthros", "full"])
     p.add_argument("--window", type=int, default=None, help="override the config's window")
     p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
@@ -125,8 +131,6 @@ def table(result) -> str:
 
 
 def run(args):
-    if args.seq_len < 2 or args.batch_size < 1 or args.steps < 1 or args.warmup < 0:
-        raise ValueError("--seq-len must be >= 2, --batch-size and --steps >= 1, --warmup >= 0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype]
     over = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import count_arg
 from . import questions, real, recall
 
 
@@ -30,17 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"both models answer {len(questions.QUESTIONS)} questions about chapters of Python's "
                         "reference manual placed among others (--document-chars of context each)")
     p.add_argument("--question", default=None, help=f"the question about the document (default: {real.QUESTION})")
-    p.add_argument("--document-chars", type=int, default=real.DOC_CHARS,
+    p.add_argument("--document-chars", type=count_arg(1), default=real.DOC_CHARS,
                    help=f"characters of the document read (default {real.DOC_CHARS}: about 6K tokens)")
-    p.add_argument("--window", type=int, default=None, help="sliding window W (default 512; --recall: 32)")
-    p.add_argument("--sink-tokens", type=int, default=None,
+    p.add_argument("--window", type=count_arg(1), default=None, help="sliding window W (default 512; --recall: 32)")
+    p.add_argument("--sink-tokens", type=count_arg(0), default=None,
                    help=f"attention sinks of the conversion (default: an adapter's own; {real.DEFAULT_SINKS} "
                         "without one)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="answer length (default 48; --recall: 200)")
+    p.add_argument("--max-new-tokens", type=count_arg(0), default=None,
+                   help="answer length (default 48; --recall: 200)")
     p.add_argument("--fact-depths", type=float, nargs="*", default=None,
                    help="where a 5-digit code is written into the document and asked of both models, as shares "
                         "of its length (default 0.1 0.5 0.9; none given: skipped)")
-    p.add_argument("--prefill-lengths", type=int, nargs="+", default=None,
+    p.add_argument("--prefill-lengths", type=count_arg(1), nargs="+", default=None,
                    help="prompt lengths of the prefill timing (default 1024 2048 4096; --recall: 2048 ... 16384)")
     p.add_argument("--prompt", default=None, help="--recall: text for the trained Orthros model to continue")
     p.add_argument("--out", default=None, help="output directory (default runs/demo-smollm2; --recall: runs/demo)")
@@ -59,16 +61,6 @@ def run(args) -> int:
         if args.questions:
             raise UserError("--questions asks the real model; --recall runs the tiny trained models: choose one")
         return recall.run(args)
-    if args.window < 1:
-        raise UserError(f"--window must be >= 1, got {args.window}")
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if min(args.prefill_lengths) < 1:
-        raise UserError("--prefill-lengths must all be >= 1")
-    if args.sink_tokens is not None and args.sink_tokens < 0:
-        raise UserError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
-    if args.document_chars < 1:
-        raise UserError(f"--document-chars must be >= 1, got {args.document_chars}")
     check_output_dir(args.out, "--out")
     if any(not 0 <= d <= 1 for d in args.fact_depths):
         raise UserError(f"--fact-depths must be shares of the document in [0, 1], got {args.fact_depths}")

