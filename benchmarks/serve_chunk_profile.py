@@ -54,7 +54,9 @@ def engine_path(model, ids: list[int], args) -> dict:
     size = dict(kv_cache_gib=args.kv_gib) if args.kv_gib else dict(num_blocks=-(-(len(ids) + 64) // 16) + 1)
     eng = Engine(model, EngineConfig(block_size=16, max_num_seqs=4, prefix_caching=False,
                                      max_num_batched_tokens=args.budget, max_model_len=len(ids) + 64, **size))
-    eng.warm_up()  # this budget's chunk lengths compiled, as a started server has them
+    with torch.inference_mode():  # as `Engine.start` does: the chunk lengths compiled, the decode graphs
+        eng.warm_up()  # captured (the prompt's last token runs as a decode; its step paid them: 619 ms, H100)
+        eng.runner.capture_graphs()
     req = eng.submit(ids, SamplingParams(max_tokens=1, ignore_eos=True), lambda ev: None)
     steps, profiled, at = [], None, int(args.at * len(ids))
     while not req.finished:
