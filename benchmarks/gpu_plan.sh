@@ -23,7 +23,10 @@ CPT="$PY -m orthros experiment cpt --preset smollm2-kd-h200-rqp-curve --steps 16
 LORA=orthros-lora-sink-mix-aw-w1024
 
 log() { echo "$(date -u +%T) $*" >> "$OUT/plan.txt"; }
-tests() { $PY -m pytest -n "$NW" -o addopts="" -rfEs --durations=25 -p no:cacheprovider "$@"; }
+# -v: a run cut short still says which items ended (so which were running); --timeout: a hung item fails with
+# its stack instead of holding the stage (the slowest item on an H200 took 116 s)
+TIMEOUT=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 600")  # where the plugin is installed
+tests() { $PY -m pytest -n "$NW" -o addopts="" -v -rfEs --durations=25 $TIMEOUT -p no:cacheprovider "$@"; }
 serve() { $PY -m orthros bench serve "$@" --out-dir "$OUT/serve" --plot-dir "$OUT/serve"; }
 mkdir -p "$OUT/serve" "$OUT/steps" "$OUT/runs" "$OUT/moe"
 
