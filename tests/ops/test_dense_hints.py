@@ -105,3 +105,29 @@ def test_hints_in_chunked_prefill_and_decode():
         finally:
             layer.attend = real
     assert set(seen) == {30}
+
+
+def test_a_chunked_prefill_gives_flexattention_one_layout_per_shape(monkeypatch):
+    """Compiled FlexAttention is specialised to its inputs' strides as to their shapes (dynamic=False):
+    a chunked prefill over the growing cache must hand it the same strides for the same shapes, or it
+    is compiled again for every chunk. The windowed chunks after the first all see W - 1 + C keys."""
+    import orthros.ops.flex as flex
+
+    real, seen = flex._flex, {}
+
+    def spy(compiled):
+        op = real(compiled)
+
+        def call(q, k, v, **kw):
+            seen.setdefault((tuple(q.shape), tuple(k.shape)), set()).add((q.stride(), k.stride(), v.stride()))
+            return op(q, k, v, **kw)
+        return call
+
+    monkeypatch.setattr(flex, "_flex", spy)
+    model = make_model(window=16, attn_backend="flex")
+    ids = torch.randint(0, model.config.vocab_size, (1, 160), device=DEVICE)
+    with torch.no_grad():
+        logits, _ = prefill(model, ids, chunk_size=32)  # the model's own growing cache
+        ref, _ = prefill(make_model(window=16), ids)
+    assert len(seen) >= 2 and max(len(v) for v in seen.values()) == 1, seen
+    assert rel_err(logits, ref) < 1e-4
