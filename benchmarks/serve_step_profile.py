@@ -95,14 +95,18 @@ def measure(attention: str, args) -> dict:
         long = eng.submit([rng.randrange(vocab) for _ in range(args.long)], SamplingParams(max_tokens=1),
                           lambda ev: None)
         times = {True: [], False: []}
-        split, host = False, None
+        split, host, steps = False, None, []
         while not long.finished:
             eng.cfg.split_mixed_steps = split
+            before = long.computed
             if split and host is None and len(times[True]) == 1:
                 host = res.setdefault("mixed_host", {})[budget] = host_profile(eng)  # one split step, by op
             else:
                 times[split].append(_timed_step(eng))
+                # each step's prompt tokens: the prompt's last chunk (a shorter rest) shows apart
+                steps.append(dict(tokens=long.computed - before, ms=round(times[split][-1], 2), split=split))
             split = not split
+        res.setdefault("mixed_steps", {})[budget] = steps
         eng.cfg.split_mixed_steps = True
         res["mixed"][budget] = {("split" if k else "one forward"): dict(steps=len(v) - 1, p50=_q(v[1:], 0.5),
                                                                       p90=_q(v[1:], 0.9), max=_q(v[1:], 1.0))
