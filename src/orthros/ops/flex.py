@@ -182,10 +182,13 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
             e = min(M, s + chunk)
             a = 0 if window is None or sinks else max(0, dense_start + s - window + 1)
             b = min(S, dense_start + e)
-            # contiguous: a growing cache's keys ([B, H, S, D] storage, like transformers' DynamicCache)
-            # come with strides that change with S, and the compiled kernel, specialised to strides as to
-            # shapes, would be built again for every chunk of a chunked prefill (1.6-2 s each on an H100)
-            ks, vs = k[:, a:b].contiguous(), v[:, a:b].contiguous()
+            ks, vs = k[:, a:b], v[:, a:b]
+            if k.stride(1) < k.stride(2):
+                # heads-major storage ([B, H, S, D], a growing cache as transformers' DynamicCache keeps it):
+                # the window's strides change with S, and the compiled kernel, specialised to strides as to
+                # shapes, would be built again for every chunk of a chunked prefill (1.6-2 s each on an
+                # H100). Copied into the kernel's own layout: a no-op where the slice is the whole cache.
+                ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ks, vs))
             if ks.numel() // D * Dp > limit:
                 raise ValueError(f"{b - a} keys x {k.shape[2]} heads exceed FlexAttention's 32-bit indexing; "
                                  "use the split-KV op or a shorter call")
