@@ -107,10 +107,12 @@ def test_hints_in_chunked_prefill_and_decode():
     assert set(seen) == {30}
 
 
-def test_a_chunked_prefill_gives_flexattention_one_layout_per_shape(monkeypatch):
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_a_chunked_prefill_gives_flexattention_one_layout_per_shape(monkeypatch, sinks):
     """Compiled FlexAttention is specialised to its inputs' strides as to their shapes (dynamic=False):
     a chunked prefill over the growing cache must hand it the same strides for the same shapes, or it
-    is compiled again for every chunk. The windowed chunks after the first all see W - 1 + C keys."""
+    is compiled again for every chunk. The windowed chunks after the first all see W - 1 + C keys (with
+    sinks: the sinks, then the window), so they share one shape too."""
     import orthros.ops.flex as flex
 
     real, seen = flex._flex, {}
@@ -124,10 +126,12 @@ def test_a_chunked_prefill_gives_flexattention_one_layout_per_shape(monkeypatch)
         return call
 
     monkeypatch.setattr(flex, "_flex", spy)
-    model = make_model(window=16, attn_backend="flex")
+    model = make_model(window=16, attn_backend="flex", sink_tokens=sinks)
     ids = torch.randint(0, model.config.vocab_size, (1, 160), device=DEVICE)
     with torch.no_grad():
         logits, _ = prefill(model, ids, chunk_size=32)  # the model's own growing cache
-        ref, _ = prefill(make_model(window=16), ids)
-    assert len(seen) >= 2 and max(len(v) for v in seen.values()) == 1, seen
+        ref, _ = prefill(make_model(window=16, sink_tokens=sinks), ids)
+    assert max(len(v) for v in seen.values()) == 1, seen
+    # keys: the first chunk's 32, every later chunk's sinks + W - 1 + 32, the output row's whole cache
+    assert {kv[2] for _, kv in seen} == {32, sinks + 15 + 32, 160}, seen
     assert rel_err(logits, ref) < 1e-4

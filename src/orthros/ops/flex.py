@@ -176,14 +176,20 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
     if max(B * M * H * Dp, B * S * k.shape[2] * Dp) > limit:
         chunk = max(BQ, (limit // (B * H * Dp)) // BQ * BQ)
     if dense_start is not None:
-        # Keys are visible only in [dense_start - window + 1, dense_start + M): slice them.
+        # Keys are visible only in [dense_start - window + 1, dense_start + M), and the first `sinks`: slice
+        # them (a chunk past the sinks reads the sinks, then its window: as many keys for every later chunk)
         outs = []
         for s in range(0, M, chunk):
             e = min(M, s + chunk)
-            a = 0 if window is None or sinks else max(0, dense_start + s - window + 1)
+            a = 0 if window is None else max(0, dense_start + s - window + 1)
             b = min(S, dense_start + e)
+            if sinks and a <= sinks:
+                a = 0
             ks, vs = k[:, a:b], v[:, a:b]
-            if k.stride(1) < k.stride(2):
+            if a and sinks:  # the sinks at slots 0..sinks-1, the window after them: a shift of a - sinks
+                ks, vs = torch.cat([k[:, :sinks], ks], 1), torch.cat([v[:, :sinks], vs], 1)
+                a -= sinks
+            elif k.stride(1) < k.stride(2):
                 # heads-major storage ([B, H, S, D], a growing cache as transformers' DynamicCache keeps it):
                 # the window's strides change with S, and the compiled kernel, specialised to strides as to
                 # shapes, would be built again for every chunk of a chunked prefill (1.6-2 s each on an
