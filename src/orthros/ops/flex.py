@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .blocks import PAD_K_DOC, PAD_Q_DOC, block_states, dense_bounds, key_bounds
+from .kv import DenseKV
 from .masks import doc_rank, visible
 
 BQ = BK = 128  # FlexAttention's tile sizes
@@ -183,13 +184,12 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
             e = min(M, s + chunk)
             a = 0 if window is None else max(0, dense_start + s - window + 1)
             b = min(S, dense_start + e)
-            if sinks and a <= sinks:
+            if sinks and a <= sinks:  # the window reaches down to the sinks
                 a = 0
-            ks, vs = k[:, a:b], v[:, a:b]
-            if a and sinks:  # the sinks at slots 0..sinks-1, the window after them: a shift of a - sinks
-                ks, vs = torch.cat([k[:, :sinks], ks], 1), torch.cat([v[:, :sinks], vs], 1)
-                a -= sinks
-            elif k.stride(1) < k.stride(2):
+            # the sinks below a window first (`head` keys): the window's key j is slot a + j - head
+            w = DenseKV.window(k[:, a:b], v[:, a:b], a, k[:, :sinks], v[:, :sinks])
+            ks, vs, a = w.k, w.v, a - w.head
+            if not w.head and k.stride(1) < k.stride(2):
                 # heads-major storage ([B, H, S, D], a growing cache as transformers' DynamicCache keeps it):
                 # the window's strides change with S, and the compiled kernel, specialised to strides as to
                 # shapes, would be built again for every chunk of a chunked prefill (1.6-2 s each on an
