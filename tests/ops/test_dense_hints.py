@@ -135,3 +135,25 @@ def test_a_chunked_prefill_gives_flexattention_one_layout_per_shape(monkeypatch,
     # keys: the first chunk's 32, every later chunk's sinks + W - 1 + 32, the output row's whole cache
     assert {kv[2] for _, kv in seen} == {32, sinks + 15 + 32, 160}, seen
     assert rel_err(logits, ref) < 1e-4
+
+
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("rows", [None, 4])
+def test_a_dense_chunks_keys_cut_to_its_window_change_nothing(sinks, rows):
+    """`DenseKV.seen`, the one place a dense chunk's keys are cut to what it can see: against the
+    reference op over every key, at each offset of a 40-key layer (window 6; with and without sinks)."""
+    from orthros.ops import naive_attention
+    from orthros.ops.kv import DenseKV
+
+    g = torch.Generator().manual_seed(0)
+    S, W, M = 40, 6, 4
+    k, v = torch.randn(1, S, 2, 8, generator=g), torch.randn(1, S, 2, 8, generator=g)
+    k_doc = torch.zeros(1, S, dtype=torch.long)
+    for first in range(0, S - M + 1):
+        q = torch.randn(1, M, 2, 8, generator=g)
+        slot, q_doc = torch.arange(first, first + M)[None], torch.zeros(1, M, dtype=torch.long)
+        ref = naive_attention(q, k, v, slot, q_doc, k_doc, window=W, sinks=sinks)
+        w = DenseKV.seen(k, v, first, rows, W, sinks)
+        assert w.k.shape[1] <= (S - max(0, first - W + 1) if rows is None else M + W - 1) + sinks
+        out = naive_attention(q, w.k, w.v, w.local(slot), q_doc, w.key_docs(k_doc), window=W, sinks=sinks)
+        assert (out - ref).abs().max() < 1e-6, first

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .chunked import chunked_attention
+from .kv import DenseKV
 from .masks import NO_QUERY_DOC, PAD_DOC, visible
 from .naive import naive_attention
 from .splitkv.common import interpreting as _interpreting  # noqa: F401  (older import path)
@@ -88,8 +89,8 @@ def attention(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, backend: s
         from .splitkv.dense import splitkv_attention
 
         if dense_start is not None and window is not None and not sinks:  # only the last W keys can be seen
-            a = max(0, dense_start - window + 1)
-            k, v, k_doc, q_slot = k[:, a:], v[:, a:], k_doc[:, a:], q_slot - a
+            w = DenseKV.seen(k, v, dense_start, None, window)
+            k, v, k_doc, q_slot = w.k, w.v, w.key_docs(k_doc), w.local(q_slot)
         return splitkv_attention(q, k, v, q_slot, q_doc, k_doc, window=window, scale=scale, sinks=sinks)
     if sinks and q.is_cuda and backend != "chunked":  # (dense SDPA, below, knows no sinks)
         from .flex import flex_attention_op

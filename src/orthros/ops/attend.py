@@ -100,14 +100,11 @@ def _dense(q, kv: DenseKV, q_slot, q_doc, k_doc, window, scale, backend, dense_s
                              0 if window is None else int(window), q.shape[-1] ** -0.5 if scale is None else scale,
                              -1 if window_rows is None else int(window_rows), int(sinks))
     else:
-        a, h = kv.start, kv.head
-        if a:  # keys from slot `start` on (a window's keys), after `head` sinks from slot 0
-            win_doc = k_doc[:, a: a + k.shape[1] - h]
-            k_doc, q_slot = (torch.cat([k_doc[:, :h], win_doc], 1) if h else win_doc), q_slot - a + h
-            dense_start = None if dense_start is None else dense_start - a + h
-        if kv.k_scale is not None and dense_start is not None and window is not None and not sinks and not h:
-            c = max(0, dense_start - window + 1)  # a windowed chunk: dequantize only what it can see
-            k, v, k_doc, q_slot, dense_start = k[:, c:], v[:, c:], k_doc[:, c:], q_slot - c, dense_start - c
+        if kv.start:  # keys from slot `start` on (a window's keys), after `head` sinks from slot 0
+            k_doc, q_slot, dense_start = kv.key_docs(k_doc), kv.local(q_slot), kv.local(dense_start)
+        if kv.k_scale is not None and dense_start is not None and window is not None and not sinks and not kv.head:
+            w = DenseKV.seen(k, v, dense_start, None, window)  # a windowed chunk: dequantize only what it can see
+            k, v, k_doc, q_slot, dense_start = w.k, w.v, w.key_docs(k_doc), w.local(q_slot), w.local(dense_start)
         fp8_kernel = k.dtype == torch.float8_e4m3fn and splitkv_takes(q, k.shape[2], backend, k, v)
         if k.dtype != q.dtype and not fp8_kernel:  # the split-KV kernel reads fp8 itself
             k, v = k.to(q.dtype), v.to(q.dtype)

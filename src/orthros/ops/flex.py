@@ -182,13 +182,8 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
         outs = []
         for s in range(0, M, chunk):
             e = min(M, s + chunk)
-            a = 0 if window is None else max(0, dense_start + s - window + 1)
-            b = min(S, dense_start + e)
-            if sinks and a <= sinks:  # the window reaches down to the sinks
-                a = 0
-            # the sinks below a window first (`head` keys): the window's key j is slot a + j - head
-            w = DenseKV.window(k[:, a:b], v[:, a:b], a, k[:, :sinks], v[:, :sinks])
-            ks, vs, a = w.k, w.v, a - w.head
+            w = DenseKV.seen(k, v, dense_start + s, e - s, window, sinks)  # the sinks below a window first
+            ks, vs = w.k, w.v
             if not w.head and k.stride(1) < k.stride(2):
                 # heads-major storage ([B, H, S, D], a growing cache as transformers' DynamicCache keeps it):
                 # the window's strides change with S, and the compiled kernel, specialised to strides as to
@@ -196,9 +191,9 @@ def flex_attention_op(q, k, v, q_slot, q_doc, k_doc, window=None, scale=None, de
                 # H100). Copied into the kernel's own layout: a no-op where the slice is the whole cache.
                 ks, vs = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (ks, vs))
             if ks.numel() // D * Dp > limit:
-                raise ValueError(f"{b - a} keys x {k.shape[2]} heads exceed FlexAttention's 32-bit indexing; "
+                raise ValueError(f"{ks.shape[1]} keys x {k.shape[2]} heads exceed FlexAttention's 32-bit indexing; "
                                  "use the split-KV op or a shorter call")
-            outs.append(_one_call(q[:, s:e], ks, vs, None, None, None, window, scale, dense_start + s - a, sinks))
+            outs.append(_one_call(q[:, s:e], ks, vs, None, None, None, window, scale, w.local(dense_start + s), sinks))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
     if chunk == M:
         return _one_call(q, k, v, q_slot, q_doc, k_doc, window, scale, None, sinks)

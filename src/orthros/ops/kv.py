@@ -51,6 +51,28 @@ class DenseKV:
             k, v = torch.cat([sink_k[:, :h], k], 1), torch.cat([sink_v[:, :h], v], 1)
         return cls(k, v, start=start, head=h)
 
+    @classmethod
+    def seen(cls, k, v, first: int, rows: int | None, window: int | None, sinks: int = 0) -> "DenseKV":
+        """The keys of k, v [B, S, Hkv, D] (key j = slot j, one document) that queries at slots `first` ..
+        `first + rows - 1` can see: from slot first - window + 1 on, after the `sinks` below it, up to the last
+        query's slot (rows None: to the end). The one place a dense chunk's keys are cut to its window."""
+        S = k.shape[1]
+        b = S if rows is None else min(S, first + rows)
+        a = 0 if window is None else max(0, first - window + 1)
+        if a <= sinks:  # the window reaches down to the sinks
+            a = 0
+        return cls.window(k[:, a:b], v[:, a:b], a, k[:, :sinks] if sinks else None, v[:, :sinks] if sinks else None)
+
+    def local(self, slot):
+        """A slot (int or tensor) of the layer as an index into these keys."""
+        return slot if slot is None else slot - self.start + self.head
+
+    def key_docs(self, k_doc: torch.Tensor) -> torch.Tensor:
+        """The layer's key documents [B, >= slots] for these keys [B, S]."""
+        a, h = self.start, self.head
+        win = k_doc[:, a: a + self.k.shape[1] - h]
+        return torch.cat([k_doc[:, :h], win], 1) if h else win
+
 
 @dataclass
 class PagedRows:
