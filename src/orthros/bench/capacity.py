@@ -26,8 +26,9 @@ from ..generate import auto_chunk_size, compiled_decode_step, decode_one_token_f
 from ..generate import prefill as run_prefill
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES
-from .common import (DTYPES, add_docs_argument, build_model, copy_bandwidth, environment, free_memory, is_oom,
-                     log_panel, now, progress, render, result_from, save_figure, save_partial, subplots, variant_config)
+from .common import (DTYPES, add_docs_argument, add_run_arguments, build_model, copy_bandwidth, environment,
+                     free_memory, is_oom, log_panel, now, progress, render, result_from, save_figure, save_partial,
+                     subplots, variant_config)
 from .decode import cache_bytes, step_bytes
 from .prefill import _fmt_len, parse_len
 
@@ -44,13 +45,7 @@ def add_arguments(p):
     p.add_argument("--warmup", type=count_arg(0), default=3, help="decode steps that compile / capture (untimed)")
     p.add_argument("--window", type=count_arg(1), default=128, help="Orthros window size")
     p.add_argument("--chunk-size", type=parse_len, default=None, help="prefill chunk (default: auto_chunk_size)")
-    p.add_argument("--bandwidth", type=float, default=None,
-                   help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read and "
-                        "written a second)")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--device", default=None, help="default: cuda if available")
+    add_run_arguments(p, compile=True, bandwidth=True)
     p.add_argument("--tag", default="capacity", help="output files <tag>.json / .md / .png")
     p.add_argument("--out-dir", default="benchmarks/results/capacity")
     add_docs_argument(p, "docs/long_context.md")

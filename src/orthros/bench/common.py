@@ -293,6 +293,21 @@ def merge_runs(runs: list[dict]) -> dict:
     return merged
 
 
+def add_run_arguments(p, compile: bool = False, bandwidth: bool = False) -> None:
+    """The model and device flags the benches share: --layers, --dtype, --device (and --no-compile, --bandwidth)."""
+    from ..errors import count_arg
+
+    if compile:
+        p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    if bandwidth:
+        p.add_argument("--bandwidth", type=float, default=None,
+                       help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read "
+                            "and written a second)")
+    p.add_argument("--layers", type=count_arg(1), default=None, help="override the layer count (smoke runs)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+
+
 def add_docs_argument(p, page: str) -> None:
     """`--docs PAGE`: also splice the table into a docs page (`page`: the one that shows it)."""
     p.add_argument("--docs", default=None, metavar="PAGE",

@@ -34,9 +34,9 @@ from ..generate import compiled_decode_step, decode_one_token_fast, fast_decode_
 from ..models import OrthrosConfig
 from ..models.lowbit_cache import LowBitStaticCache
 from ..models.static_cache import FP8, KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, add_docs_argument, build_model, copy_bandwidth, environment, free_memory, is_oom,
-                     kernel_profile, log_panel, now, progress, render, result_from, save_figure, save_partial, subplots,
-                     sync, variant_config)
+from .common import (DTYPES, add_docs_argument, add_run_arguments, build_model, copy_bandwidth, environment,
+                     free_memory, is_oom, kernel_profile, log_panel, now, progress, render, result_from, save_figure,
+                     save_partial, subplots, sync, variant_config)
 from .prefill import _fmt_len, parse_len
 
 VARIANTS = ("orthros", "full", "orthros-bound", "orthros-base")
@@ -53,14 +53,8 @@ def add_arguments(p):
     p.add_argument("--steps", type=count_arg(1), default=100, help="timed decode steps per row")
     p.add_argument("--warmup", type=count_arg(0), default=5, help="untimed steps first (compilation, graph capture)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
-    p.add_argument("--bandwidth", type=float, default=None,
-                   help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read and "
-                        "written a second)")
     p.add_argument("--profile", action="store_true", help="also break one row per variant down by kernel")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--device", default=None, help="default: cuda if available")
+    add_run_arguments(p, compile=True, bandwidth=True)
     p.add_argument("--out-dir", default="benchmarks/results/decode", help="where <tag>.json / <tag>.png / <tag>.md go")
     add_docs_argument(p, "docs/performance.md")
     p.add_argument("--tag", default="decode",

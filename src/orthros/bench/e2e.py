@@ -35,8 +35,8 @@ from ..generate import (auto_chunk_size, compiled_decode_step, decode_one_token_
                         new_static_cache, prefill)
 from ..models import OrthrosConfig
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
-from .common import (DTYPES, add_docs_argument, build_model, environment, free_memory, is_oom, now, render, result_from,
-                     save_figure, subplots, sync, variant_config)
+from .common import (DTYPES, add_docs_argument, add_run_arguments, build_model, environment, free_memory, is_oom, now,
+                     render, result_from, save_figure, subplots, sync, variant_config)
 from .decode import cache_bytes, random_slots
 from .prefill import _fmt_len, parse_len
 
@@ -63,10 +63,7 @@ def add_arguments(p):
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
     p.add_argument("--warmup", type=count_arg(0), default=3, help="decode steps that compile / capture (untimed)")
     p.add_argument("--max-timed-steps", type=count_arg(2), default=1024, help="longer outputs are timed at both ends")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--device", default=None, help="default: cuda if available")
+    add_run_arguments(p, compile=True)
     p.add_argument("--agreement", action="store_true",
                    help="--kv-dtype (default fp8) vs a full-precision cache on one model: prompt/new from the first setting")
     p.add_argument("--checkpoint", default=None, help="--agreement: a saved Orthros model directory (default: random weights)")

@@ -26,8 +26,9 @@ import torch
 from ..errors import check_count, count_arg
 from ..generate import prefill
 from ..models import OrthrosConfig
-from .common import (DTYPES, add_docs_argument, attention_removed, build_hf_peer, build_model, environment, free_memory,
-                     is_oom, kernel_profile, log_panel, render, result_from, save_figure, subplots, timed, truncated)
+from .common import (DTYPES, add_docs_argument, add_run_arguments, attention_removed, build_hf_peer, build_model,
+                     environment, free_memory, is_oom, kernel_profile, log_panel, render, result_from, save_figure,
+                     subplots, timed, truncated)
 
 VARIANTS = ("orthros", "full", "hf", "floor")
 
@@ -54,9 +55,7 @@ def add_arguments(p):
                    help="longest prompt timed for full (longer ones are estimated)")
     p.add_argument("--max-hf", type=parse_len, default=parse_len("128K"),
                    help="longest prompt timed for transformers (longer ones are estimated)")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--device", default=None, help="default: cuda if available")
+    add_run_arguments(p)
     p.add_argument("--profile", type=parse_len, default=None, help="also break the Orthros prefill down by kernel at this length")
     p.add_argument("--out-dir", default="benchmarks/results/prefill", help="where prefill.json / prefill.png / prefill.md go")
     add_docs_argument(p, "docs/performance.md")

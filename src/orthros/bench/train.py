@@ -23,7 +23,7 @@ import torch
 
 from ..errors import check_count, count_arg
 from ..models import OrthrosConfig
-from .common import DTYPES, build_model, environment, free_memory, is_oom, sync
+from .common import DTYPES, add_run_arguments, build_model, environment, free_memory, is_oom, sync
 from .prefill import parse_len
 
 
@@ -39,11 +39,9 @@ def add_arguments(p):
     p.add_argument("--steps", type=count_arg(1), default=10, help="timed steps")
     p.add_argument("--warmup", type=count_arg(0), default=3)
     p.add_argument("--variants", nargs="+", choices=("orthros", "full"), default=["orthros", "full"])
-    p.add_argument("--window", type=int, default=None, help="override the config's window")
-    p.add_argument("--layers", type=int, default=None, help="override the layer count (smoke runs)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--window", type=count_arg(1), default=None, help="override the config's window")
+    add_run_arguments(p)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU for MFU (H100/H200 bf16: 989)")
-    p.add_argument("--device", default=None)
     p.add_argument("--out-dir", default="benchmarks/results/train", help="where train_bench.json / train_bench.md go")
 
 
