@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from orthros.bench.common import kernel_profile, sync
+from orthros.bench.common import kernel_groups, kernel_profile, sync
 from orthros.bench.serve_client import percentile
 from orthros.serve.engine import Engine, EngineConfig, SamplingParams
 from orthros.serve.launch import load_model
@@ -57,9 +57,12 @@ def host_profile(eng, top: int = 25) -> dict:
     device = sum(getattr(e, "self_device_time_total", 0) for e in ev if e.device_type == cuda) / 1e3
     host = sorted(((e.key[:80], e.self_cpu_time_total / 1e3, e.count) for e in ev if e.device_type != cuda),
                   key=lambda x: -x[1])[:top]
+    kern = kernel_groups(ev, top=12)
     return dict(wall_ms=round(wall, 2), device_ms=round(device, 2),
                 host_self_ms_total=round(sum(e.self_cpu_time_total for e in ev if e.device_type != cuda) / 1e3, 2),
-                top_host_ops=[dict(op=k, self_ms=round(t, 3), calls=c) for k, t, c in host])
+                top_host_ops=[dict(op=k, self_ms=round(t, 3), calls=c) for k, t, c in host],
+                device_groups_ms={k: round(v, 3) for k, v in kern["groups_ms"].items()},
+                top_kernels_ms={k: round(v, 3) for k, v in kern["top_kernels_ms"].items()})
 
 
 def measure(attention: str, args) -> dict:
@@ -98,8 +101,12 @@ def measure(attention: str, args) -> dict:
         while not long.finished:
             eng.cfg.split_mixed_steps = split
             before = long.computed
+            rest, full = args.long - long.computed, max((s["tokens"] for s in steps), default=0)
             if split and host is None and len(times[True]) == 1:
                 host = res.setdefault("mixed_host", {})[budget] = host_profile(eng)  # one split step, by op
+            elif 1 < rest < full and budget not in res.setdefault("tail_host", {}):
+                # the prompt's last, shorter chunk: by op and by kernel, against a whole chunk's step above
+                res["tail_host"][budget] = dict(tokens=rest, split=split, **host_profile(eng))
             else:
                 times[split].append(_timed_step(eng))
                 # each step's prompt tokens: the prompt's last chunk (a shorter rest) shows apart

@@ -169,9 +169,14 @@ def kernel_profile(fn, device, top: int = 15) -> dict:
     with profile(activities=acts) as prof:
         fn()
         sync(device)
+    return kernel_groups(prof.key_averages(), top)
+
+
+def kernel_groups(events, top: int = 15) -> dict:
+    """A profile's device kernels (`prof.key_averages()`) by group and its `top` kernels, in ms."""
     groups: dict[str, float] = {}
     kernels: dict[str, float] = {}
-    for ev in prof.key_averages():
+    for ev in events:
         t = getattr(ev, "device_time_total", None)
         if t is None:
             t = getattr(ev, "cuda_time_total", 0)
@@ -183,7 +188,7 @@ def kernel_profile(fn, device, top: int = 15) -> dict:
         kernels[ev.key[:90]] = kernels.get(ev.key[:90], 0.0) + t / 1e3
     return {"groups_ms": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top]),
-            "kernel_count": sum(ev.count for ev in prof.key_averages() if ev.device_type == torch.autograd.DeviceType.CUDA)}
+            "kernel_count": sum(ev.count for ev in events if ev.device_type == torch.autograd.DeviceType.CUDA)}
 
 
 def subplots(n: int, width: float, height: float):
