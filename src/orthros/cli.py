@@ -43,12 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=doc[0] if doc else None, description=(mod.__doc__ or "").strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _parser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # said by the command's own parser, with its usage (`orthros generate: error: ...`)
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args._run(args) or 0
     except KeyboardInterrupt:

@@ -89,8 +89,8 @@ def is_oom(err: BaseException) -> bool:
 
 
 class CountError(UserError, argparse.ArgumentTypeError):
-    """A count out of its range: the parser's one-line error for a flag's value, a UserError where the
-    value is read later (a length inside `bench serve --long-cases`)."""
+    """A count that is out of its range or not a count at all: the parser's one-line error for a flag's
+    value, a UserError where the value is read later (a length inside `bench serve --long-cases`)."""
 
 
 def check_count(n: int, least: int, most: int | None = None) -> int:

@@ -310,8 +310,20 @@ def test_bad_input_is_one_clear_line(world, argv, expect, capfd, monkeypatch):
     assert tree_digest(world) == before, "a failed command changed its inputs or left files behind"
 
 
-@pytest.mark.parametrize("argv, said", [pytest.param(a, e, id=i) for i, a, e in COUNT_CASES])
-def test_a_count_below_its_least_is_the_parsers_error(world, argv, said, capfd, monkeypatch):
+# a flag the command does not take, or a value that is not what the flag takes: the command's own parser
+# says so (it was the top-level parser's `orthros: error:` for a flag given to a subcommand)
+FLAG_CASES = [
+    ("generate-unknown-flag", gen("byte", "--model", "x"),
+     "orthros generate: error: unrecognized arguments: --model x"),
+    ("bench-unknown-flag", ["bench", "decode", "--foo", "--device", "cpu"],
+     "orthros bench decode: error: unrecognized arguments: --foo"),
+    ("bench-length-not-a-length", ["bench", "prefill", "--lengths", "abc", "--device", "cpu"],
+     "orthros bench prefill: error: argument --lengths: not a length: 'abc' (use e.g. 8192, 32K, 1M)"),
+]
+
+
+@pytest.mark.parametrize("argv, said", [pytest.param(a, e, id=i) for i, a, e in COUNT_CASES + FLAG_CASES])
+def test_a_bad_flag_or_count_is_the_commands_parser_error(world, argv, said, capfd, monkeypatch):
     """argparse's usage and one line naming the flag, exit code 2 (SystemExit), before anything is
     read, run or written."""
     monkeypatch.chdir(world / "cwd")

@@ -30,7 +30,7 @@ def add_arguments(parser):
         p = sub.add_parser(name, help=doc.splitlines()[0], description=doc,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)
-        p.set_defaults(_bench_run=mod.run)
+        p.set_defaults(_bench_run=mod.run, _parser=p)  # (its own usage for a flag it does not know)
 
 
 def run(args):

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from ..errors import check_count, count_arg
+from ..errors import CountError, check_count, count_arg
 from ..generate import prefill
 from ..models import OrthrosConfig
 from .common import (DTYPES, add_docs_argument, add_run_arguments, attention_removed, build_hf_peer, build_model,
@@ -33,13 +33,13 @@ from .common import (DTYPES, add_docs_argument, add_run_arguments, attention_rem
 VARIANTS = ("orthros", "full", "hf", "floor")
 
 
-def parse_len(s: str) -> int:
-    s = str(s).strip().upper()
+def parse_len(text: str) -> int:
+    s = str(text).strip().upper()
     mult = {"K": 1024, "M": 1024 * 1024}.get(s[-1:], 1)
     try:
         n = int(float(s[:-1] if mult > 1 else s) * mult)
     except ValueError:
-        raise ValueError(f"not a length: {s!r} (use e.g. 8192, 32K, 1M)") from None
+        raise CountError(f"not a length: {text!r} (use e.g. 8192, 32K, 1M)") from None
     return check_count(n, 1)
 
 
