@@ -6,8 +6,8 @@
 #   echo "paper suite2" > OUT/queue                                     # while it runs: the stages left
 #
 # The queue is read again before each stage, so rewriting OUT/queue (one stage a line, or several
-# on a line) reorders or changes what is left; `a+b+c` runs a, b and c side by side (a card large
-# enough for them together). Run from the repository root with `orthros` importable
+# on a line) reorders or changes what is left; `a+b+c` runs a, b and c side by side on a card of
+# over 100 GB (in turn on smaller ones). Run from the repository root with `orthros` importable
 # (PYTHONPATH=src). GPU_PLAN_TAG (default: the date and the card) names the result files.
 set -u
 OUT=${1:?usage: gpu_plan.sh OUT STAGE...}
@@ -79,12 +79,22 @@ run() {  # one stage; its output in OUT/<the stage's name as a file name>.log
   esac > "$OUT/$n.log" 2>&1
 }
 
+# side by side needs the H200's memory: on an 80 GB H100 a training run beside a suite half ran both out of
+# memory (2026-12-08), so there `a+b` runs a, then b (GPU_PLAN_SIDE_BY_SIDE=1 forces side by side)
+MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+SIDE=${GPU_PLAN_SIDE_BY_SIDE:-$([ "${MIB:-0}" -gt 100000 ] && echo 1 || echo 0)}
 stage() {
   case $1 in
-    *+*)  # side by side
-      local pids=() s
-      for s in ${1//+/ }; do run "$s" & pids+=($!); done
-      wait "${pids[@]}" ;;
+    *+*)
+      local pids=() s rc=0
+      if [ "$SIDE" = 1 ]; then
+        for s in ${1//+/ }; do run "$s" & pids+=($!); done
+        for s in "${pids[@]}"; do wait "$s" || rc=$?; done
+      else
+        log "$1: one after another (${MIB:-?} MiB card)"
+        for s in ${1//+/ }; do run "$s" || rc=$?; done
+      fi
+      return $rc ;;
     *) run "$1" ;;
   esac
 }

@@ -216,7 +216,8 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
                   '[ "$1" = -m ] && [ "$2" = pytest ] && echo "stage 2" >> "$QUEUE"\nexit 0\n')  # a stage adds 2
     py.chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": str(py), "QUEUE": str(out / "queue"), "GPU_PLAN_TAG": "t"}
+    env = {**os.environ, "PYTHON": str(py), "QUEUE": str(out / "queue"), "GPU_PLAN_TAG": "t",
+           "GPU_PLAN_SIDE_BY_SIDE": "1"}
     script = SCRIPTS[0].parent / "gpu_plan.sh"
     subprocess.run(["bash", str(script), str(out), "servet", "paper+long=int4:1M", "bogus"], env=env, check=True,
                    cwd=SCRIPTS[0].parents[1], timeout=60)
@@ -225,6 +226,12 @@ def test_gpu_plan_runs_its_queue_in_order_and_reads_it_again_before_each_stage(t
                      "start bogus", "end bogus rc=2", "start stage", "end stage rc=2", "start 2", "end 2 rc=2",
                      "plan done"]
     assert "tests/serve" in (out / "servet.log").read_text()
+    # as on a card under 100 GB, `a+b` runs in turn, said in the plan, failing if either fails
+    subprocess.run(["bash", str(script), str(out / "turns"), "servet+bogus"], check=True, timeout=60,
+                   env={**env, "GPU_PLAN_SIDE_BY_SIDE": "0"}, cwd=SCRIPTS[0].parents[1])
+    lines = [ln.split(" ", 1)[1] for ln in (out / "turns" / "plan.txt").read_text().splitlines()]
+    assert lines[0] == "start servet+bogus" and lines[1].startswith("servet+bogus: one after another ("), lines
+    assert lines[2:] == ["end servet+bogus rc=2", "plan done"], lines
     subprocess.run(["bash", str(script), str(out / "parts"), "ops", "rest"], env=env, check=True,
                    cwd=SCRIPTS[0].parents[1], timeout=60)
     assert (out / "parts" / "ops.log").read_text().split()[-1] == "tests/ops"
