@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -110,3 +111,15 @@ def count_arg(least: int, most: int | None = None):
             raise argparse.ArgumentTypeError(f"a whole number, not {s!r}") from None
         return check_count(n, least, most)
     return parse
+
+
+def positive_arg(s: str) -> float:
+    """An argparse type for an amount a flag takes (seconds, a rate, a bandwidth): a finite number > 0, else
+    the parser's one-line error (`argument --seconds: must be > 0, got -5`)."""
+    try:
+        x = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number, not {s!r}") from None
+    if not (math.isfinite(x) and x > 0):
+        raise CountError(f"must be > 0, got {s}")
+    return x

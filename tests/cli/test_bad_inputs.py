@@ -99,6 +99,7 @@ CASES = [
                                                                             PICKLE]),
     ("serve-model-and-preset", ["serve", f"{W}/byte", "--preset", "tiny", "--device", "cpu"],
      ["a model directory or --preset, not both"]),
+    ("serve-neither-model-nor-preset", ["serve", "--device", "cpu"], ["give a model directory, or --preset NAME"]),
     # ------------------------------------------------------------ download
     ("download-occupied-dst", ["download", f"{W}/occupied"], ["{w}/occupied", "already exists"]),
     ("download-dst-is-file", ["download", f"{W}/afile"], ["{w}/afile", "already exists"]),
@@ -317,6 +318,19 @@ FLAG_CASES = [
      "orthros generate: error: unrecognized arguments: --model x"),
     ("bench-unknown-flag", ["bench", "decode", "--foo", "--device", "cpu"],
      "orthros bench decode: error: unrecognized arguments: --foo"),
+    # an amount (seconds, a rate, a bandwidth) must be a finite number > 0: --peak-tflops 0 divided by zero,
+    # --bandwidth -1 printed negative rooflines
+    ("bench-peak-tflops-0", ["bench", "train", "--peak-tflops", "0", "--device", "cpu"],
+     "orthros bench train: error: argument --peak-tflops: must be > 0, got 0"),
+    ("bench-bandwidth-negative", ["bench", "decode", "--bandwidth", "-1", "--device", "cpu"],
+     "orthros bench decode: error: argument --bandwidth: must be > 0, got -1"),
+    ("serve-kv-gib-negative", ["serve", "--preset", "tiny", "--kv-cache-gib", "-1", "--device", "cpu"],
+     "orthros serve: error: argument --kv-cache-gib: must be > 0, got -1"),
+    ("demo-seconds-0", ["demo", "--recall", "--seconds", "0"],
+     "orthros demo: error: argument --seconds: must be > 0, got 0"),
+    ("demo-lr-nan", ["demo", "--recall", "--lr", "nan"], "orthros demo: error: argument --lr: must be > 0, got nan"),
+    ("experiment-seconds-not-a-number", ["experiment", "recall", "--seconds", "soon", "--device", "cpu"],
+     "orthros experiment: error: argument --seconds: a number, not 'soon'"),
     ("bench-length-not-a-length", ["bench", "prefill", "--lengths", "abc", "--device", "cpu"],
      "orthros bench prefill: error: argument --lengths: not a length: 'abc' (use e.g. 8192, 32K, 1M)"),
 ]

@@ -300,12 +300,12 @@ def merge_runs(runs: list[dict]) -> dict:
 
 def add_run_arguments(p, compile: bool = False, bandwidth: bool = False) -> None:
     """The model and device flags the benches share: --layers, --dtype, --device (and --no-compile, --bandwidth)."""
-    from ..errors import count_arg
+    from ..errors import count_arg, positive_arg
 
     if compile:
         p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
     if bandwidth:
-        p.add_argument("--bandwidth", type=float, default=None,
+        p.add_argument("--bandwidth", type=positive_arg, default=None,
                        help="copy bandwidth ceiling in TB/s (default: measured on the device: a copy's bytes read "
                             "and written a second)")
     p.add_argument("--layers", type=count_arg(1), default=None, help="override the layer count (smoke runs)")

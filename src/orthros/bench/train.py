@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..errors import check_count, count_arg
+from ..errors import check_count, count_arg, positive_arg
 from ..models import OrthrosConfig
 from .common import DTYPES, add_run_arguments, build_model, environment, free_memory, is_oom, sync
 from .prefill import parse_len
@@ -41,7 +41,7 @@ def add_arguments(p):
     p.add_argument("--variants", nargs="+", choices=("orthros", "full"), default=["orthros", "full"])
     p.add_argument("--window", type=count_arg(1), default=None, help="override the config's window")
     add_run_arguments(p)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense peak of the GPU for MFU (H100/H200 bf16: 989)")
+    p.add_argument("--peak-tflops", type=positive_arg, default=989.0, help="dense peak of the GPU for MFU (H100/H200 bf16: 989)")
     p.add_argument("--out-dir", default="benchmarks/results/train", help="where train_bench.json / train_bench.md go")
 
 

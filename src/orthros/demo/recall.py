@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..data.tokenizer import ByteTokenizer
-from ..errors import count_arg
+from ..errors import count_arg, positive_arg
 from ..eval.mqar import MQARConfig
 from ..eval.tasks import eval_mqar
 from ..experiments.presets import LABELS, Preset
@@ -39,14 +39,14 @@ COLORS = {"orthros": "tab:blue", "full": "tab:orange", "swa": "tab:green"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The recall demo's own flags (--window, --max-new-tokens, --prompt, --out, --seed are shared)."""
-    p.add_argument("--seconds", type=float, default=90.0,
+    p.add_argument("--seconds", type=positive_arg, default=90.0,
                    help="--recall: training time of the Orthros model (default 90); the baselines get the same steps")
     p.add_argument("--quick", action="store_true", help="--recall: a smoke run in seconds (tiny budgets everywhere)")
     p.add_argument("--seq-len", type=count_arg(32), default=128,
                    help="--recall: training sequence length (MQAR and text)")
     p.add_argument("--batch-size", type=count_arg(1), default=8,
                    help="--recall: text sequences per step (MQAR: 4x as many)")
-    p.add_argument("--lr", type=float, default=1e-3, help="--recall: learning rate")
+    p.add_argument("--lr", type=positive_arg, default=1e-3, help="--recall: learning rate")
     p.add_argument("--mqar-lengths", type=int, nargs="+", default=None,
                    help="--recall: MQAR evaluation lengths (default: 2x, 4x, 8x the training length)")
 
@@ -109,11 +109,8 @@ def check_args(args) -> None:
     """Every range check before the minutes of training."""
     from ..errors import UserError, check_output_dir
 
-    for problem, ok in (("--seconds must be > 0", args.seconds > 0),
-                        ("--lr must be > 0", args.lr > 0),
-                        ("--prompt must not be empty", bool(args.prompt))):
-        if not ok:
-            raise UserError(problem)
+    if not args.prompt:
+        raise UserError("--prompt must not be empty")
     mqar = demo_preset(args).mqar_train
     for L in args.mqar_lengths or []:
         try:

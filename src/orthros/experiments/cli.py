@@ -21,7 +21,7 @@ EXPERIMENTS = ("recall", "cpt")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..errors import count_arg
+    from ..errors import count_arg, positive_arg
     from .cpt_arms import ARMS
     from .cpt_arms import PRESETS as CPT_PRESETS
     from .presets import ARCHS, PRESETS
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=count_arg(1), nargs="+", default=None,
                    help="override the preset's training steps; cpt: several budgets make a token curve "
                         "(each budget a run under --out/steps-N, then curve.md / .json / .png)")
-    p.add_argument("--seconds", type=float, default=None,
+    p.add_argument("--seconds", type=positive_arg, default=None,
                    help="time budget instead: Orthros trains this long, the others the same number of steps")
     p.add_argument("--jobs", type=count_arg(1), default=1,
                    help="architectures trained side by side, one process each (GPU runs of small models)")

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from ..errors import check_count, count_arg
+from ..errors import check_count, count_arg, positive_arg
 from ..models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .config import EngineConfig
 
@@ -28,7 +28,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per KV block (default 16; with a low-bit --kv-dtype 64, whole key groups)")
     g.add_argument("--num-blocks", type=count_arg(1), default=None,
                    help="KV blocks in the pool (default: from --kv-cache-gib)")
-    g.add_argument("--kv-cache-gib", type=float, default=None,
+    g.add_argument("--kv-cache-gib", type=positive_arg, default=None,
                    help="KV cache memory (default: CUDA 90%% of what is free after loading, CPU 1 GiB)")
     g.add_argument("--max-num-batched-tokens", type=count_arg(1), default=2048,
                    help="token budget of one step (decodes first, then prompt chunks)")

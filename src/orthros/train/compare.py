@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..errors import positive_arg
 from .config import build_config
 from .metrics import plot_runs
 from .trainer import train
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="YAML training config (the model section describes the Orthros model)")
     p.add_argument("--out", required=True, help="directory for the two runs, loss.png and curves.json")
     p.add_argument("--baseline", default="full", choices=["full", "swa"])
-    p.add_argument("--max-seconds", type=float, default=None, help="training time of the Orthros run")
+    p.add_argument("--max-seconds", type=positive_arg, default=None, help="training time of the Orthros run")
     p.add_argument("--set", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="extra override, e.g. --set train.steps 100")
     a = p.parse_args(argv)
