@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import count_arg
 from .hf import OUT_DTYPES, convert_checkpoint
 
 
@@ -22,8 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), "
                                 "or a GGUF file / a directory holding one")
     p.add_argument("dst", help="output directory (must not exist, or be empty)")
-    p.add_argument("--window-size", type=int, default=128, help="sliding window W of the base stream (default 128)")
-    p.add_argument("--sink-tokens", type=int, default=0,
+    p.add_argument("--window-size", type=count_arg(1), default=128,
+                   help="sliding window W of the base stream (default 128)")
+    p.add_argument("--sink-tokens", type=count_arg(0), default=0,
                    help="the window also sees each document's first N tokens (attention sinks; default 0)")
     p.add_argument("--no-scale-offset", dest="scale_offset", action="store_false",
                    help="no query scale-offset (the paper's w/o-SO ablation)")

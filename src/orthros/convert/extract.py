@@ -15,12 +15,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import count_arg
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trained", help="the fine-tuned model directory")
     p.add_argument("base", help="the model directory it was fine-tuned from (the same shape)")
     p.add_argument("out", help="the adapter directory to write (adapter.safetensors + adapter.json)")
-    p.add_argument("--rank", type=int, default=16, help="rank of each weight's change (default 16)")
+    p.add_argument("--rank", type=count_arg(1), default=16, help="rank of each weight's change (default 16)")
     p.add_argument("--lora-dtype", choices=("bf16", "fp32"), default="bf16", help="dtype of the LoRA factors")
 
 

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mqar")
     g.add_argument("--mqar-lengths", type=count_arg(1), nargs="+", default=[128, 256, 512])
     g.add_argument("--mqar-kv-pairs", type=count_arg(1), default=8)
-    g.add_argument("--mqar-vocab", type=int, default=None, help="MQAR token range (default min(model vocab, 256))")
+    g.add_argument("--mqar-vocab", type=count_arg(4), default=None,
+                   help="MQAR token range (default min(model vocab, 256))")
     g.add_argument("--mqar-power-a", type=float, default=0.01, help="query gap power law p(g) ~ g^(a-1)")
     g.add_argument("--mqar-samples", type=count_arg(1), default=256, help="sequences per length")
     g.add_argument("--mqar-filler", choices=["random", "zero"], default="random",
