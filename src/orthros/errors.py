@@ -113,13 +113,24 @@ def count_arg(least: int, most: int | None = None):
     return parse
 
 
-def positive_arg(s: str) -> float:
-    """An argparse type for an amount a flag takes (seconds, a rate, a bandwidth): a finite number > 0, else
-    the parser's one-line error (`argument --seconds: must be > 0, got -5`)."""
-    try:
-        x = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number, not {s!r}") from None
-    if not (math.isfinite(x) and x > 0):
-        raise CountError(f"must be > 0, got {s}")
-    return x
+def number_arg(above: float | None = None, least: float | None = None, most: float | None = None):
+    """An argparse type for a number a flag takes: finite, > `above`, >= `least`, <= `most` (those given), else
+    the parser's one-line error (`argument --top-p: must be > 0 and <= 1, got 2`)."""
+    bounds = [(f"> {above:g}", lambda x: x > above) if above is not None else None,
+              (f">= {least:g}", lambda x: x >= least) if least is not None else None,
+              (f"<= {most:g}", lambda x: x <= most) if most is not None else None]
+    bounds = [b for b in bounds if b]
+
+    def parse(s: str) -> float:
+        try:
+            x = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a number, not {s!r}") from None
+        if not (math.isfinite(x) and all(ok(x) for _, ok in bounds)):
+            raise CountError(f"must be {' and '.join(b for b, _ in bounds) or 'finite'}, got {s}")
+        return x
+    return parse
+
+
+# an amount a flag takes (seconds, a rate, a bandwidth, GiB): `argument --seconds: must be > 0, got -5`
+positive_arg = number_arg(above=0)

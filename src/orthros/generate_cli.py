@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .data.tokenizer import load_tokenizer
-from .errors import UserError, count_arg
+from .errors import UserError, count_arg, number_arg
 from .generate import generate
 from .models.static_cache import KV_DTYPES, LOWBIT_KV_DTYPES
 from .loading import check_model_dir, load_model, resolve_device
@@ -25,11 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="wrap the prompt as a user message in the model's chat template; print the answer only")
     p.add_argument("--adapter", default=None, help="a light-CPT adapter directory to apply first (adapter.json)")
-    p.add_argument("--max-new-tokens", type=count_arg(0), default=100)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=count_arg(1), default=40)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_arguments(p, max_new_tokens=100, temperature=0.8, top_k=40)
     p.add_argument("--prefill-chunk-size", type=count_arg(1), default=None)
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="the KV cache's storage: anything but auto runs the fast path (a static cache; int4 / int2 / "
@@ -37,12 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def add_sampling_arguments(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float,
+                           top_k: int | None) -> None:
+    """The sampling flags (`orthros generate`, `python -m orthros.parallel`), each checked by the parser."""
+    p.add_argument("--max-new-tokens", type=count_arg(0), default=max_new_tokens)
+    p.add_argument("--temperature", type=number_arg(least=0), default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=count_arg(1), default=top_k)
+    p.add_argument("--top-p", type=number_arg(above=0, most=1), default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
 def check_args(args) -> None:
     """Range checks before anything is loaded."""
-    if not args.temperature >= 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError(f"--top-p must lie in (0, 1], got {args.top_p}")
     if not args.prompt:
         raise UserError("--prompt is empty")
 

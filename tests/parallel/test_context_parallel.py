@@ -196,6 +196,9 @@ def test_module_entry_point_generates_like_one_process(results, capsys):
     assert capsys.readouterr().out == f"{want}\n"
     assert main([str(model_dir / "missing"), "--prompt", "x"]) == 2
     assert "not a model directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the sampling flags as `orthros generate` checks them, in the parser
+        main([str(model_dir), "--prompt", "x", "--top-p", "0"])
+    assert e.value.code == 2 and "argument --top-p: must be > 0 and <= 1, got 0" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- single-process pieces

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..generate_cli import add_sampling_arguments
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m orthros.parallel", description=__doc__,
@@ -25,11 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="a text file holding the prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    add_sampling_arguments(p, max_new_tokens=64, temperature=0.0, top_k=None)
     p.add_argument("--shard-sizes", default=None, help="tokens per rank, comma-separated (default: even)")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="cast the model (default: as saved)")
