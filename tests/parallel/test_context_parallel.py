@@ -199,6 +199,9 @@ def test_module_entry_point_generates_like_one_process(results, capsys):
     with pytest.raises(SystemExit) as e:  # the sampling flags as `orthros generate` checks them, in the parser
         main([str(model_dir), "--prompt", "x", "--top-p", "0"])
     assert e.value.code == 2 and "argument --top-p: must be > 0 and <= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([str(model_dir), "--prompt", "x", "--shard-sizes", "4,x"])
+    assert e.value.code == 2 and "argument --shard-sizes: a whole number, not 'x'" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- single-process pieces

@@ -17,7 +17,13 @@ from pathlib import Path
 
 import torch
 
+from ..errors import count_arg
 from ..generate_cli import add_sampling_arguments
+
+
+def _sizes(s: str) -> list[int]:
+    """--shard-sizes: whole numbers >= 1, comma-separated (`argument --shard-sizes: must be >= 1, got 0`)."""
+    return [count_arg(1)(x) for x in s.split(",")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="a text file holding the prompt")
     add_sampling_arguments(p, max_new_tokens=64, temperature=0.0, top_k=None)
-    p.add_argument("--shard-sizes", default=None, help="tokens per rank, comma-separated (default: even)")
+    p.add_argument("--shard-sizes", type=_sizes, default=None, help="tokens per rank, comma-separated (default: even)")
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"], help="cast the model (default: as saved)")
     p.add_argument("--verbose", action="store_true", help="print prompt length and timings")
@@ -59,7 +65,7 @@ def run(args) -> int:
         ids = torch.tensor([tok.encode(text)], dtype=torch.long, device=device)
         if ids.shape[1] < cp.world:
             raise ValueError(f"the prompt has {ids.shape[1]} tokens, fewer than the {cp.world} ranks")
-        sizes = None if args.shard_sizes is None else [int(x) for x in args.shard_sizes.split(",")]
+        sizes = args.shard_sizes
         t0 = time.perf_counter()
         out = cp_generate(model, ids, args.max_new_tokens, cp=cp, shard_sizes=sizes, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed,
