@@ -21,13 +21,16 @@ from ..errors import count_arg
 from ..generate_cli import add_sampling_arguments
 
 
+PROG = "python -m orthros.parallel"
+
+
 def _sizes(s: str) -> list[int]:
     """--shard-sizes: whole numbers >= 1, comma-separated (`argument --shard-sizes: must be >= 1, got 0`)."""
     return [count_arg(1)(x) for x in s.split(",")]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m orthros.parallel", description=__doc__,
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model directory (config.json + model.safetensors)")
     src = p.add_mutually_exclusive_group(required=True)
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"orthros.parallel: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)  # (as the parser says its errors)
         return 2
 
 
