@@ -96,7 +96,7 @@ CASES = [
                                                                             PICKLE]),
     ("serve-model-and-preset", ["serve", f"{W}/byte", "--preset", "tiny", "--device", "cpu"],
      ["a model directory or --preset, not both"]),
-    ("serve-neither-model-nor-preset", ["serve", "--device", "cpu"], ["give a model directory, or --preset NAME"]),
+    ("serve-neither-model-nor-preset", ["serve", "--device", "cpu"], ["give a model directory or --preset NAME (random weights"]),
     # ------------------------------------------------------------ download
     ("download-occupied-dst", ["download", f"{W}/occupied"], ["{w}/occupied", "already exists"]),
     ("download-dst-is-file", ["download", f"{W}/afile"], ["{w}/afile", "already exists"]),

@@ -29,7 +29,7 @@ def load_model(model_dir: str | None, preset: str | None, device: str, dtype: st
     over = {k: v for k, v in (("attention", attention), ("window_size", window)) if v is not None}
     if (model_dir is None) == (preset is None):
         raise ValueError("give a model directory or --preset, not both" if preset else
-                         "give a model directory, or --preset NAME for random weights of a named size")
+                         "give a model directory or --preset NAME (random weights of a named size)")
     if layers is not None and preset is None:
         raise ValueError("--layers applies to --preset only (a saved model keeps its layers)")
     if preset is not None:
