@@ -90,7 +90,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 class CountError(UserError, argparse.ArgumentTypeError):
-    """A count that is out of its range or not a count at all: the parser's one-line error for a flag's
+    """A count or amount out of its range, or not a number at all: the parser's one-line error for a flag's
     value, a UserError where the value is read later (a length inside `bench serve --long-cases`)."""
 
 
